@@ -1,0 +1,216 @@
+"""The ``kvplug`` command: inspect plugins and configuration, check a backend end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import kvplug
+from kvplug.errors import KvplugError, NotSupported
+from kvplug.keys import CacheKey
+from kvplug.memory import FreeListAllocator, MemoryFormat, nbytes_of
+from kvplug.registry import create_backend, plugins
+from kvplug.url import masked
+
+T = TypeVar("T")
+console = Console()
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+
+@click.group()
+@click.version_option(kvplug.__version__, prog_name="kvplug")
+def main() -> None:
+    """kvplug: pluggable storage backends for LLM KV-cache offloading."""
+
+
+@main.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plugins_command(as_json: bool) -> None:
+    """List every installed plugin: distribution, version, schemes and load errors."""
+    infos = plugins()
+    if as_json:
+        rows = [
+            {
+                "plugin": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "backends": [
+                    {
+                        "name": spec.name,
+                        "schemes": list(spec.schemes),
+                        "kind": spec.kind,
+                        "description": spec.description,
+                    }
+                    for spec in info.specs
+                ],
+                "error": info.error,
+            }
+            for info in infos
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="kvplug plugins")
+    for column in ("plugin", "distribution", "version", "schemes", "kind", "description"):
+        table.add_column(column)
+    for info in infos:
+        if info.error:
+            table.add_row(
+                info.name, info.distribution, info.version, "-", "-", f"[red]{info.error}[/red]"
+            )
+        for spec in info.specs:
+            schemes = ", ".join(f"{s}://" for s in spec.schemes)
+            table.add_row(
+                info.name, info.distribution, info.version, schemes, spec.kind, spec.description
+            )
+    console.print(table)
+    if not infos:
+        console.print("No kvplug plugins are installed: pip install kvplug-cpu")
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+    if not shape or any(dim <= 0 for dim in shape):
+        raise click.BadParameter(f"{text!r} needs positive dimensions, e.g. 2,32,256,1024")
+    return shape
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{pair!r} is not name=value")
+        options[name] = value
+    return options
+
+
+async def _timed(samples: dict[str, list[float]], name: str, op: Awaitable[T]) -> T:
+    start = time.perf_counter()
+    result = await op
+    samples.setdefault(name, []).append((time.perf_counter() - start) * 1000)
+    return result
+
+
+async def _check(
+    url: str, options: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype, rounds: int
+) -> tuple[dict[str, list[float]], Any]:
+    allocator = FreeListAllocator(max(2 * nbytes_of(shape, dtype) + (1 << 20), 1 << 22))
+    backend = create_backend(url, allocator=allocator, **options)
+    samples: dict[str, list[float]] = {}
+    await _timed(samples, "open", backend.open())
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for round_index in range(rounds):
+            key = CacheKey("kvplug-check", "check-model", 1, 0, round_index)
+            obj = allocator.allocate(shape, dtype, MemoryFormat.KV_2LTD)
+            if obj is None:
+                raise KvplugError("the check's own buffer is too small for the shape")
+            obj.raw.copy_(
+                torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=generator)
+            )
+            try:
+                await _timed(samples, "put", backend.put(key, obj))
+                if not await _timed(samples, "contains", backend.contains(key)):
+                    raise KvplugError(f"{url}: contains() is False right after put()")
+                got = await _timed(samples, "get", backend.get(key))
+                if got is None:
+                    raise KvplugError(f"{url}: get() missed right after put()")
+                try:
+                    if (got.shape, got.dtype) != (obj.shape, obj.dtype) or not torch.equal(
+                        got.raw, obj.raw
+                    ):
+                        raise KvplugError(f"{url}: get() returned different bytes than put()")
+                finally:
+                    got.release()
+                with contextlib.suppress(NotSupported):
+                    await _timed(samples, "remove", backend.remove(key))
+            finally:
+                obj.release()
+        if await backend.get(CacheKey("kvplug-check", "check-model", 1, 0, -1)) is not None:
+            raise KvplugError(f"{url}: get() of a key never stored did not miss")
+    finally:
+        await _timed(samples, "close", backend.close())
+    return samples, backend.capabilities
+
+
+@main.command("check")
+@click.argument("url", required=False)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Config file whose first tier is checked when no URL is given.",
+)
+@click.option(
+    "--shape",
+    default="2,4,256,128",
+    show_default=True,
+    callback=lambda c, p, v: _parse_shape(v),
+    help="Shape of the test object.",
+)
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option("--rounds", type=click.IntRange(1, 10_000), default=5, show_default=True)
+@click.option(
+    "-o",
+    "--option",
+    "option_pairs",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Backend option (repeatable); wins over the URL's query.",
+)
+def check_command(
+    url: str | None,
+    config_path: str | None,
+    shape: tuple[int, ...],
+    dtype: str,
+    rounds: int,
+    option_pairs: tuple[str, ...],
+) -> None:
+    """Open URL (or the configured first tier), round-trip objects, report latency."""
+    options: dict[str, Any] = {}
+    if url is None:
+        from kvplug.config import load_config
+
+        tier = load_config(config_path).tiers[0]
+        url, options = tier.url, dict(tier.options)
+    options.update(_parse_options(option_pairs))
+    try:
+        samples, capabilities = asyncio.run(_check(url, options, shape, DTYPES[dtype], rounds))
+    except KvplugError as error:
+        console.print(f"[red]check failed[/red]: {error}")
+        sys.exit(1)
+    size = nbytes_of(shape, DTYPES[dtype])
+    table = Table(title=f"kvplug check {masked(url)}: {rounds} round(s) of {size} bytes, bit-exact")
+    for column in ("operation", "calls", "p50 ms", "max ms"):
+        table.add_column(column, justify="right" if column != "operation" else "left")
+    for name, values in samples.items():
+        table.add_row(
+            name, str(len(values)), f"{statistics.median(values):.3f}", f"{max(values):.3f}"
+        )
+    console.print(table)
+    console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
+    console.print("[green]OK[/green]")
+
+
+__all__ = ["main"]

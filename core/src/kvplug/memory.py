@@ -1,0 +1,510 @@
+"""Memory objects and the allocator they come from.
+
+A :class:`MemoryObj` is a typed tensor view over bytes owned by an :class:`Allocator`. It carries
+its logical shape, dtype and :class:`MemoryFormat`, a reference count and a pin count, and goes
+back to its allocator the moment both counts reach zero.
+
+Ownership rule (contract clause 5): whoever holds a reference calls :meth:`MemoryObj.release`
+exactly once for it. ``allocate`` hands out one reference; :meth:`MemoryObj.retain` adds one.
+Releasing more often than retained raises :class:`~kvplug.errors.RefCountError` and never
+frees memory twice.
+
+Example::
+
+    >>> import torch
+    >>> from kvplug.memory import FreeListAllocator, MemoryFormat
+    >>> allocator = FreeListAllocator(1 << 20)
+    >>> obj = allocator.allocate((2, 4, 16, 8), torch.float16, MemoryFormat.KV_2LTD)
+    >>> obj.tensor.fill_(1.5).sum().item()
+    1536.0
+    >>> allocator.stats().object_count
+    1
+    >>> obj.release()
+    >>> allocator.stats().used
+    0
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import enum
+import math
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvplug.errors import ConfigError, RefCountError
+
+DEFAULT_ALIGNMENT = 4096
+
+
+class MemoryFormat(enum.IntEnum):
+    """Logical layout of a memory object. The numbers travel on the wire and match LMCache."""
+
+    UNDEFINED = 0
+    KV_2LTD = 1
+    """``[2, num_layers, num_tokens, num_heads * head_size]``: K and V of all layers of a chunk."""
+    KV_T2D = 2
+    """``[num_tokens, 2, hidden]``: one layer, token-major."""
+    KV_2TD = 3
+    """``[2, num_tokens, hidden]``: one layer, K/V-major."""
+    BINARY = 4
+    """Opaque bytes produced by a compressing serde."""
+    BINARY_BUFFER = 5
+    """Opaque bytes, shape ``[num_bytes]``."""
+    KV_MLA_FMT = 6
+    """``[1, num_layers, num_tokens, latent_dim]``: MLA latent cache."""
+
+    @property
+    def token_dim(self) -> int | None:
+        """Index of the token dimension in this format's shape, or ``None`` when it has none."""
+        return _TOKEN_DIM.get(self)
+
+
+_TOKEN_DIM = {
+    MemoryFormat.KV_2LTD: 2,
+    MemoryFormat.KV_T2D: 0,
+    MemoryFormat.KV_2TD: 1,
+    MemoryFormat.KV_MLA_FMT: 2,
+}
+
+# dtype codes as LMCache writes them on the wire (code 1 is an alias of float16 when decoding);
+# codes from 9 on are kvplug's own.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float32: 4,
+    torch.float64: 5,
+    torch.uint8: 6,
+    torch.float8_e4m3fn: 7,
+    torch.float8_e5m2: 8,
+    torch.int8: 9,
+    torch.int16: 10,
+    torch.int32: 11,
+    torch.int64: 12,
+}
+DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+DTYPES_BY_CODE[1] = torch.float16
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Wire code of ``dtype``; raises :class:`ConfigError` for a dtype kvplug cannot store."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise ConfigError(
+            f"dtype {dtype} cannot be stored: kvplug has no wire code for it. "
+            f"Convert the tensor to one of: {supported}."
+        ) from None
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Logical size in bytes of a tensor of ``shape`` and ``dtype``."""
+    if any(dim < 0 for dim in shape):
+        raise ConfigError(f"shape {tuple(shape)} has a negative dimension; use sizes >= 0.")
+    return math.prod(shape) * dtype.itemsize
+
+
+class MemoryObj:
+    """A typed view over allocator-owned bytes with a reference count and a pin count.
+
+    ``tensor`` is the view in the object's shape and dtype; ``raw`` is the same bytes as a flat
+    ``uint8`` tensor and :meth:`memoryview` as a writable Python buffer (zero-copy both ways).
+    The object is freed to its allocator when ``ref_count`` and ``pin_count`` are both zero;
+    afterwards every data accessor raises :class:`~kvplug.errors.RefCountError`.
+    """
+
+    __slots__ = (
+        "_allocator",
+        "_lock",
+        "_pin_count",
+        "_raw",
+        "_ref_count",
+        "dtype",
+        "fmt",
+        "offset",
+        "phy_size",
+        "shape",
+    )
+
+    def __init__(
+        self,
+        raw: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+        *,
+        allocator: Allocator | None = None,
+        offset: int = 0,
+        phy_size: int | None = None,
+    ) -> None:
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.fmt = MemoryFormat(fmt)
+        expected = nbytes_of(self.shape, dtype)
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != expected:
+            raise ConfigError(
+                f"raw buffer must be a flat uint8 tensor of {expected} bytes for shape "
+                f"{self.shape} {dtype}, got {raw.dtype} with {raw.numel()} elements."
+            )
+        self._raw: torch.Tensor | None = raw
+        self._allocator = allocator
+        self.offset = offset
+        self.phy_size = expected if phy_size is None else phy_size
+        self._ref_count = 1
+        self._pin_count = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat = MemoryFormat.KV_2LTD) -> MemoryObj:
+        """Wrap an existing contiguous tensor without copying; no allocator owns it."""
+        if not tensor.is_contiguous():
+            raise ConfigError(
+                "MemoryObj.from_tensor needs a contiguous tensor; call .contiguous() first."
+            )
+        raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(
+            0, dtype=torch.uint8
+        )
+        return cls(raw, tensor.shape, tensor.dtype, fmt)
+
+    @property
+    def allocator(self) -> Allocator | None:
+        return self._allocator
+
+    @property
+    def nbytes(self) -> int:
+        """Logical size in bytes (``numel * itemsize``)."""
+        return nbytes_of(self.shape, self.dtype)
+
+    @property
+    def is_valid(self) -> bool:
+        return self._raw is not None
+
+    @property
+    def ref_count(self) -> int:
+        return self._ref_count
+
+    @property
+    def pin_count(self) -> int:
+        return self._pin_count
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The bytes as a flat ``uint8`` tensor."""
+        raw = self._raw
+        if raw is None:
+            raise RefCountError(
+                f"memory object {self.shape} {self.dtype} was already freed: it was released "
+                "more often than retained. Keep a reference (retain) while you use it."
+            )
+        return raw
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The bytes viewed in the object's dtype and shape."""
+        return self.raw.view(self.dtype).view(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def memoryview(self) -> memoryview:
+        """A writable, zero-copy buffer over the object's bytes (host memory only)."""
+        raw = self.raw
+        if raw.device.type != "cpu":
+            raise ConfigError("memoryview() needs host memory; this object lives on the GPU.")
+        if raw.numel() == 0:
+            return memoryview(bytearray())
+        return memoryview(raw.numpy()).cast("B")
+
+    def data_ptr(self) -> int:
+        return int(self.raw.data_ptr())
+
+    def retain(self) -> MemoryObj:
+        """Add a reference and return ``self``."""
+        with self._lock:
+            if self._raw is None:
+                raise RefCountError("cannot retain a memory object that was already freed.")
+            self._ref_count += 1
+        return self
+
+    def release(self) -> None:
+        """Drop one reference; the object is freed when no reference and no pin remain."""
+        with self._lock:
+            if self._ref_count <= 0:
+                raise RefCountError(
+                    f"memory object {self.shape} {self.dtype} released more often than retained "
+                    f"(ref_count is {self._ref_count}). Each retain or allocation pairs with "
+                    "exactly one release."
+                )
+            self._ref_count -= 1
+            free_now = self._ref_count == 0 and self._pin_count == 0
+        if free_now:
+            self._free()
+
+    def pin(self) -> None:
+        """Keep the memory alive (and, in caches, unevictable) until :meth:`unpin`."""
+        with self._lock:
+            if self._raw is None:
+                raise RefCountError("cannot pin a memory object that was already freed.")
+            self._pin_count += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            if self._pin_count <= 0:
+                raise RefCountError(
+                    "memory object unpinned more often than pinned; pair each pin with one unpin."
+                )
+            self._pin_count -= 1
+            free_now = self._ref_count == 0 and self._pin_count == 0
+        if free_now:
+            self._free()
+
+    def _free(self) -> None:
+        self._raw = None
+        if self._allocator is not None:
+            self._allocator._free_block(self.offset, self.phy_size)
+
+    def __repr__(self) -> str:
+        state = "valid" if self._raw is not None else "freed"
+        return (
+            f"MemoryObj(shape={self.shape}, dtype={self.dtype}, fmt={self.fmt.name}, "
+            f"ref={self._ref_count}, pin={self._pin_count}, {state})"
+        )
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A consistent snapshot of an allocator's state."""
+
+    capacity: int
+    used: int
+    largest_free_block: int
+    object_count: int
+    free_block_count: int
+    alignment: int
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+class Allocator(abc.ABC):
+    """Hands out :class:`MemoryObj` s over memory it owns. Out of memory returns ``None``."""
+
+    @abc.abstractmethod
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    ) -> MemoryObj | None:
+        """A new object with one reference, or ``None`` when no block is large enough."""
+
+    def batched_allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        count: int,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    ) -> list[MemoryObj] | None:
+        """``count`` objects, or ``None`` (and nothing held) when they do not all fit."""
+        objs: list[MemoryObj] = []
+        for _ in range(count):
+            obj = self.allocate(shape, dtype, fmt)
+            if obj is None:
+                for held in objs:
+                    held.release()
+                return None
+            objs.append(obj)
+        return objs
+
+    @abc.abstractmethod
+    def stats(self) -> AllocatorStats:
+        """Capacity, bytes in use, largest free block and live object count."""
+
+    @abc.abstractmethod
+    def _free_block(self, offset: int, size: int) -> None:
+        """Return a block; called by :class:`MemoryObj` when its counts reach zero."""
+
+
+def _aligned_host_buffer(capacity: int, alignment: int, pin: bool) -> torch.Tensor:
+    """``capacity`` bytes of host memory whose first byte is ``alignment``-aligned."""
+    padded = capacity + alignment
+    if pin:
+        base = torch.empty(padded, dtype=torch.uint8, pin_memory=True)
+    else:
+        # Anonymous mmap: page-aligned and committed lazily, so a large cap costs nothing upfront.
+        base = torch.frombuffer(mmap.mmap(-1, padded), dtype=torch.uint8)
+    skip = -base.data_ptr() % alignment
+    return base[skip : skip + capacity]
+
+
+class FreeListAllocator(Allocator):
+    """First-fit allocator over one buffer with an explicit, coalescing free list.
+
+    Blocks are rounded up to ``alignment`` (4096 bytes by default, so O_DIRECT and cuFile can use
+    the buffers directly). Host buffers are CUDA-pinned when CUDA is available (``pin=None``),
+    page-aligned anonymous memory otherwise. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        device: str | torch.device = "cpu",
+        pin: bool | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ConfigError(f"allocator capacity must be positive, got {capacity} bytes.")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {alignment}.")
+        device = torch.device(device)
+        capacity -= capacity % alignment
+        if capacity == 0:
+            raise ConfigError(f"allocator capacity must be at least the alignment ({alignment}).")
+        if device.type == "cpu":
+            pinned = torch.cuda.is_available() if pin is None else pin
+            self.buffer = _aligned_host_buffer(capacity, alignment, pinned)
+        else:
+            base = torch.empty(capacity + alignment, dtype=torch.uint8, device=device)
+            skip = -base.data_ptr() % alignment
+            self.buffer = base[skip : skip + capacity]
+        self.capacity = capacity
+        self.alignment = alignment
+        self._lock = threading.Lock()
+        self._free_starts: list[int] = [0]
+        self._free_sizes: list[int] = [capacity]
+        self._used = 0
+        self._objects = 0
+
+    def _round_up(self, nbytes: int) -> int:
+        return max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    ) -> MemoryObj | None:
+        nbytes = nbytes_of(shape, dtype)
+        size = self._round_up(nbytes)
+        with self._lock:
+            for index, block_size in enumerate(self._free_sizes):
+                if block_size >= size:
+                    start = self._free_starts[index]
+                    if block_size == size:
+                        del self._free_starts[index]
+                        del self._free_sizes[index]
+                    else:
+                        self._free_starts[index] = start + size
+                        self._free_sizes[index] = block_size - size
+                    self._used += size
+                    self._objects += 1
+                    break
+            else:
+                return None
+        raw = self.buffer[start : start + nbytes]
+        return MemoryObj(raw, shape, dtype, fmt, allocator=self, offset=start, phy_size=size)
+
+    def _free_block(self, offset: int, size: int) -> None:
+        with self._lock:
+            index = bisect.bisect_left(self._free_starts, offset)
+            merges_left = index > 0 and (
+                self._free_starts[index - 1] + self._free_sizes[index - 1] == offset
+            )
+            merges_right = (
+                index < len(self._free_starts) and offset + size == self._free_starts[index]
+            )
+            if merges_left and merges_right:
+                self._free_sizes[index - 1] += size + self._free_sizes[index]
+                del self._free_starts[index]
+                del self._free_sizes[index]
+            elif merges_left:
+                self._free_sizes[index - 1] += size
+            elif merges_right:
+                self._free_starts[index] = offset
+                self._free_sizes[index] += size
+            else:
+                self._free_starts.insert(index, offset)
+                self._free_sizes.insert(index, size)
+            self._used -= size
+            self._objects -= 1
+
+    def stats(self) -> AllocatorStats:
+        with self._lock:
+            return AllocatorStats(
+                capacity=self.capacity,
+                used=self._used,
+                largest_free_block=max(self._free_sizes, default=0),
+                object_count=self._objects,
+                free_block_count=len(self._free_sizes),
+                alignment=self.alignment,
+            )
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of every free block in address order."""
+        with self._lock:
+            return list(zip(self._free_starts, self._free_sizes, strict=True))
+
+    def memcheck(self) -> bool:
+        """True when free and used bytes add up to the capacity and no free blocks touch."""
+        with self._lock:  # one snapshot: two separate reads could straddle a concurrent allocate
+            blocks = list(zip(self._free_starts, self._free_sizes, strict=True))
+            used = self._used
+        total_free = sum(size for _, size in blocks)
+        touching = any(a + sa >= b for (a, sa), (b, _) in zip(blocks, blocks[1:], strict=False))
+        return total_free + used == self.capacity and not touching
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"FreeListAllocator(capacity={s.capacity}, used={s.used}, objects={s.object_count}, "
+            f"device={self.buffer.device})"
+        )
+
+
+_shared_host_allocator: FreeListAllocator | None = None
+_shared_lock = threading.Lock()
+SHARED_HOST_BUFFER_SIZE = 2 << 30
+
+
+def shared_host_allocator() -> FreeListAllocator:
+    """The process-wide host allocator that backends use when they are given none.
+
+    Its size is ``KVPLUG_HOST_BUFFER_SIZE`` (for example ``8GiB``), 2 GiB by default.
+    """
+    global _shared_host_allocator
+    with _shared_lock:
+        if _shared_host_allocator is None:
+            import os
+
+            from kvplug.units import parse_size
+
+            size = parse_size(
+                os.environ.get("KVPLUG_HOST_BUFFER_SIZE", SHARED_HOST_BUFFER_SIZE),
+                what="KVPLUG_HOST_BUFFER_SIZE",
+            )
+            _shared_host_allocator = FreeListAllocator(size)
+        return _shared_host_allocator
+
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "DTYPES_BY_CODE",
+    "DTYPE_CODES",
+    "Allocator",
+    "AllocatorStats",
+    "FreeListAllocator",
+    "MemoryFormat",
+    "MemoryObj",
+    "dtype_code",
+    "nbytes_of",
+    "shared_host_allocator",
+]

@@ -1,0 +1,174 @@
+"""Calling a backend from engine worker threads.
+
+:class:`SyncClient` runs the async world on one IO-loop thread of its own and hands back
+``concurrent.futures.Future`` s, so an engine thread can start a store, keep computing, and
+collect the result later. Vendors write only async code; this is the one bridge.
+
+Example::
+
+    >>> import torch
+    >>> from kvplug import CacheKey, MemoryObj
+    >>> from kvplug.sync import SyncClient
+    >>> with SyncClient("cpu://?max_size=64MiB") as client:
+    ...     key = CacheKey("vllm", "demo-model", 1, 0, 42)
+    ...     client.put(key, MemoryObj.from_tensor(torch.ones(4, 8))).result()
+    ...     obj = client.get(key).result()
+    ...     total = obj.tensor.sum().item()
+    ...     obj.release()
+    >>> total
+    32.0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvplug.backend import Backend
+from kvplug.errors import BackendClosed, KvplugError
+from kvplug.keys import CacheKey
+from kvplug.memory import Allocator, MemoryObj
+from kvplug.registry import open_backend
+from kvplug.url import BackendURL
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """A backend driven from any thread through one private event-loop thread.
+
+    Pass an opened :class:`~kvplug.backend.Backend`, or a URL that is opened on the client's
+    loop. Every method returns a ``concurrent.futures.Future``; errors surface from
+    ``.result()``. A client belongs to the process that made it: after ``fork`` make a new one.
+    """
+
+    def __init__(
+        self,
+        backend: Backend | str | BackendURL,
+        *,
+        allocator: Allocator | None = None,
+        open_timeout: float = 60.0,
+        **options: Any,
+    ) -> None:
+        self._pid = os.getpid()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvplug-io", daemon=True
+        )
+        self._thread.start()
+        if isinstance(backend, Backend):
+            self.backend = backend
+        else:
+            opening = self._submit(open_backend(backend, allocator=allocator, **options))
+            try:
+                self.backend = opening.result(open_timeout)
+            except BaseException:
+                self._stop_loop()
+                raise
+
+    def _check(self) -> None:
+        if os.getpid() != self._pid:
+            raise KvplugError(
+                f"this SyncClient was created in process {self._pid} and is used in forked "
+                f"process {os.getpid()}; its IO thread does not exist here. Create a new "
+                "SyncClient in the child process."
+            )
+        if self._closed:
+            raise BackendClosed("this SyncClient is closed; create a new one.")
+
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run any coroutine on the client's loop (for example a backend-specific method)."""
+        try:
+            self._check()
+        except BaseException:
+            coroutine.close()
+            raise
+        return self._submit(coroutine)
+
+    def get(self, key: CacheKey) -> concurrent.futures.Future[MemoryObj | None]:
+        """The stored object (the caller releases it) or ``None``."""
+        return self.run(self.backend.get(key))
+
+    def put(self, key: CacheKey, obj: MemoryObj) -> concurrent.futures.Future[None]:
+        """Store ``obj``. The caller may release its own reference as soon as this returns."""
+        self._check()
+        obj.retain()  # taken here so the object outlives a caller that releases right away
+
+        async def put_and_release() -> None:
+            try:
+                await self.backend.put(key, obj)
+            finally:
+                obj.release()
+
+        return self._submit(put_and_release())
+
+    def contains(self, key: CacheKey) -> concurrent.futures.Future[bool]:
+        return self.run(self.backend.contains(key))
+
+    def remove(self, key: CacheKey) -> concurrent.futures.Future[bool]:
+        return self.run(self.backend.remove(key))
+
+    def pin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
+        return self.run(self.backend.pin(key))
+
+    def unpin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
+        return self.run(self.backend.unpin(key))
+
+    def batched_get(
+        self, keys: Sequence[CacheKey]
+    ) -> concurrent.futures.Future[list[MemoryObj | None]]:
+        return self.run(self.backend.batched_get(list(keys)))
+
+    def batched_put(
+        self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]
+    ) -> concurrent.futures.Future[None]:
+        self._check()
+        held = [obj.retain() for obj in objs]
+
+        async def put_and_release() -> None:
+            try:
+                await self.backend.batched_put(list(keys), held)
+            finally:
+                for obj in held:
+                    obj.release()
+
+        return self._submit(put_and_release())
+
+    def batched_contains(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
+        return self.run(self.backend.batched_contains(list(keys)))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the backend and stop the IO thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if os.getpid() != self._pid:
+            return
+        try:
+            self._submit(self.backend.close()).result(timeout)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["SyncClient"]
