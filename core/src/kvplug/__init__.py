@@ -5,6 +5,7 @@ Start with :func:`open_backend` (async) or :class:`SyncClient` (from threads), a
 """
 
 from kvplug.backend import Backend, BackendOptions, BytesBackend, Capabilities
+from kvplug.config import Config, TierConfig, load_config
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -58,6 +59,7 @@ __all__ = [
     "CacheKey",
     "Capabilities",
     "CapacityExceeded",
+    "Config",
     "ConfigError",
     "CorruptObject",
     "FreeListAllocator",
@@ -69,6 +71,7 @@ __all__ = [
     "PluginConflict",
     "PluginLoadError",
     "RefCountError",
+    "TierConfig",
     "UnknownOption",
     "UnknownScheme",
     "__version__",
@@ -77,6 +80,7 @@ __all__ = [
     "chunk_keys",
     "create_backend",
     "hookimpl",
+    "load_config",
     "open_backend",
     "plugins",
     "register_backend",

@@ -97,9 +97,9 @@ class Capabilities:
     device_memory: bool = False
     """``get`` may return objects in GPU memory."""
 
-    def declared(self) -> list[str]:
+    def declared(self) -> tuple[str, ...]:
         """Names of the declared capabilities."""
-        return [f.name for f in fields(self) if getattr(self, f.name)]
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
 
 
 class BackendOptions(BaseModel):

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvplug
+from kvplug.config import load_config
 from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import FreeListAllocator, MemoryFormat, nbytes_of
@@ -189,16 +190,14 @@ def check_command(
 ) -> None:
     """Open URL (or the configured first tier), round-trip objects, report latency."""
     options: dict[str, Any] = {}
-    if url is None:
-        from kvplug.config import load_config
-
-        tier = load_config(config_path).tiers[0]
-        url, options = tier.url, dict(tier.options)
-    options.update(_parse_options(option_pairs))
     try:
+        if url is None:
+            tier = load_config(config_path).tiers[0]
+            url, options = tier.url, dict(tier.options)
+        options.update(_parse_options(option_pairs))
         samples, capabilities = asyncio.run(_check(url, options, shape, DTYPES[dtype], rounds))
     except KvplugError as error:
-        console.print(f"[red]check failed[/red]: {error}")
+        click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
     size = nbytes_of(shape, DTYPES[dtype])
     table = Table(title=f"kvplug check {masked(url)}: {rounds} round(s) of {size} bytes, bit-exact")

@@ -56,8 +56,9 @@ class BackendSpec:
     kind: Literal["backend", "wrapper"] = "backend"
 
     def __post_init__(self) -> None:
-        if isinstance(self.schemes, str):
-            object.__setattr__(self, "schemes", (self.schemes,))
+        schemes: object = self.schemes
+        if isinstance(schemes, str):
+            object.__setattr__(self, "schemes", (schemes,))
         if ":" not in self.factory:
             raise ValueError(
                 f"BackendSpec {self.name!r}: factory {self.factory!r} must be 'module:Class'."

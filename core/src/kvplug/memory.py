@@ -29,11 +29,13 @@ from __future__ import annotations
 import abc
 import bisect
 import enum
+import itertools
 import math
 import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -161,14 +163,18 @@ class MemoryObj:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat = MemoryFormat.KV_2LTD) -> MemoryObj:
+    def from_tensor(
+        cls, tensor: torch.Tensor, fmt: MemoryFormat = MemoryFormat.KV_2LTD
+    ) -> MemoryObj:
         """Wrap an existing contiguous tensor without copying; no allocator owns it."""
         if not tensor.is_contiguous():
             raise ConfigError(
                 "MemoryObj.from_tensor needs a contiguous tensor; call .contiguous() first."
             )
-        raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(
-            0, dtype=torch.uint8
+        raw = (
+            tensor.reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else tensor.new_empty(0, dtype=torch.uint8)
         )
         return cls(raw, tensor.shape, tensor.dtype, fmt)
 
@@ -220,7 +226,7 @@ class MemoryObj:
             raise ConfigError("memoryview() needs host memory; this object lives on the GPU.")
         if raw.numel() == 0:
             return memoryview(bytearray())
-        return memoryview(raw.numpy()).cast("B")
+        return memoryview(cast(Any, raw.numpy())).cast("B")
 
     def data_ptr(self) -> int:
         return int(self.raw.data_ptr())
@@ -459,7 +465,7 @@ class FreeListAllocator(Allocator):
             blocks = list(zip(self._free_starts, self._free_sizes, strict=True))
             used = self._used
         total_free = sum(size for _, size in blocks)
-        touching = any(a + sa >= b for (a, sa), (b, _) in zip(blocks, blocks[1:], strict=False))
+        touching = any(a + sa >= b for (a, sa), (b, _) in itertools.pairwise(blocks))
         return total_free + used == self.capacity and not touching
 
     def __repr__(self) -> str:

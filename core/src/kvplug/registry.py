@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -147,7 +147,7 @@ class Registry:
         specs: list[BackendSpec] = []
         for impl in self.manager.hook.kvplug_backends.get_hookimpls():
             if impl.plugin is module:
-                specs.extend(impl.function() or [])
+                specs.extend(cast(Iterable[BackendSpec], impl.function() or []))
         for spec in specs:
             if not isinstance(spec, BackendSpec):
                 raise TypeError(f"kvplug_backends returned {spec!r}, not a BackendSpec")

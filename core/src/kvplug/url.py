@@ -32,6 +32,7 @@ MAX_URL_LENGTH = 8192
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_.~%-]+")
 MASK = "***"
+_USERINFO = re.compile(r"://([^/?#]*)@")
 
 
 def _fail(text: str, problem: str, fix: str) -> InvalidBackendURL:
@@ -39,21 +40,17 @@ def _fail(text: str, problem: str, fix: str) -> InvalidBackendURL:
 
 
 def _mask_raw(text: str) -> str:
-    """Mask a password in a URL string that may not even parse.
+    """Mask a password in a URL string (or ``::`` chain) that may not even parse.
 
-    Everything between the first ``:`` after ``://`` and the last ``@`` before any ``?`` or
-    ``#`` is masked, so a password holding a raw ``@`` or ``/`` is hidden whole (over-masking a
-    path is harmless in an error message).
+    After each ``://`` the user info runs to the *last* ``@`` before ``/``, ``?`` or ``#``, as
+    :meth:`BackendURL.parse` reads it, so a password holding a raw ``@`` is hidden whole.
     """
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return text
-    end = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    at = rest.rfind("@", 0, end)
-    colon = rest.find(":", 0, at)
-    if at < 0 or colon < 0:
-        return text
-    return f"{scheme}://{rest[:colon]}:{MASK}{rest[at:]}"
+
+    def mask(match: re.Match[str]) -> str:
+        user, colon, _ = match.group(1).partition(":")
+        return f"://{user}:{MASK}@" if colon else match.group(0)
+
+    return _USERINFO.sub(mask, text)
 
 
 def _parse_host(text: str, raw: str) -> tuple[str, int | None]:
@@ -108,15 +105,19 @@ class BackendURL:
             )
         scheme, sep, rest = text.partition("://")
         if not sep:
-            raise _fail(text, "it has no '://'", "Write it as scheme://..., e.g. cpu:// or redis://host:6379")
+            raise _fail(
+                text,
+                "it has no '://'",
+                "Write it as scheme://..., e.g. cpu:// or redis://host:6379",
+            )
         if not _SCHEME.fullmatch(scheme):
             raise _fail(
                 text,
                 f"scheme {scheme!r} is not lower-case letters, digits, '+', '-' or '.'",
                 "Use a scheme such as cpu, file or redis+sentinel",
             )
-        rest, _, fragment = rest.partition("#")
-        if fragment:
+        rest, hash_mark, _ = rest.partition("#")
+        if hash_mark:
             raise _fail(text, "it has a '#fragment'", "Remove it")
         rest, _, query_text = rest.partition("?")
         slash = rest.find("/")
@@ -131,7 +132,9 @@ class BackendURL:
         try:
             pairs = parse_qsl(query_text, keep_blank_values=True, strict_parsing=bool(query_text))
         except ValueError:
-            raise _fail(text, f"query {query_text!r} is not k=v&k=v", "Fix the query string") from None
+            raise _fail(
+                text, f"query {query_text!r} is not k=v&k=v", "Fix the query string"
+            ) from None
         seen: set[str] = set()
         for key, _value in pairs:
             if key in seen:
@@ -161,7 +164,8 @@ class BackendURL:
 
     def _render(self, password: str | None) -> str:
         netloc = ",".join(
-            (f"[{h}]" if ":" in h else h) + (f":{p}" if p is not None else "") for h, p in self.hosts
+            (f"[{h}]" if ":" in h else h) + (f":{p}" if p is not None else "")
+            for h, p in self.hosts
         )
         if self.username is not None or password is not None:
             user = quote(self.username or "", safe="")

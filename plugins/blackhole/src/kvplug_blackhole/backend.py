@@ -1,0 +1,79 @@
+"""``blackhole://``: the store that keeps nothing.
+
+Every ``put`` succeeds without keeping the object, every ``get`` misses, ``contains`` is False
+and ``remove`` finds nothing. Put it as the only tier to measure what the engine side costs
+(copy kernels, keys, framing) without any store in the way, or as a tier that must never
+serve data.
+
+Example::
+
+    >>> import asyncio, torch, kvplug
+    >>> async def main():
+    ...     hole = await kvplug.open_backend("blackhole://")
+    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 7)
+    ...     await hole.put(key, kvplug.MemoryObj.from_tensor(torch.ones(4)))
+    ...     found = await hole.get(key)
+    ...     await hole.close()
+    ...     return found, hole.puts
+    >>> asyncio.run(main())
+    (None, 1)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+from kvplug.backend import Backend, Capabilities
+from kvplug.keys import CacheKey
+from kvplug.memory import Allocator, MemoryObj
+from kvplug.url import BackendURL
+
+
+class BlackholeBackend(Backend):
+    """Accepts every put and retains nothing; every read misses.
+
+    It declares ``delete`` because ``remove`` works: it returns False, since nothing is ever
+    stored. Counters :attr:`puts`, :attr:`bytes_put` and :attr:`gets` show what reached it.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True)
+
+    def __init__(
+        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+    ) -> None:
+        super().__init__(url, allocator=allocator, **options)
+        self._counter_lock = threading.Lock()
+        self.puts = 0
+        self.bytes_put = 0
+        self.gets = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._counter_lock:
+            return {"puts": self.puts, "bytes_put": self.bytes_put, "gets": self.gets}
+
+    async def get(self, key: CacheKey) -> MemoryObj | None:
+        self.ensure_open()
+        with self._counter_lock:
+            self.gets += 1
+        return None
+
+    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+        self.ensure_open()
+        with self._counter_lock:
+            self.puts += 1
+            self.bytes_put += obj.nbytes
+
+    async def contains(self, key: CacheKey) -> bool:
+        self.ensure_open()
+        return False
+
+    async def remove(self, key: CacheKey) -> bool:
+        self.ensure_open()
+        return False
+
+    async def close(self) -> None:
+        self.mark_closed()
+
+
+__all__ = ["BlackholeBackend"]

@@ -1,0 +1,407 @@
+"""The host-memory tier, ``cpu://``: kvplug's embedded default and fastest tier.
+
+URL and options (query parameters or keyword options, keywords win)::
+
+    cpu://?max_size=8GiB&eviction=lfu&pin_ttl=60
+
+* ``max_size``: bytes this tier may hold; an int or a size string (``512MiB``, ``5GiB``).
+  Default 5 GiB.
+* ``eviction``: ``lru`` (default), ``lfu`` or ``fifo`` (see :mod:`kvplug.eviction`).
+* ``pin_ttl``: seconds a pin lasts before it expires by itself. Default 300.
+
+Example::
+
+    >>> import asyncio, torch, kvplug
+    >>> async def main():
+    ...     cpu = await kvplug.open_backend("cpu://?max_size=64MiB")
+    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     obj = cpu.allocator.allocate((2, 4, 16, 8), torch.float16)
+    ...     obj.tensor.fill_(1.0)
+    ...     await cpu.put(key, obj)          # zero-copy: obj lives in cpu's allocator
+    ...     obj.release()                    # put never takes the caller's reference
+    ...     hit = await cpu.get(key)
+    ...     total = hit.tensor.sum().item()
+    ...     hit.release()
+    ...     await cpu.close()
+    ...     return total
+    >>> asyncio.run(main())
+    1024.0
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field, field_validator
+
+from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
+from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, check_policy_name, make_policy
+from kvplug.keys import CacheKey
+from kvplug.memory import DEFAULT_ALIGNMENT, Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.units import GiB, parse_size
+from kvplug.url import BackendURL
+
+DEFAULT_MAX_SIZE = 5 * GiB
+
+
+class CpuOptions(BackendOptions):
+    """Options of ``cpu://``."""
+
+    max_size: int = Field(
+        DEFAULT_MAX_SIZE, description="bytes this tier may hold: an int or '512MiB', '5GiB'"
+    )
+    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
+    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts before it expires")
+
+    @field_validator("max_size", mode="before")
+    @classmethod
+    def _parse_max_size(cls, value: object) -> int:
+        size = parse_size(value, what="cpu max_size")
+        if size < DEFAULT_ALIGNMENT:
+            raise ConfigError(
+                f"cpu max_size is {size} bytes, less than one {DEFAULT_ALIGNMENT}-byte block, so "
+                "nothing would fit. Give a size such as '512MiB' or '5GiB'."
+            )
+        return size
+
+    @field_validator("eviction", mode="before")
+    @classmethod
+    def _check_eviction(cls, value: object) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
+        return check_policy_name(value)
+
+
+async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
+    for key in keys:
+        yield key
+
+
+class CpuBackend(Backend):
+    """A size-capped cache of memory objects in host memory.
+
+    **Memory.** Without an ``allocator`` the tier creates its own
+    :class:`~kvplug.memory.FreeListAllocator` of ``max_size`` bytes when opened (anonymous
+    memory committed on first touch; CUDA-pinned when CUDA is present) and exposes it as
+    :attr:`allocator`.
+    Objects allocated there (directly or with :meth:`allocate`, which evicts to make room) are
+    stored without a copy; any other object is copied in. With an ``allocator`` given, the tier
+    stores into that one and keeps the bytes it holds under ``max_size`` itself.
+
+    **Sharing.** ``get`` returns the stored object itself with one more reference for the
+    caller, and a zero-copy ``put`` stores the caller's object itself: treat both as read-only,
+    since writing into them changes the cached data.
+
+    **Eviction and pins.** When room is needed, keys are evicted in the policy's order,
+    skipping pinned ones. A pin lasts until :meth:`unpin` or ``pin_ttl`` seconds; expired pins
+    are dropped lazily while looking for victims. An object larger than ``max_size``, or a
+    store whose remaining keys are all pinned, makes ``put`` raise
+    :class:`~kvplug.errors.CapacityExceeded`; reads keep working.
+
+    **Concurrency.** The index is guarded by a thread lock that is never held across an
+    ``await``, so one backend serves tasks of several event loops and threads at once.
+
+    Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`bytes_held` and
+    :meth:`stats`.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        pin=True, zero_copy=True, delete=True, list=True
+    )
+    Options: ClassVar[type[BackendOptions]] = CpuOptions
+    options: CpuOptions
+
+    def __init__(
+        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+    ) -> None:
+        super().__init__(url, allocator=allocator, **options)
+        if self.url.hosts or self.url.path or self.url.username or self.url.password:
+            raise InvalidBackendURL(
+                f"{self.url} names a host, path or user, but cpu:// is this process's memory "
+                "and takes none. Put options in the query: cpu://?max_size=5GiB"
+            )
+        self.owns_allocator = allocator is None
+        self.max_size: int = self.options.max_size
+        """Bytes this tier holds at most."""
+        if allocator is None:
+            # The allocator's capacity: whole blocks only.
+            self.max_size -= self.max_size % DEFAULT_ALIGNMENT
+        self._allocator_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._index: dict[CacheKey, MemoryObj] = {}
+        self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
+        self._pins: dict[CacheKey, deque[float]] = {}
+        self._bytes_held = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    @property
+    def allocator(self) -> Allocator:
+        """Where this tier's objects live: the allocator it was given, or its own of
+        ``max_size`` bytes, created on first use (so constructing the backend is cheap)."""
+        if self._allocator is None:
+            with self._allocator_lock:
+                if self._allocator is None:
+                    self._allocator = FreeListAllocator(self.max_size)
+        return self._allocator
+
+    async def open(self) -> None:
+        """Create the tier's own allocator now rather than on the first put."""
+        _ = self.allocator
+
+    # -- counters ---------------------------------------------------------------------------
+
+    @property
+    def bytes_held(self) -> int:
+        """Allocator bytes (block sizes) of the stored objects."""
+        return self._bytes_held
+
+    def stats(self) -> dict[str, int]:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "bytes_held": self._bytes_held,
+                "keys": len(self._index),
+                "pinned_keys": len(self._pins),
+                "max_size": self.max_size,
+            }
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- internals (callers hold self._lock) -------------------------------------------------
+
+    def _pinned(self, key: CacheKey, now: float) -> bool:
+        deadlines = self._pins.get(key)
+        if deadlines is None:
+            return False
+        while deadlines and deadlines[0] <= now:
+            deadlines.popleft()
+        if not deadlines:
+            del self._pins[key]
+            return False
+        return True
+
+    def _drop(self, key: CacheKey) -> bool:
+        obj = self._index.pop(key, None)
+        if obj is None:
+            return False
+        self._policy.discard(key)
+        self._pins.pop(key, None)
+        self._bytes_held -= obj.phy_size
+        obj.release()
+        return True
+
+    def _evict_one(self, exclude: CacheKey | None) -> bool:
+        now = time.monotonic()
+        victim = next(
+            (
+                key
+                for key in self._policy.candidates()
+                if key != exclude and not self._pinned(key, now)
+            ),
+            None,
+        )
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        return True
+
+    def _too_big(self, nbytes: int) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"cannot store an object of {nbytes} bytes in {self.url}: it is larger than the "
+            f"tier's max_size of {self.max_size} bytes. Raise max_size or store smaller chunks."
+        )
+
+    def _full(self, nbytes: int) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"cannot make room for {nbytes} bytes in {self.url} ({self._bytes_held} of "
+            f"{self.max_size} bytes held in {len(self._index)} objects): every remaining key is "
+            "pinned, or the memory is still referenced by readers. Unpin keys, release objects "
+            "returned by get, or raise max_size."
+        )
+
+    def _insert(self, key: CacheKey, stored: MemoryObj) -> None:
+        """Store ``stored`` (taking its reference) under ``key``, replacing any old object in
+        one step under the lock; on failure ``stored`` is released and the old one kept."""
+        error: Exception
+        with self._lock:
+            if self._closed:
+                error = BackendClosed(f"{self.url} was closed during a put; open a new backend.")
+            elif stored.phy_size > self.max_size:
+                error = self._too_big(stored.nbytes)
+            else:
+                old = self._index.get(key)
+                old_size = old.phy_size if old is not None else 0
+                while self._bytes_held - old_size + stored.phy_size > self.max_size:
+                    if not self._evict_one(exclude=key):
+                        error = self._full(stored.phy_size)
+                        break
+                else:
+                    self._index[key] = stored
+                    self._bytes_held += stored.phy_size - old_size
+                    self._policy.on_put(key)
+                    if old is not None:
+                        old.release()
+                    return
+        stored.release()
+        raise error
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    ) -> MemoryObj | None:
+        """A new object in :attr:`allocator`, evicting by policy until it fits; ``None`` when
+        nothing evictable is left. A later ``put`` of it stores it without a copy."""
+        self.ensure_open()
+        while True:
+            obj = self.allocator.allocate(shape, dtype, fmt)
+            if obj is not None:
+                return obj
+            with self._lock:
+                if not self._evict_one(exclude=None):
+                    return None
+
+    # -- the contract -------------------------------------------------------------------------
+
+    async def get(self, key: CacheKey) -> MemoryObj | None:
+        """The stored object with one reference for the caller (release it; read-only), or
+        ``None``."""
+        self.ensure_open()
+        with self._lock:
+            obj = self._index.get(key)
+            if obj is None:
+                self.misses += 1
+                return None
+            obj.retain()
+            self.hits += 1
+            self._policy.on_hit(key)
+            return obj
+
+    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+        """Store ``obj`` (zero-copy when it lives in :attr:`allocator`, else copied), evicting by
+        policy to make room. The caller keeps its reference."""
+        self.ensure_open()
+        if obj.nbytes > self.max_size:
+            raise self._too_big(obj.nbytes)
+        obj.retain()
+        try:
+            if obj.allocator is self.allocator:
+                stored = obj.retain()
+            else:
+                copy = self.allocate(obj.shape, obj.dtype, obj.fmt)
+                if copy is None:
+                    with self._lock:
+                        raise self._full(obj.nbytes)
+                try:
+                    copy.raw.copy_(obj.raw)
+                except BaseException:
+                    copy.release()
+                    raise
+                stored = copy
+            self._insert(key, stored)
+        finally:
+            obj.release()
+
+    async def contains(self, key: CacheKey) -> bool:
+        self.ensure_open()
+        with self._lock:
+            return key in self._index
+
+    async def remove(self, key: CacheKey) -> bool:
+        """Delete ``key`` even when pinned (its pins go with it); False if absent."""
+        self.ensure_open()
+        with self._lock:
+            return self._drop(key)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        self.ensure_open()
+        results: list[MemoryObj | None] = []
+        with self._lock:
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is None:
+                    self.misses += 1
+                else:
+                    obj.retain()
+                    self.hits += 1
+                    self._policy.on_hit(key)
+                results.append(obj)
+        return results
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        self.ensure_open()
+        with self._lock:
+            count = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                count += 1
+            return count
+
+    async def pin(self, key: CacheKey) -> bool:
+        """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
+        count. False if ``key`` is absent."""
+        self.ensure_open()
+        with self._lock:
+            if key not in self._index:
+                return False
+            deadline = time.monotonic() + self.options.pin_ttl
+            self._pins.setdefault(key, deque()).append(deadline)
+            return True
+
+    async def unpin(self, key: CacheKey) -> bool:
+        """Release the oldest live pin of ``key``; False when none is left (never raises for an
+        absent or unpinned key)."""
+        self.ensure_open()
+        with self._lock:
+            if not self._pinned(key, time.monotonic()):
+                return False
+            deadlines = self._pins[key]
+            deadlines.popleft()
+            if not deadlines:
+                del self._pins[key]
+            return True
+
+    def is_pinned(self, key: CacheKey) -> bool:
+        """Whether ``key`` holds a pin that has not expired."""
+        with self._lock:
+            return self._pinned(key, time.monotonic())
+
+    def list_keys(self) -> AsyncIterator[CacheKey]:
+        """The keys stored when this is called (a snapshot), in no particular order."""
+        self.ensure_open()
+        with self._lock:
+            snapshot = list(self._index)
+        return _iterate(snapshot)
+
+    async def close(self) -> None:
+        """Release every stored object (readers keep theirs until they release them)."""
+        if not self.mark_closed():
+            return
+        with self._lock:
+            held = list(self._index.values())
+            self._index.clear()
+            self._pins.clear()
+            self._policy = make_policy(self.options.eviction)
+            self._bytes_held = 0
+        for obj in held:
+            obj.release()
+
+
+__all__ = ["DEFAULT_MAX_SIZE", "CpuBackend", "CpuOptions"]

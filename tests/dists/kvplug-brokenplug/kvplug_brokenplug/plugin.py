@@ -1,0 +1,1 @@
+import kvplug_a_module_that_does_not_exist  # noqa: F401  -- the failure under test

@@ -1,0 +1,6 @@
+from kvplug import BackendSpec, hookimpl
+
+
+@hookimpl
+def kvplug_backends():
+    return [BackendSpec(name="dup-a", schemes=("dup", "onlya"), factory="kvplug_tinyplug.backend:TinyBackend")]

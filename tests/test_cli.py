@@ -1,0 +1,68 @@
+"""The kvplug command."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from kvplug.cli import main
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.output
+
+
+def test_plugins_table_lists_the_built_in_plugins() -> None:
+    code, output = invoke("plugins")
+    assert code == 0
+    for name in ("cpu://", "blackhole://", "audit://", "kvplug-cpu", "kvplug-audit"):
+        assert name in output
+
+
+def test_plugins_json_has_distribution_version_and_kind() -> None:
+    code, output = invoke("plugins", "--json")
+    assert code == 0
+    rows = {row["plugin"]: row for row in json.loads(output)}
+    assert rows["cpu"]["distribution"] == "kvplug-cpu"
+    assert rows["cpu"]["version"]
+    assert rows["audit"]["backends"][0]["kind"] == "wrapper"
+    assert all(row["error"] is None for row in rows.values())
+
+
+def test_check_round_trips_through_a_url() -> None:
+    code, output = invoke("check", "cpu://?max_size=64MiB", "--rounds", "3")
+    assert code == 0, output
+    assert "OK" in output and "put" in output and "get" in output
+    assert "zero_copy" in output
+
+
+def test_check_without_url_uses_the_configured_first_tier(tmp_path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers:\n  - url: blackhole://\n  - cpu://\n")
+    code, output = invoke("check", "--config", str(config))
+    assert code == 1
+    assert "blackhole://: contains() is False right after put()" in output
+
+
+def test_check_default_is_the_embedded_cpu_tier() -> None:
+    code, output = invoke("check", "--rounds", "1", env={"KVPLUG_CONFIG_FILE": ""})
+    assert code == 0, output
+    assert "cpu://" in output
+
+
+def test_check_options_and_wrappers() -> None:
+    code, output = invoke("check", "audit::cpu://", "-o", "max_size=32MiB", "--dtype", "bfloat16")
+    assert code == 0, output
+
+
+def test_check_reports_bad_input_clearly() -> None:
+    code, output = invoke("check", "cpuu://")
+    assert code == 1 and "Did you mean 'cpu'?" in output
+    code, output = invoke("check", "redis://user:hunter2@127.0.0.1:1")
+    assert "hunter2" not in output
+    code, output = invoke("check", "cpu://", "--shape", "2,x")
+    assert code == 2 and "comma-separated" in output
+    code, output = invoke("check", "cpu://?max_sise=1GiB")
+    assert code == 1 and "max_size" in output

@@ -1,0 +1,382 @@
+"""Unit tests of kvplug.frame: bit-exact round trips and detection of every kind of damage."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kvplug.errors import ConfigError, CorruptObject, KvplugError
+from kvplug.frame import (
+    MAGIC,
+    MIN_HEADER_LEN,
+    VERSION,
+    decode_frame,
+    decode_header,
+    encode_frame,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.serde import get_serde
+
+DTYPES = list(DTYPE_CODES)  # every dtype kvplug can store: fp16, bf16, fp32, fp64, fp8 x2, ints
+SHAPES: dict[MemoryFormat, list[tuple[int, ...]]] = {
+    MemoryFormat.UNDEFINED: [(3, 5), (0,)],
+    MemoryFormat.KV_2LTD: [(2, 4, 1, 16), (2, 3, 17, 8), (2, 2, 0, 8)],
+    MemoryFormat.KV_T2D: [(1, 2, 16), (33, 2, 8), (0, 2, 8)],
+    MemoryFormat.KV_2TD: [(2, 1, 16), (2, 9, 24), (2, 0, 24)],
+    MemoryFormat.BINARY: [(1,), (1000,), (0,)],
+    MemoryFormat.BINARY_BUFFER: [(1,), (4097,), (0,)],
+    MemoryFormat.KV_MLA_FMT: [(1, 3, 1, 64), (1, 2, 5, 576), (1, 2, 0, 576)],
+}
+CASES = [(fmt, shape) for fmt, shapes in SHAPES.items() for shape in shapes]
+
+
+def random_obj(shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat, seed: int = 0):
+    """A host object filled with random bytes (every bit pattern, NaNs included)."""
+    rng = np.random.default_rng(seed)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = torch.from_numpy(rng.integers(0, 256, size=nbytes, dtype=np.uint8))
+    tensor = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+    return MemoryObj.from_tensor(tensor, fmt)
+
+
+def frame_bytes(obj: MemoryObj, serde: str = "naive") -> bytes:
+    header, payload = encode_frame(obj, get_serde(serde))
+    return bytes(header) + bytes(payload)
+
+
+@pytest.fixture
+def allocator() -> FreeListAllocator:
+    return FreeListAllocator(4 << 20)
+
+
+@pytest.fixture
+def sample() -> tuple[MemoryObj, bytes]:
+    obj = random_obj((2, 3, 7, 16), torch.bfloat16, MemoryFormat.KV_2LTD, seed=7)
+    return obj, frame_bytes(obj)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("fmt", "shape"), CASES, ids=[f"{f.name}-{s}" for f, s in CASES])
+def test_round_trip_is_bit_exact(
+    allocator: FreeListAllocator, dtype: torch.dtype, fmt: MemoryFormat, shape: tuple[int, ...]
+) -> None:
+    obj = random_obj(shape, dtype, fmt, seed=len(shape) + dtype.itemsize)
+    data = frame_bytes(obj)
+    out = decode_frame(data, allocator)
+    assert out is not None
+    try:
+        assert out.shape == shape
+        assert out.dtype == dtype
+        assert out.fmt is fmt
+        assert out.nbytes == obj.nbytes
+        assert bytes(out.memoryview()) == bytes(obj.memoryview())
+        assert out.tensor.shape == shape
+        header = decode_header(data)
+        assert header.shape == shape and header.dtype == dtype and header.fmt is fmt
+        assert header.serde == "naive"
+        assert header.payload_len == obj.nbytes
+        assert header.frame_len == len(data)
+        assert header.nbytes == obj.nbytes
+    finally:
+        out.release()
+    assert allocator.stats().used == 0
+
+
+def test_round_trip_accepts_bytearray_and_memoryview(
+    allocator: FreeListAllocator, sample: tuple[MemoryObj, bytes]
+) -> None:
+    obj, data = sample
+    for buffer in (bytearray(data), memoryview(data), memoryview(bytearray(data))):
+        out = decode_frame(buffer, allocator)
+        assert out is not None
+        assert torch.equal(out.raw, obj.raw)
+        out.release()
+
+
+def test_round_trip_of_decoded_object_re_encodes_identically(
+    allocator: FreeListAllocator, sample: tuple[MemoryObj, bytes]
+) -> None:
+    _, data = sample
+    out = decode_frame(data, allocator)
+    assert out is not None
+    assert frame_bytes(out) == data
+    out.release()
+
+
+def test_header_layout_fields(sample: tuple[MemoryObj, bytes]) -> None:
+    obj, data = sample
+    magic, version, fmt, code, ndim, serde_len = struct.unpack_from("<4sBBBBB", data)
+    assert magic == MAGIC == b"KVPF"
+    assert version == VERSION == 1
+    assert fmt == int(MemoryFormat.KV_2LTD)
+    assert code == DTYPE_CODES[torch.bfloat16]
+    assert ndim == 4 and serde_len == len("naive")
+    (header_len,) = struct.unpack_from("<I", data, 12)
+    payload_len, checksum = struct.unpack_from("<QQ", data, 16)
+    assert payload_len == obj.nbytes
+    assert checksum == payload_checksum(obj.memoryview())
+    assert struct.unpack_from("<4Q", data, 32) == obj.shape
+    assert data[64 : 64 + 5] == b"naive"
+    assert len(data) == header_len + payload_len
+
+
+@pytest.mark.parametrize("ndim", range(9))
+@pytest.mark.parametrize("serde", ["n", "naive", "x" * 30, "y" * 100, "z" * 255])
+def test_header_length_is_a_multiple_of_64(ndim: int, serde: str) -> None:
+    shape = (1,) * ndim
+    header = encode_header(shape, torch.float16, MemoryFormat.KV_2LTD, serde, b"\x00\x00")
+    assert len(header) % 64 == 0
+    assert len(header) >= MIN_HEADER_LEN
+    parsed = decode_header(header + b"\x00\x00")
+    assert parsed.header_len == len(header)
+    assert parsed.shape == shape and parsed.serde == serde
+
+
+def test_too_many_dimensions_cannot_be_encoded() -> None:
+    with pytest.raises(CorruptObject, match="at most 8"):
+        encode_header((1,) * 9, torch.float16, MemoryFormat.KV_2LTD, "naive", b"\x00\x00")
+
+
+def test_payload_encode_is_zero_copy() -> None:
+    tensor = torch.arange(64, dtype=torch.float32)
+    obj = MemoryObj.from_tensor(tensor)
+    _, payload = encode_frame(obj)
+    view = memoryview(payload)
+    assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), tensor.numpy())
+    tensor[0] = 123.0
+    assert bytes(view[:4]) == struct.pack("<f", 123.0)
+
+
+def test_payload_encode_is_zero_copy_for_allocator_memory(allocator: FreeListAllocator) -> None:
+    obj = allocator.allocate((4, 64), torch.float16)
+    assert obj is not None
+    obj.tensor.fill_(0)
+    _, payload = encode_frame(obj)
+    buffer = np.frombuffer(memoryview(payload), dtype=np.uint8)
+    assert buffer.ctypes.data == obj.data_ptr()
+    obj.tensor[0, 0] = 1.0
+    assert bytes(memoryview(payload)[:2]) == struct.pack("<e", 1.0)
+    obj.release()
+
+
+# --------------------------------------------------------------------------- damage
+
+
+def _header_len(data: bytes) -> int:
+    return int(struct.unpack_from("<I", data, 12)[0])
+
+
+@pytest.mark.parametrize("mask", [0xFF, 0x01, 0x80])
+def test_every_header_byte_flip_is_corrupt_object(
+    allocator: FreeListAllocator, sample: tuple[MemoryObj, bytes], mask: int
+) -> None:
+    _, data = sample
+    header_len = _header_len(data)
+    assert header_len == 128  # ndim 4 and "naive" need a second 64-byte line
+    for position in range(header_len):
+        damaged = bytearray(data)
+        damaged[position] ^= mask
+        with pytest.raises(CorruptObject):
+            decode_frame(damaged, allocator)
+        with pytest.raises(CorruptObject):
+            decode_header(damaged)
+    assert allocator.stats().used == 0
+    assert allocator.memcheck()
+
+
+def test_every_payload_byte_flip_is_corrupt_object(allocator: FreeListAllocator) -> None:
+    obj = random_obj((2, 2, 3, 8), torch.float16, MemoryFormat.KV_2LTD, seed=3)
+    data = frame_bytes(obj)
+    header_len = _header_len(data)
+    for position in range(header_len, len(data)):
+        for mask in (0x01, 0xFF):
+            damaged = bytearray(data)
+            damaged[position] ^= mask
+            with pytest.raises(CorruptObject, match="payload checksum"):
+                decode_frame(damaged, allocator)
+    assert allocator.stats().used == 0
+
+
+def test_large_payload_byte_flips_are_corrupt_object(allocator: FreeListAllocator) -> None:
+    obj = random_obj((2, 4, 64, 256), torch.float16, MemoryFormat.KV_2LTD, seed=5)
+    data = frame_bytes(obj)
+    header_len = _header_len(data)
+    rng = np.random.default_rng(0)
+    positions = [header_len, len(data) - 1, *rng.integers(header_len, len(data), 50).tolist()]
+    for position in positions:
+        damaged = bytearray(data)
+        damaged[position] ^= 0x10
+        with pytest.raises(CorruptObject):
+            decode_frame(damaged, allocator)
+    assert allocator.stats().used == 0
+
+
+def test_truncation_at_every_length_is_corrupt_object(allocator: FreeListAllocator) -> None:
+    obj = random_obj((2, 2, 5, 8), torch.float32, MemoryFormat.KV_2LTD, seed=11)
+    data = frame_bytes(obj)
+    for length in range(len(data)):
+        with pytest.raises(CorruptObject):
+            decode_frame(data[:length], allocator)
+    assert allocator.stats().used == 0
+
+
+def test_truncation_of_a_large_frame_is_corrupt_object(allocator: FreeListAllocator) -> None:
+    obj = random_obj((2, 4, 64, 256), torch.float16, MemoryFormat.KV_2LTD, seed=13)
+    data = frame_bytes(obj)
+    lengths = {*range(0, 300), *range(len(data) - 300, len(data)), *range(0, len(data), 997)}
+    for length in sorted(lengths):
+        with pytest.raises(CorruptObject):
+            decode_frame(memoryview(data)[:length], allocator)
+    assert allocator.stats().used == 0
+
+
+@pytest.mark.parametrize("extra", [b"\x00", b"KVPF", bytes(64), bytes(4096)])
+def test_trailing_bytes_are_corrupt_object(
+    allocator: FreeListAllocator, sample: tuple[MemoryObj, bytes], extra: bytes
+) -> None:
+    _, data = sample
+    with pytest.raises(CorruptObject, match="its header says"):
+        decode_frame(data + extra, allocator)
+    assert allocator.stats().used == 0
+
+
+def test_two_frames_back_to_back_are_corrupt_object(
+    allocator: FreeListAllocator, sample: tuple[MemoryObj, bytes]
+) -> None:
+    _, data = sample
+    with pytest.raises(CorruptObject):
+        decode_frame(data + data, allocator)
+
+
+def test_empty_and_garbage_input_is_corrupt_object(allocator: FreeListAllocator) -> None:
+    for data in (b"", b"KVPF", bytes(64), bytes(1024), b"\xff" * 200, b"KVPF" + bytes(124)):
+        with pytest.raises(CorruptObject):
+            decode_frame(data, allocator)
+
+
+def _frame_with_header_fields(obj: MemoryObj, **fields: int) -> bytes:
+    """A frame whose header fields are replaced and whose header checksum is recomputed, so
+    that only the semantic checks can reject it."""
+    import xxhash
+
+    header, payload = encode_frame(obj)
+    body = bytearray(header[:-4])
+    offsets = {"version": 4, "fmt": 5, "dtype": 6, "ndim": 7}
+    for name, value in fields.items():
+        body[offsets[name]] = value
+    header = bytes(body) + struct.pack("<I", xxhash.xxh32_intdigest(bytes(body)))
+    return header + bytes(payload)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"version": 2}, "version 2"),
+        ({"version": 0}, "version 0"),
+        ({"dtype": 0}, "unknown dtype code 0"),
+        ({"dtype": 200}, "unknown dtype code 200"),
+        ({"fmt": 7}, "unknown memory format 7"),
+        ({"fmt": 255}, "unknown memory format 255"),
+    ],
+)
+def test_checksummed_but_unknown_header_values_are_corrupt_object(
+    allocator: FreeListAllocator, fields: dict[str, int], message: str
+) -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2TD)
+    with pytest.raises(CorruptObject, match=message):
+        decode_frame(_frame_with_header_fields(obj, **fields), allocator)
+    assert allocator.stats().used == 0
+
+
+def test_dtype_code_1_decodes_as_float16(allocator: FreeListAllocator) -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2TD)
+    out = decode_frame(_frame_with_header_fields(obj, dtype=1), allocator)
+    assert out is not None
+    assert out.dtype == torch.float16
+    assert torch.equal(out.raw, obj.raw)
+    out.release()
+
+
+def test_payload_length_not_matching_shape_is_corrupt_object_and_leaks_nothing(
+    allocator: FreeListAllocator,
+) -> None:
+    payload = bytes(range(100))
+    header = encode_header((4, 8), torch.float16, MemoryFormat.KV_2TD, "naive", payload)
+    with pytest.raises(CorruptObject, match="naive payload has 100 bytes"):
+        decode_frame(header + payload, allocator)
+    assert allocator.stats().used == 0
+    assert allocator.stats().object_count == 0
+
+
+def test_unknown_serde_in_valid_header_is_a_clean_error(allocator: FreeListAllocator) -> None:
+    payload = bytes(64)
+    header = encode_header((4, 8), torch.float16, MemoryFormat.KV_2TD, "nope", payload)
+    assert decode_header(header + payload).serde == "nope"
+    with pytest.raises((ConfigError, CorruptObject)) as info:
+        decode_frame(header + payload, allocator)
+    assert isinstance(info.value, KvplugError)
+    assert not isinstance(info.value, KeyError)
+    assert "'nope'" in str(info.value)
+    assert allocator.stats().used == 0
+
+
+def test_verify_payload_checks_length_and_checksum(sample: tuple[MemoryObj, bytes]) -> None:
+    _, data = sample
+    header = decode_header(data)
+    payload = data[header.header_len :]
+    verify_payload(header, payload)
+    with pytest.raises(CorruptObject, match="truncated"):
+        verify_payload(header, payload[:-1])
+    with pytest.raises(CorruptObject, match="checksum"):
+        verify_payload(header, bytes([payload[0] ^ 1]) + payload[1:])
+
+
+def test_decode_header_ignores_the_payload(sample: tuple[MemoryObj, bytes]) -> None:
+    obj, data = sample
+    header_len = _header_len(data)
+    header = decode_header(data[:header_len])
+    assert header.shape == obj.shape
+    assert header.payload_len == obj.nbytes
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+def test_decode_into_full_allocator_returns_none_and_leaks_nothing(
+    sample: tuple[MemoryObj, bytes],
+) -> None:
+    _, data = sample
+    allocator = FreeListAllocator(4 * 4096)
+    blocker = allocator.allocate((4 * 4096,), torch.uint8)
+    assert blocker is not None
+    before = allocator.stats()
+    assert decode_frame(data, allocator) is None
+    assert allocator.stats() == before
+    blocker.release()
+    assert allocator.stats().used == 0
+    out = decode_frame(data, allocator)
+    assert out is not None
+    out.release()
+    assert allocator.stats().used == 0
+    assert allocator.memcheck()
+
+
+def test_corrupt_frame_into_full_allocator_still_raises(sample: tuple[MemoryObj, bytes]) -> None:
+    _, data = sample
+    allocator = FreeListAllocator(4096)
+    blocker = allocator.allocate((4096,), torch.uint8)
+    assert blocker is not None
+    damaged = bytearray(data)
+    damaged[-1] ^= 1
+    with pytest.raises(CorruptObject):
+        decode_frame(damaged, allocator)
+    blocker.release()

@@ -1,0 +1,228 @@
+"""Plugin discovery through real entry points of pip-installed throwaway distributions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvplug
+from kvplug import (
+    BackendSpec,
+    CacheKey,
+    MemoryObj,
+    PluginConflict,
+    PluginLoadError,
+    UnknownScheme,
+)
+from kvplug.registry import PluginWarning, create_backend, reset_registry
+
+DISTS = Path(__file__).parent / "dists"
+KEY = CacheKey("vllm", "registry-test", 1, 0, 7)
+
+
+def _pip_install_target(target: Path, *dists: str) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            *(str(DISTS / dist) for dist in dists),
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Site directories, each with some throwaway distributions pip-installed into it."""
+    layout = {
+        "tiny": ("kvplug-tinyplug",),
+        "dup": ("kvplug-tinyplug", "kvplug-dup-a", "kvplug-dup-b"),
+        "broken": ("kvplug-brokenplug",),
+        "lazy": ("kvplug-lazyfail",),
+    }
+    sites = {}
+    for name, dists in layout.items():
+        target = tmp_path_factory.mktemp(f"site-{name}")
+        _pip_install_target(target, *dists)
+        sites[name] = target
+    return sites
+
+
+@pytest.fixture
+def use_site(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Put a site directory on sys.path and rediscover plugins; undone after the test."""
+
+    def activate(site: Path) -> None:
+        monkeypatch.syspath_prepend(str(site))
+        reset_registry()
+
+    yield activate
+    reset_registry()
+
+
+def _round_trip(url: str) -> bool:
+    async def main() -> bool:
+        backend = await kvplug.open_backend(url)
+        obj = MemoryObj.from_tensor(torch.arange(64, dtype=torch.float16))
+        await backend.put(KEY, obj)
+        got = await backend.get(KEY)
+        assert got is not None
+        same = torch.equal(got.tensor, obj.tensor)
+        got.release()
+        await backend.close()
+        return same
+
+    return asyncio.run(main())
+
+
+def test_installed_distribution_is_discovered_and_opened(sites, use_site) -> None:
+    use_site(sites["tiny"])
+    assert "tiny" in kvplug.available_schemes()
+    info = next(p for p in kvplug.plugins() if p.name == "tiny")
+    assert (info.distribution, info.version, info.error) == ("kvplug-tinyplug", "0.0.1", None)
+    assert _round_trip("tiny://")
+
+
+def test_built_in_plugins_register_through_their_entry_points() -> None:
+    reset_registry()
+    by_name = {p.name: p for p in kvplug.plugins()}
+    assert by_name["cpu"].distribution == "kvplug-cpu"
+    assert by_name["blackhole"].distribution == "kvplug-blackhole"
+    assert by_name["audit"].distribution == "kvplug-audit"
+    assert by_name["audit"].specs[0].kind == "wrapper"
+
+
+def test_scheme_served_twice_names_both_distributions(sites, use_site) -> None:
+    use_site(sites["dup"])
+    with pytest.raises(PluginConflict) as caught:
+        create_backend("dup://")
+    message = str(caught.value)
+    assert "kvplug-dup-a" in message and "kvplug-dup-b" in message
+    assert "KVPLUG_DISABLE_PLUGINS" in message
+    # The rest of each conflicting plugin still works.
+    assert _round_trip("onlya://") and _round_trip("onlyb://")
+
+
+def test_disabling_one_plugin_resolves_a_conflict(sites, use_site, monkeypatch) -> None:
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "kvplug-dup-b")
+    use_site(sites["dup"])
+    assert _round_trip("dup://")
+    assert "onlyb" not in kvplug.available_schemes()
+
+
+def test_plugin_that_fails_to_import_warns_and_fails_only_when_used(sites, use_site) -> None:
+    use_site(sites["broken"])
+    with pytest.warns(PluginWarning, match="kvplug-brokenplug"):
+        schemes = kvplug.available_schemes()
+    assert "cpu" in schemes
+    assert _round_trip("cpu://?max_size=16MiB")
+    with pytest.raises(UnknownScheme, match="kvplug_a_module_that_does_not_exist"):
+        create_backend("broken://")
+
+
+def test_factory_import_failure_is_an_error_only_when_opened(sites, use_site) -> None:
+    use_site(sites["lazy"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "lazy" in kvplug.available_schemes()
+    with pytest.raises(PluginLoadError) as caught:
+        create_backend("lazy://")
+    assert "kvplug-lazyfail" in str(caught.value)
+    assert "kvplug_client_library_that_is_not_installed" in str(caught.value)
+    with pytest.raises(PluginLoadError, match="not a kvplug Backend"):
+        create_backend("notabackend://")
+
+
+def test_autoload_can_be_disabled(monkeypatch) -> None:
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reset_registry()
+    try:
+        assert kvplug.available_schemes() == []
+        kvplug.register_backend(BackendSpec("cpu-again", ("mem",), "kvplug_cpu.backend:CpuBackend"))
+        assert _round_trip("mem://?max_size=8MiB")
+    finally:
+        reset_registry()
+
+
+def test_unknown_scheme_suggests_and_lists() -> None:
+    reset_registry()
+    with pytest.raises(UnknownScheme) as caught:
+        create_backend("cpuu://")
+    assert "Did you mean 'cpu'?" in str(caught.value)
+    assert "blackhole" in str(caught.value)
+
+
+def test_first_party_scheme_not_installed_gets_its_pip_line(monkeypatch) -> None:
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "kvplug-redis")
+    reset_registry()
+    with pytest.raises(UnknownScheme, match="pip install kvplug-redis"):
+        create_backend("redis://127.0.0.1:6379")
+
+
+def test_register_backend_conflict_and_replace() -> None:
+    reset_registry()
+    try:
+        spec = BackendSpec("mine", ("cpu",), "kvplug_cpu.backend:CpuBackend")
+        with pytest.raises(PluginConflict, match="kvplug-cpu"):
+            kvplug.register_backend(spec)
+        kvplug.register_backend(spec, replace=True)
+        assert _round_trip("cpu://?max_size=8MiB")
+    finally:
+        reset_registry()
+
+
+def test_wrappers_compose_only_in_front_of_a_backend() -> None:
+    reset_registry()
+    with pytest.raises(UnknownScheme, match="is a backend, not a wrapper"):
+        create_backend("cpu::cpu://")
+    with pytest.raises(UnknownScheme, match="needs a backend to wrap"):
+        create_backend("audit://")
+    backend = create_backend("audit://?verify=true::cpu://?max_size=8MiB")
+    assert type(backend).__name__ == "AuditBackend"
+    assert _round_trip("audit::cpu://?max_size=8MiB")
+
+
+def test_backend_spec_rejects_bad_factories() -> None:
+    with pytest.raises(ValueError, match="module:Class"):
+        BackendSpec("bad", ("bad",), "no_colon_here")
+    with pytest.raises(ValueError, match="kind"):
+        BackendSpec("bad", ("bad",), "m:C", kind="middleware")  # type: ignore[arg-type]
+
+
+def test_cli_lists_an_installed_plugin_end_to_end(sites) -> None:
+    env = {**os.environ, "PYTHONPATH": str(sites["tiny"])}
+    kvplug_cli = Path(sys.executable).with_name("kvplug")
+    listed = subprocess.run(
+        [str(kvplug_cli), "plugins", "--json"], env=env, capture_output=True, text=True, check=True
+    )
+    rows = {row["plugin"]: row for row in json.loads(listed.stdout)}
+    assert rows["tiny"]["distribution"] == "kvplug-tinyplug"
+    assert rows["tiny"]["backends"][0]["schemes"] == ["tiny"]
+    assert {"cpu", "blackhole", "audit"} <= set(rows)
+    checked = subprocess.run(
+        [str(kvplug_cli), "check", "tiny://", "--rounds", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "OK" in checked.stdout

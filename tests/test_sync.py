@@ -1,0 +1,150 @@
+"""SyncClient: the async backend driven from engine worker threads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import pytest
+import torch
+
+from kvplug import (
+    BackendClosed,
+    CacheKey,
+    CapacityExceeded,
+    FreeListAllocator,
+    KvplugError,
+    MemoryFormat,
+    MemoryObj,
+    UnknownScheme,
+)
+from kvplug.sync import SyncClient
+
+
+def key(n: int) -> CacheKey:
+    return CacheKey("vllm", "sync-test", 1, 0, n)
+
+
+@pytest.fixture
+def client():
+    with SyncClient("cpu://?max_size=64MiB") as client:
+        yield client
+
+
+def test_put_then_get_from_another_thread_is_bit_exact(client) -> None:
+    allocator = FreeListAllocator(1 << 22)
+    obj = allocator.allocate((2, 2, 16, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
+    obj.tensor.normal_()
+    expected = obj.tensor.clone()
+    client.put(key(1), obj).result(10)
+    obj.release()
+
+    def read() -> torch.Tensor:
+        got = client.get(key(1)).result(10)
+        assert got is not None
+        try:
+            return got.tensor.clone()
+        finally:
+            got.release()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert torch.equal(pool.submit(read).result(), expected)
+    assert allocator.stats().used == 0
+
+
+def test_caller_may_release_right_after_submitting_a_put(client) -> None:
+    allocator = FreeListAllocator(1 << 22)
+    objs = []
+    futures = []
+    for n in range(20):
+        obj = allocator.allocate((1024,), torch.float32)
+        obj.tensor.fill_(n)
+        futures.append(client.put(key(n), obj))
+        obj.release()
+        objs.append(obj)
+    for future in futures:
+        future.result(10)
+    for n in range(20):
+        got = client.get(key(n)).result(10)
+        assert got is not None and bool((got.tensor == n).all())
+        got.release()
+    assert allocator.stats().object_count == 0
+
+
+def test_many_threads_share_one_client(client) -> None:
+    errors: list[BaseException] = []
+
+    def worker(thread_id: int) -> None:
+        try:
+            for n in range(25):
+                k = key(thread_id * 1000 + n)
+                tensor = torch.full((256,), float(thread_id * 1000 + n))
+                client.put(k, MemoryObj.from_tensor(tensor)).result(10)
+                got = client.get(k).result(10)
+                assert got is not None and torch.equal(got.tensor, tensor)
+                got.release()
+                assert client.contains(k).result(10)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    keys = [key(t * 1000 + n) for t in range(8) for n in range(25)]
+    assert client.batched_contains(keys).result(10) == len(keys)
+
+
+def test_batched_operations_return_aligned_results(client) -> None:
+    objs = [MemoryObj.from_tensor(torch.full((8,), float(n))) for n in range(4)]
+    client.batched_put([key(n) for n in range(4)], objs).result(10)
+    got = client.batched_get([key(0), key(99), key(3)]).result(10)
+    assert got[1] is None
+    assert got[0] is not None and got[0].tensor[0].item() == 0.0
+    assert got[2] is not None and got[2].tensor[0].item() == 3.0
+    for obj in got:
+        if obj is not None:
+            obj.release()
+    assert client.batched_contains([key(0), key(1), key(99), key(2)]).result(10) == 2
+
+
+def test_errors_surface_from_the_future(client) -> None:
+    huge = MemoryObj.from_tensor(torch.zeros(80 << 20, dtype=torch.uint8))
+    with pytest.raises(CapacityExceeded):
+        client.put(key(5), huge).result(10)
+    assert not client.contains(key(5)).result(10)
+
+
+def test_closed_client_refuses_work_and_close_is_idempotent() -> None:
+    client = SyncClient("cpu://?max_size=8MiB")
+    backend = client.backend
+    client.close()
+    client.close()
+    assert backend.closed
+    with pytest.raises(BackendClosed):
+        client.get(key(1))
+
+
+def test_bad_url_fails_at_construction_without_leaving_a_thread() -> None:
+    before = threading.active_count()
+    with pytest.raises(UnknownScheme):
+        SyncClient("nosuchscheme://")
+    assert threading.active_count() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_use_after_fork_is_a_clear_error(client) -> None:
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            client.contains(key(1))
+        except KvplugError as error:
+            os._exit(0 if "forked" in str(error) else 1)
+        except BaseException:
+            os._exit(2)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
