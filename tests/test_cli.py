@@ -66,3 +66,17 @@ def test_check_reports_bad_input_clearly() -> None:
     assert code == 2 and "comma-separated" in output
     code, output = invoke("check", "cpu://?max_sise=1GiB")
     assert code == 1 and "max_size" in output
+
+
+def test_config_prints_lmcache_keys_as_tiers_with_passwords_masked(tmp_path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2.0\n"
+        "remote_url: redis://app:hunter2@cache-1:6379\n"
+    )
+    code, output = invoke("config", "--config", str(config))
+    assert code == 0, output
+    assert "url: cpu://" in output and "max_size: 2147483648" in output
+    assert "redis://app:***@cache-1:6379" in output and "hunter2" not in output
+    code, output = invoke("config", "--config", str(tmp_path / "missing.yaml"))
+    assert code == 1 and "missing.yaml" in output

@@ -22,7 +22,7 @@ from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
-from kvplug.url import masked
+from kvplug.url import mask_passwords
 
 T = TypeVar("T")
 console = Console()
@@ -84,6 +84,26 @@ def plugins_command(as_json: bool) -> None:
     console.print(table)
     if not infos:
         console.print("No kvplug plugins are installed: pip install kvplug-cpu")
+
+
+@main.command("config")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Config file (default: KVPLUG_CONFIG_FILE, else built-in defaults).",
+)
+def config_command(config_path: str | None) -> None:
+    """Print the resolved configuration in the explicit tiers form (passwords masked)."""
+    import yaml
+
+    try:
+        config = load_config(config_path)
+    except KvplugError as error:
+        click.echo(f"config error: {error}", err=True)
+        sys.exit(1)
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    click.echo(mask_passwords(text), nl=False)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -200,7 +220,8 @@ def check_command(
         click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
     size = nbytes_of(shape, DTYPES[dtype])
-    table = Table(title=f"kvplug check {masked(url)}: {rounds} round(s) of {size} bytes, bit-exact")
+    title = f"kvplug check {mask_passwords(url)}: {rounds} round(s) of {size} bytes, bit-exact"
+    table = Table(title=title)
     for column in ("operation", "calls", "p50 ms", "max ms"):
         table.add_column(column, justify="right" if column != "operation" else "left")
     for name, values in samples.items():

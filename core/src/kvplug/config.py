@@ -37,14 +37,15 @@ from urllib.parse import quote
 import yaml
 
 from kvplug.errors import ConfigError, InvalidBackendURL
+from kvplug.eviction import POLICIES
 from kvplug.units import GiB, parse_size
-from kvplug.url import BackendURL, _mask_raw, split_chain
+from kvplug.url import BackendURL, mask_passwords, split_chain
 
 MiB = 1 << 20
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_CPU_SIZE = 5 * GiB
 DEFAULT_CACHE_POLICY = "LRU"
-CACHE_POLICIES = ("LRU", "LFU", "FIFO")
+CACHE_POLICIES = tuple(name.upper() for name in POLICIES)
 
 ENV_PREFIX = "KVPLUG_"
 CONFIG_FILE_ENV = "KVPLUG_CONFIG_FILE"
@@ -152,13 +153,8 @@ class ConfigWarning(UserWarning):
     """A configuration is usable but contains something kvplug ignores or that is deprecated."""
 
 
-def _mask(text: str) -> str:
-    """``text`` with any URL password replaced by ``***``."""
-    return _mask_raw(text)
-
-
 def _show(value: object) -> str:
-    text = _mask(repr(value))
+    text = mask_passwords(repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -217,14 +213,14 @@ class TierConfig:
         return hash((self.url, tuple(sorted(self.options))))
 
     def __str__(self) -> str:
-        return _mask(self.url)
+        return mask_passwords(self.url)
 
     def __repr__(self) -> str:
         options = {
             key: ("***" if _SECRET_OPTION.search(key) else value)
             for key, value in self.options.items()
         }
-        return f"TierConfig(url={_mask(self.url)!r}, options={options!r})"
+        return f"TierConfig(url={mask_passwords(self.url)!r}, options={options!r})"
 
 
 def default_tiers() -> tuple[TierConfig, ...]:
@@ -431,15 +427,15 @@ def _remote_url(url: str, config: Config) -> str:
     actual = extra.get("audit_actual_remote_url") or config.audit_actual_remote_url
     if actual is None:
         raise ConfigError(
-            f"remote_url {_mask(url)!r} is LMCache's audit wrapper, but neither "
+            f"remote_url {mask_passwords(url)!r} is LMCache's audit wrapper, but neither "
             "extra_config.audit_actual_remote_url nor audit_actual_remote_url names the store "
             "it audits. Set extra_config.audit_actual_remote_url (e.g. redis://cache-1:6379), "
             "or write remote_url: audit::redis://cache-1:6379."
         )
     if split_chain(actual)[0].split("://", 1)[0] == "audit":
         raise ConfigError(
-            f"audit_actual_remote_url {_mask(actual)!r} is itself an audit:// URL, so the audit "
-            "wrapper would wrap itself. Set it to the store to audit, e.g. redis://cache-1:6379."
+            f"audit_actual_remote_url {mask_passwords(actual)!r} is itself an audit:// URL, so "
+            "the audit wrapper would wrap itself. Set it to the store to audit, e.g. redis://cache-1:6379."
         )
     if "audit_verify_checksum" in extra:
         verify = bool(extra["audit_verify_checksum"])

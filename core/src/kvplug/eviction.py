@@ -111,32 +111,13 @@ class LRUPolicy(EvictionPolicy[K]):
         return key in self._order
 
 
-class FIFOPolicy(EvictionPolicy[K]):
+class FIFOPolicy(LRUPolicy[K]):
     """Oldest put first. Hits change nothing; a new put of a key makes it the newest."""
 
     name = "fifo"
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[K, None] = OrderedDict()
-
-    def on_put(self, key: K) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
     def on_hit(self, key: K) -> None:
         pass
-
-    def discard(self, key: K) -> None:
-        self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[K]:
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
 
 
 class LFUPolicy(EvictionPolicy[K]):

@@ -36,10 +36,10 @@ _USERINFO = re.compile(r"://([^/?#]*)@")
 
 
 def _fail(text: str, problem: str, fix: str) -> InvalidBackendURL:
-    return InvalidBackendURL(f"invalid backend URL {_mask_raw(text)!r}: {problem}. {fix}")
+    return InvalidBackendURL(f"invalid backend URL {mask_passwords(text)!r}: {problem}. {fix}")
 
 
-def _mask_raw(text: str) -> str:
+def mask_passwords(text: str) -> str:
     """Mask a password in a URL string (or ``::`` chain) that may not even parse.
 
     After each ``://`` the user info runs to the *last* ``@`` before ``/``, ``?`` or ``#``, as
@@ -95,7 +95,7 @@ class BackendURL:
         if not isinstance(text, str):
             raise InvalidBackendURL(f"a backend URL must be a string, got {type(text).__name__}.")
         if len(text) > MAX_URL_LENGTH:
-            shown = _mask_raw(text)[:64] + "..."
+            shown = mask_passwords(text)[:64] + "..."
             raise InvalidBackendURL(
                 f"invalid backend URL {shown!r}: it is {len(text)} characters long. Shorten it"
             )
@@ -215,21 +215,10 @@ def split_chain(text: str) -> list[str]:
     parts.append(text[start:])
     if any(not part for part in parts):
         raise InvalidBackendURL(
-            f"invalid backend URL chain {_mask_raw(text)!r}: an empty part around '::'. "
+            f"invalid backend URL chain {mask_passwords(text)!r}: an empty part around '::'. "
             "Write wrapper::inner, e.g. audit::cpu://"
         )
     return parts
 
 
-def masked(url: str) -> str:
-    """``url`` (a single URL or a ``::`` chain) with every password masked, for printing."""
-    try:
-        return "::".join(
-            str(BackendURL.parse(part if "://" in part else f"{part}://"))
-            for part in split_chain(url)
-        )
-    except InvalidBackendURL:
-        return _mask_raw(url)
-
-
-__all__ = ["BackendURL", "masked", "split_chain"]
+__all__ = ["BackendURL", "mask_passwords", "split_chain"]
