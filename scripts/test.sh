@@ -14,3 +14,11 @@ echo "== mypy"
 echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here too.
 "$PY" -m pytest -p no:cacheprovider "$@"
+
+echo "== the contract suite through the CLI, against every built-in backend and the example"
+acme_dir=$(mktemp -d)
+trap 'rm -rf "$acme_dir"' EXIT
+.venv/bin/kvplug contract cpu://
+.venv/bin/kvplug contract audit::cpu://
+.venv/bin/kvplug contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
+.venv/bin/kvplug contract "acme://$acme_dir/contract.sqlite"

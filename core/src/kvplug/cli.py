@@ -233,4 +233,35 @@ def check_command(
     console.print("[green]OK[/green]")
 
 
+def _add_plugin_commands() -> None:
+    """Commands other distributions add through the ``kvplug.commands`` entry-point group
+    (kvplug-contracts adds ``kvplug contract``)."""
+    import importlib.metadata
+
+    for entry_point in importlib.metadata.entry_points(group="kvplug.commands"):
+        try:
+            command = entry_point.load()
+        except Exception as error:
+            dist = entry_point.dist.metadata["Name"] if entry_point.dist else entry_point.value
+            message = f"cannot load the {entry_point.name!r} command of {dist}: {error}"
+
+            @main.command(entry_point.name, help=message)
+            def broken(message: str = message) -> None:
+                click.echo(message, err=True)
+                sys.exit(1)
+
+            continue
+        main.add_command(command, entry_point.name)
+    if "contract" not in main.commands:
+
+        @main.command("contract", context_settings={"ignore_unknown_options": True})
+        @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+        def contract_missing(args: tuple[str, ...]) -> None:
+            """Run the backend conformance suite (needs kvplug-contracts)."""
+            click.echo("kvplug contract needs the suite: pip install kvplug-contracts", err=True)
+            sys.exit(1)
+
+
+_add_plugin_commands()
+
 __all__ = ["main"]

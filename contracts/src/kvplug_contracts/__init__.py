@@ -1,0 +1,48 @@
+"""kvplug-contracts: the conformance suite every kvplug backend runs.
+
+Run it with no code::
+
+    pytest --pyargs kvplug_contracts --kvplug-url acme://host:port
+    kvplug contract acme://host:port
+
+or subclass :class:`BackendContract` (a pytest class named ``Test...``) and override a fixture,
+for example the URL, or ``server_control`` to let the suite stop and restart your server::
+
+    import pytest
+    from kvplug_contracts import BackendContract
+
+    class TestAcme(BackendContract):
+        @pytest.fixture
+        def kvplug_url(self):
+            return "acme://127.0.0.1:7000"
+
+Each ``*Contract`` class covers some clauses of the backend contract; ``BackendContract`` is
+all of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from kvplug_contracts.suite import BackendContract, ServerControl
+
+_SUPPORT = ("CLAUSES", "Keyspace", "check_same", "clause", "make_obj", "not_applicable", "violated")
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so that loading the `kvplug contract` command imports no pytest.
+    if name in _SUPPORT:
+        from kvplug_contracts import support
+
+        return getattr(support, name)
+    if name.endswith("Contract") or name == "ServerControl":
+        from kvplug_contracts import suite
+
+        return getattr(suite, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BackendContract", "ServerControl", "__version__", *_SUPPORT]
