@@ -52,7 +52,7 @@ def contract_command(
     import pytest
 
     from kvplug.url import mask_passwords
-    from kvplug_contracts.plugin import clause_verdict
+    from kvplug_contracts.plugin import clause_verdict, describe_backend
 
     with tempfile.TemporaryDirectory(prefix="kvplug-contract-") as workdir:
         summary = Path(workdir) / "summary.json"
@@ -88,6 +88,8 @@ def contract_command(
             args.append("--kvplug-large")
         if keyword:
             args += ["-k", keyword]
+        for line in describe_backend(url):
+            click.echo(line)
         code = int(pytest.main(args))
         rows = json.loads(summary.read_text()) if summary.exists() else []
 

@@ -9,7 +9,9 @@ Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a c
 * ``small_store_options``: options that make the store small enough to fill (default:
   ``max_size=4MiB`` when the backend has a ``max_size`` option, else the clause is n/a);
 * ``damage_stored``: an async ``damage(backend, key, mode) -> bool`` that damages stored
-  data (default: for :class:`~kvplug.backend.BytesBackend` s, rewrites the stored value);
+  data (default: for :class:`~kvplug.backend.BytesBackend` s, rewrites the stored value; for
+  backends with a ``stored_files(key)`` method listing the local files that hold a key, such
+  as ``file://``, damages those files);
 * ``server_control``: an object with ``pause()``, ``resume()``, ``stop()`` and ``start()``
   for the server behind the URL (default: None, so deadline and recovery clauses are n/a).
 """
@@ -30,10 +32,18 @@ import kvplug
 from kvplug import Backend, BytesBackend, FreeListAllocator
 from kvplug.registry import plugins, registry
 from kvplug.url import BackendURL, mask_passwords, split_chain
-from kvplug_contracts.support import CLAUSES, DEFAULT_TIMEOUT, Keyspace, LoopRunner, violated
+from kvplug_contracts.support import (
+    CLAUSES,
+    DEFAULT_TIMEOUT,
+    ContractTimeout,
+    Keyspace,
+    LoopRunner,
+    violated,
+)
 
 URL_ENV = "KVPLUG_CONTRACT_URL"
 SUITE_ALLOCATOR_SIZE = 512 << 20
+CLOSE_LIMIT = 10.0
 OUTCOMES = ("passed", "failed", "n/a", "known failure", "fixed known failure")
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
 
@@ -109,7 +119,7 @@ def describe_backend(url: str) -> list[str]:
             parsed = BackendURL.parse(part if "://" in part else f"{part}://")
             spec = registry().resolve(parsed.scheme)
             info = next((p for p in infos if spec in p.specs), None)
-            dist = f"{info.distribution} {info.version}" if info else "registered at runtime"
+            dist = f"{info.distribution} {info.version}".rstrip() if info else "runtime"
             line = f"  {parsed.scheme}://: {spec.kind} {spec.name!r} from {dist}"
             if spec.kind == "backend":
                 capabilities = registry().factory(spec).capabilities.declared()
@@ -240,15 +250,31 @@ def kvplug_runner(pytestconfig: pytest.Config) -> Iterator[LoopRunner]:
     runner.close()
 
 
+NO_URL = (
+    f"no backend to test: pass --kvplug-url URL (or set {URL_ENV}), for example "
+    "pytest --pyargs kvplug_contracts --kvplug-url cpu://"
+)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Bad suite options are one usage error, not an error in every test."""
+    config = session.config
+    _parse_options(config.getoption("--kvplug-option"))
+    if _configured_url(config):
+        return
+    for item in session.items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        chain = definitions.name2fixturedefs.get("kvplug_url", ()) if definitions else ()
+        if chain and chain[-1].func.__module__ == __name__:
+            raise pytest.UsageError(NO_URL)
+
+
 @pytest.fixture(scope="session")
 def kvplug_url(pytestconfig: pytest.Config) -> str:
     """The URL of the backend under test."""
     url = _configured_url(pytestconfig)
     if not url:
-        raise pytest.UsageError(
-            f"no backend to test: pass --kvplug-url URL (or set {URL_ENV}), for example "
-            "pytest --pyargs kvplug_contracts --kvplug-url cpu://"
-        )
+        raise pytest.UsageError(NO_URL)
     return url
 
 
@@ -307,7 +333,10 @@ def open_contract_backend(
 
     yield open_backend
     for backend in opened:
-        kvplug_runner.run(backend.close())
+        try:
+            kvplug_runner.run(backend.close(), timeout=CLOSE_LIMIT)
+        except ContractTimeout:
+            violated(11, f"close() of {backend!r} did not finish within {CLOSE_LIMIT} s")
 
 
 @pytest.fixture
@@ -331,30 +360,44 @@ def small_store_options(backend: Backend) -> dict[str, Any] | None:
 def damage_stored() -> Callable[..., Any] | None:
     """An async ``damage(backend, key, mode)`` that damages what is stored under ``key``
     (``mode`` is ``"flip"``, ``"truncate"`` or ``"garbage"``) and returns whether it could; the
-    default handles every :class:`~kvplug.backend.BytesBackend`, also behind wrappers."""
+    default handles every :class:`~kvplug.backend.BytesBackend` and every backend with a
+    ``stored_files(key)`` method (the local files holding ``key``), also behind wrappers."""
 
     async def damage(backend: Backend, key: kvplug.CacheKey, mode: str) -> bool:
-        while not isinstance(backend, BytesBackend) and isinstance(
-            getattr(backend, "inner", None), Backend
+        while (
+            not isinstance(backend, BytesBackend)
+            and not callable(getattr(backend, "stored_files", None))
+            and isinstance(getattr(backend, "inner", None), Backend)
         ):
             backend = backend.inner  # type: ignore[attr-defined]
+        stored_files = getattr(backend, "stored_files", None)
+        if not isinstance(backend, BytesBackend) and callable(stored_files):
+            paths = [Path(path) for path in stored_files(key)]
+            for path in paths:
+                path.write_bytes(_damaged(path.read_bytes(), mode))
+            return bool(paths)
         if not isinstance(backend, BytesBackend):
             return False
         store_key = backend.key_string(key)
         data = await backend.get_bytes(store_key)
         if data is None:
             return False
-        damaged = bytearray(data)
-        if mode == "flip":
-            damaged[len(damaged) // 2] ^= 0x10
-        elif mode == "truncate":
-            del damaged[len(damaged) // 2 :]
-        else:
-            damaged = bytearray(b"\x00garbage\xff" * 7)
-        await backend.put_bytes(store_key, [bytes(damaged)])
+        await backend.put_bytes(store_key, [_damaged(bytes(data), mode)])
         return True
 
     return damage
+
+
+def _damaged(data: bytes, mode: str) -> bytes:
+    """``data`` with a bit flipped in the middle, cut in half, or replaced by garbage."""
+    damaged = bytearray(data)
+    if mode == "flip":
+        damaged[len(damaged) // 2] ^= 0x10
+    elif mode == "truncate":
+        del damaged[len(damaged) // 2 :]
+    else:
+        damaged = bytearray(b"\x00garbage\xff" * 7)
+    return bytes(damaged)
 
 
 @pytest.fixture

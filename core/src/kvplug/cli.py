@@ -17,6 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 import kvplug
+from kvplug.bench import (
+    DEFAULT_COUNT,
+    DEFAULT_SHAPE,
+    TemporaryDirectory,
+    default_bench_config,
+    run_bench,
+)
 from kvplug.config import load_config
 from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
@@ -231,6 +238,86 @@ def check_command(
     console.print(table)
     console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
     console.print("[green]OK[/green]")
+
+
+@main.command("bench")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Config whose tiers to measure (default: cpu:// in front of file:// in a temp dir).",
+)
+@click.option(
+    "--shape",
+    default=",".join(str(d) for d in DEFAULT_SHAPE),
+    show_default=True,
+    callback=lambda c, p, v: _parse_shape(v),
+    help="Shape of one KV chunk ([2, layers, tokens, heads*head_size]).",
+)
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option(
+    "--count",
+    type=click.IntRange(1, 1_000_000),
+    default=DEFAULT_COUNT,
+    show_default=True,
+    help="Number of chunks.",
+)
+def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, count: int) -> None:
+    """Store and read back KV chunks through the tiers, verify every byte, report GB/s."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    torch_dtype = DTYPES[dtype]
+    chunk_bytes = nbytes_of(shape, torch_dtype)
+    with (
+        TemporaryDirectory() as scratch,
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=console,
+            transient=True,
+        ) as bar,
+    ):
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+
+        try:
+            config = (
+                load_config(config_path)
+                if config_path
+                else default_bench_config(scratch, chunk_bytes, count)
+            )
+            result = asyncio.run(
+                run_bench(config, shape=shape, dtype=torch_dtype, count=count, progress=progress)
+            )
+        except KvplugError as error:
+            click.echo(f"bench failed: {error}", err=True)
+            sys.exit(1)
+    table = Table(
+        title=f"kvplug bench: {count} chunks of {shape} {dtype} "
+        f"({chunk_bytes / 2**20:.1f} MiB each)"
+    )
+    for column in ("operation", "tier", "chunks", "GB/s", "p50 ms", "p99 ms", "misses"):
+        table.add_column(column, justify="left" if column in ("operation", "tier") else "right")
+    for row in result.rows:
+        table.add_row(
+            row.operation,
+            row.tier,
+            str(row.count),
+            f"{row.gb_per_s:.2f}",
+            f"{row.percentile_ms(0.5):.2f}",
+            f"{row.percentile_ms(0.99):.2f}",
+            str(row.misses),
+        )
+    console.print(table)
+    if result.mismatches:
+        console.print(f"[red]{result.mismatches} chunk(s) read back with wrong bytes[/red]")
+        sys.exit(1)
+    console.print(f"[green]verified[/green] {result.verified} reads bit-exact")
 
 
 def _add_plugin_commands() -> None:

@@ -1,0 +1,403 @@
+"""The contract suite's own tests (DESIGN.md §6): pytester runs ``pytest --pyargs
+kvplug_contracts`` against the correct reference backend of ``contract_backends.py``, which must
+keep every clause, and against each broken backend there, which must fail the clause it was
+built to violate, with a message that shows what was seen.
+
+Every run is in-process, inside pytester's directory, where a conftest registers the backends at
+runtime; the registry is reset after each test so nothing leaks into other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+import kvplug_contracts.suite
+import kvplug_contracts.test_conformance
+from kvplug.registry import reset_registry
+
+pytest_plugins = ("pytester",)
+
+# Imported here once, so that the in-process runs below find the suite's modules loaded instead
+# of importing (and assertion-rewriting) them again each time: that is most of a run's cost.
+SUITE_MODULES = (kvplug_contracts.suite, kvplug_contracts.test_conformance)
+
+MODULE = "kvplug_selftest_backends"
+BACKENDS_SOURCE = (Path(__file__).parent / "contract_backends.py").read_text()
+URL_ENV = "KVPLUG_CONTRACT_URL"
+ALL_CLAUSES = frozenset(range(1, 16))
+
+CONFTEST = f'''
+import pytest
+from hypothesis import Phase, settings
+
+import {MODULE} as backends
+
+backends.register_all("{MODULE}")
+
+# The suite's patience while a server is down or a close hangs, shortened: the backends here
+# answer in microseconds, so a broken one is told from a correct one just as well.
+SHORTER_LIMITS = {{
+    "DEADLINE_UNDER_TEST": 0.25,
+    "HANG_MARGIN": 1.5,
+    "RECOVERY_LIMIT": 2.0,
+    "CLOSE_LIMIT": 1.5,
+}}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--only-clauses", default="", help="comma-separated clause numbers")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = {{int(n) for n in config.getoption("--only-clauses").split(",") if n}}
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("kvplug_clause")
+        (keep if marker is not None and wanted & set(marker.args) else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shorter_suite_limits():
+    from kvplug_contracts.suite import lifecycle, model
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in SHORTER_LIMITS.items():
+            patch.setattr(lifecycle, name, value)
+        # A broken backend is caught by the first failing example; shrinking it only costs time.
+        no_shrink = [phase for phase in Phase if phase is not Phase.shrink]
+        quick = settings(model.MACHINE_SETTINGS, phases=no_shrink, database=None)
+        patch.setattr(model, "MACHINE_SETTINGS", quick)
+        yield
+
+
+@pytest.fixture
+def server_control():
+    backends.SERVER.reset()
+    yield backends.SERVER
+    backends.SERVER.reset()
+'''
+
+
+@dataclass
+class SuiteRun:
+    """One in-process run of the suite: its result and its per-clause summary."""
+
+    result: pytest.RunResult
+    rows: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.result.outlines + self.result.errlines)
+
+    def clauses(self, outcome: str) -> set[int]:
+        """The clauses with at least one test of ``outcome`` ("failed", "passed", ...)."""
+        return {n for n, row in self.rows.items() if row[outcome]}
+
+
+class RunSuite(Protocol):
+    def __call__(self, url: str | None, *args: str) -> SuiteRun: ...
+
+
+@pytest.fixture
+def run_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunSuite]:
+    """``run_suite(url, *args)``: the whole suite against ``url`` (None: no --kvplug-url), with
+    the backends of ``contract_backends.py`` registered."""
+    monkeypatch.delenv(URL_ENV, raising=False)
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(**{MODULE: BACKENDS_SOURCE})
+    pytester.makeconftest(CONFTEST)
+    pytester.syspathinsert()
+    summary = pytester.path / "summary.json"
+
+    def run(url: str | None, *args: str) -> SuiteRun:
+        argv = [
+            "--pyargs",
+            "kvplug_contracts",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfEX",
+            "-W",
+            "ignore::pytest.PytestAssertRewriteWarning",
+            "--kvplug-timeout",
+            "10",
+            "--kvplug-summary-json",
+            str(summary),
+        ]
+        if url is not None:
+            argv += ["--kvplug-url", url]
+        summary.unlink(missing_ok=True)
+        result = pytester.runpytest(*argv, *args)
+        rows = json.loads(summary.read_text()) if summary.exists() else []
+        return SuiteRun(result, {row["clause"]: row for row in rows})
+
+    try:
+        yield run
+    finally:
+        reset_registry()
+
+
+# -- the reference backend keeps every clause ---------------------------------------------------
+
+
+def test_reference_backend_keeps_every_clause(run_suite: RunSuite) -> None:
+    run = run_suite("ref://")
+    assert run.result.ret == 0, run.output
+    assert run.clauses("failed") == set(), run.output
+    assert run.clauses("passed") == ALL_CLAUSES, run.output
+    # The only test it skips: objects over 2 GiB, checked only with --kvplug-large.
+    assert run.rows[2]["n/a"] == 1
+    assert sum(row["n/a"] for row in run.rows.values()) == 1, run.output
+
+
+# -- each broken backend is caught by the clause it violates ----------------------------------
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A backend of ``contract_backends.BROKEN``; the clause that must catch it; a fragment of
+    the violation message showing what was seen. ``full`` cases run the whole suite and check
+    that no other clause fails but those in ``also`` (where the same bug shows through another
+    clause's tests); the others run only the tests of their clause, to keep the file fast."""
+
+    scheme: str
+    clause: int
+    shows: str
+    full: bool = False
+    also: frozenset[int] = frozenset()
+
+    def __str__(self) -> str:
+        return f"clause{self.clause}-{self.scheme}"
+
+
+BROKEN = [
+    Broken("get-raises-on-miss", 1, "raised KeyError"),
+    Broken("flips-a-bit-on-read", 2, "1 of 262144 bytes differ; first at byte"),
+    Broken("stores-bfloat16-as-float16", 2, "dtype torch.float16, expected torch.bfloat16", True),
+    Broken("tears-overwrites", 3, "read(s) matched none of the written objects"),
+    Broken("counts-all-present-keys", 4, "keys 0 1 2 3 4 returned 4, expected 3", True),
+    Broken("batched-get-drops-misses", 4, "position 1 is a missing key but got MemoryObj"),
+    Broken("leaks-put-reference", 5, "still allocated: a reference was never released"),
+    Broken("put-takes-callers-reference", 5, "after put the caller's object has ref_count 0"),
+    Broken("unchecked-reads", 6, "damaged by 'flip' returned an object", True),
+    Broken("keeps-damaged-data", 6, "contains is still True: the damaged object was not removed"),
+    Broken("remove-always-true", 7, "remove of a key never stored did not return False", True),
+    Broken("contains-remembers-removed", 7, "contains is True after remove"),
+    Broken("evicts-pinned-keys", 8, "pinned key 0 after"),
+    Broken("unpin-raises-when-not-pinned", 8, "unpin of a key never stored raised KeyError"),
+    Broken("pins-never-expire", 8, "the pin never expired", True),
+    Broken("full-store-raises-runtime-error", 9, "put raised RuntimeError: store full"),
+    Broken("full-store-stops-reads", 9, "get raised CapacityExceeded"),
+    Broken("no-deadline", 10, "get hung while the server was paused", True),
+    Broken("no-recovery-after-restart", 10, "raised ConnectionResetError"),
+    Broken("close-waits-forever", 11, "operations in flight did not finish within"),
+    Broken("works-after-close", 11, "did not raise BackendClosed", True, frozenset({5})),
+    Broken("second-close-raises", 11, "a second close of a closed backend raised BackendClosed"),
+    Broken("ignores-model-name", 12, "a key escaped its namespace"),
+    Broken("ignores-worker-id", 12, "@2@0@7' was never written", True),
+    Broken("declares-pin-but-cannot", 13, "declares 'pin' but pin of a stored key raised"),
+    Broken("undeclared-delete-works", 13, "'delete' is not declared, so remove", True),
+    Broken("forgets-on-close", 14, "after close and reopen, contains of key 0 of 4 is False"),
+    Broken("loses-concurrent-writes", 15, "missed after its put completed", True),
+]
+
+
+def _case(param: Any) -> Broken:
+    return param if isinstance(param, Broken) else param.values[0]
+
+
+def test_every_clause_has_a_broken_backend() -> None:
+    assert {_case(case).clause for case in BROKEN} == ALL_CLAUSES
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=str)
+def test_clause_catches_the_backend_built_to_violate_it(run_suite: RunSuite, case: Broken) -> None:
+    """The clause's tests fail, naming the clause and showing the values seen; for ``full``
+    cases the whole suite runs and no unrelated clause fails."""
+    only = () if case.full else ("--only-clauses", str(case.clause))
+    run = run_suite(f"{case.scheme}://", *only)
+    assert run.result.ret == pytest.ExitCode.TESTS_FAILED, run.output
+    assert run.rows[case.clause]["failed"] > 0, run.output
+    assert f"clause {case.clause} (" in run.output, run.output
+    assert case.shows in run.output, run.output
+    if case.full:
+        assert run.clauses("failed") == {case.clause, *case.also}, run.output
+
+
+# -- the suite's own features -----------------------------------------------------------------
+
+VERBOSE = "-v"
+"""Undoes run_suite's -q: pytest prints report headers only at normal verbosity or above."""
+
+
+def test_report_header_names_the_plugin_its_distribution_and_capabilities(
+    run_suite: RunSuite,
+) -> None:
+    run = run_suite("cpu://", "--collect-only", VERBOSE)
+    assert run.result.ret == pytest.ExitCode.OK, run.output
+    run.result.stdout.fnmatch_lines(
+        [
+            "kvplug contract suite *: cpu://",
+            "  cpu://: backend 'cpu' from kvplug-cpu *; schemes cpu; "
+            "capabilities pin, zero_copy, delete, list",
+        ]
+    )
+
+
+def test_report_header_names_backends_registered_at_runtime(run_suite: RunSuite) -> None:
+    run = run_suite("audit::ref://?timeout=3", "--collect-only", VERBOSE)
+    run.result.stdout.fnmatch_lines(
+        [
+            "kvplug contract suite *: audit::ref://?timeout=3",
+            "  audit://: wrapper 'audit' from kvplug-audit *",
+            "  ref://: backend 'ref' from <registered at runtime>*; schemes ref; capabilities "
+            "pin, persistent, shared_across_processes, native_batching, delete, list",
+        ]
+    )
+
+
+def test_known_failures_file_turns_failures_known_and_reports_fixed_ones(
+    run_suite: RunSuite, pytester: pytest.Pytester
+) -> None:
+    xfails = pytester.makefile(
+        ".txt",
+        known=(
+            "# remove-always-true:// under the contract suite\n"
+            "test_remove_of_an_absent_key_returns_false   # remove says True for absent keys\n"
+            "*::test_remove_deletes_and_then_reports_absence  # its second remove says True\n"
+            "test_get_of_a_key_never_stored_returns_none  # listed, but this one is right\n"
+        ),
+    )
+    selected = "remove_of_an_absent or remove_deletes or get_of_a_key_never_stored"
+    run = run_suite("remove-always-true://", "--kvplug-xfails-file", str(xfails), "-k", selected)
+    assert run.result.ret == pytest.ExitCode.OK, run.output
+    assert run.rows[7]["known failure"] == 2, run.output
+    assert run.rows[7]["failed"] == 0, run.output
+    assert run.rows[1]["fixed known failure"] == 1, run.output
+    run.result.stdout.fnmatch_lines(
+        [
+            "  1 pass  a miss returns None: 1 fixed known failure",
+            "  7 known remove of an absent key is False*: 2 known failure",
+            "XPASS *::test_get_of_a_key_never_stored_returns_none - *listed, but this one is right",
+        ],
+        consecutive=False,
+    )
+
+
+def test_known_failures_file_that_does_not_exist_is_a_usage_error(run_suite: RunSuite) -> None:
+    run = run_suite("ref://", "--kvplug-xfails-file", "no-such-file.txt")
+    assert run.result.ret == pytest.ExitCode.USAGE_ERROR, run.output
+    run.result.stderr.fnmatch_lines(["*known-failures file no-such-file.txt: No such file*"])
+
+
+def test_missing_url_names_the_option_and_the_environment_variable(run_suite: RunSuite) -> None:
+    run = run_suite(None, "-k", "get_of_a_key_never_stored")
+    assert run.result.ret != pytest.ExitCode.OK
+    assert (
+        f"no backend to test: pass --kvplug-url URL (or set {URL_ENV}), for example "
+        "pytest --pyargs kvplug_contracts --kvplug-url cpu://"
+    ) in run.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "no backend to test: pass --kvplug-url URL"),
+        (("--kvplug-url", "ref://", "--kvplug-option", "pin_ttl"), "is not NAME=VALUE"),
+    ],
+    ids=["missing-url", "option-without-value"],
+)
+def test_bad_command_line_is_one_usage_error_not_a_failure_of_every_clause(
+    run_suite: RunSuite, args: tuple[str, ...], message: str
+) -> None:
+    run = run_suite(None, *args)
+    assert run.result.ret == pytest.ExitCode.USAGE_ERROR, run.output
+    run.result.stderr.fnmatch_lines([f"ERROR: *{message}*"])
+    assert run.clauses("failed") == set(), run.output
+
+
+def test_kvplug_option_reaches_the_backend_and_wins_over_the_query(
+    run_suite: RunSuite, pytester: pytest.Pytester
+) -> None:
+    trace = pytester.path / "opened.jsonl"
+    run = run_suite(
+        "ref://?pin_ttl=7&key_prefix=from-query/",
+        "--kvplug-option",
+        f"trace_file={trace}",
+        "--kvplug-option",
+        "pin_ttl=42",
+        "-k",
+        "get_of_a_key_never_stored",
+    )
+    assert run.result.ret == pytest.ExitCode.OK, run.output
+    opened = json.loads(trace.read_text().splitlines()[0])
+    assert opened["pin_ttl"] == 42.0
+    assert opened["key_prefix"] == "from-query/"
+    assert opened["trace_file"] == str(trace)
+
+
+def test_url_from_the_environment_variable(
+    run_suite: RunSuite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(URL_ENV, "ref://")
+    run = run_suite(None, VERBOSE, "-k", "get_of_a_key_never_stored or round_trip_of_objects_from")
+    assert run.result.ret == pytest.ExitCode.OK, run.output
+    assert run.rows[1]["passed"] == 1
+    assert run.rows[2]["passed"] == 1
+    run.result.stdout.fnmatch_lines(["kvplug contract suite *: ref://"])
+
+
+def _kvplug_contract(cwd: Path, *args: str) -> subprocess.Popen[str]:
+    """``kvplug contract ARGS`` in a process of its own (it runs pytest itself)."""
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    command = [sys.executable, "-c", "from kvplug.cli import main; main()", "contract", *args]
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_kvplug_contract_command_passes_cpu_and_fails_blackhole_by_clause(
+    tmp_path: Path,
+) -> None:
+    selected = ("-k", "get_of_a_key_never_stored or round_trip_of_objects_from")
+    xfails = Path(__file__).parents[1] / "plugins/blackhole/contract-xfails.txt"
+    processes = {
+        "cpu": _kvplug_contract(tmp_path, "cpu://", *selected),
+        "blackhole": _kvplug_contract(tmp_path, "blackhole://", *selected),
+        "known": _kvplug_contract(
+            tmp_path, "blackhole://", "--xfails-file", str(xfails), *selected
+        ),
+    }
+    done = {
+        name: (process.communicate(timeout=120)[0], process.returncode)
+        for name, process in processes.items()
+    }
+
+    output, code = done["cpu"]
+    assert code == 0, output
+    assert "kvplug contract cpu://: PASS; of 15 clauses 2 kept" in output
+    assert "backend 'cpu' from kvplug-cpu" in output and "capabilities pin, zero_copy" in output
+
+    output, code = done["blackhole"]
+    assert code == 1, output
+    assert "kvplug contract blackhole://: FAIL (clauses 2); of 15 clauses 1 kept" in output
+    assert "clause 2 (get after put is bit-identical) violated" in output
+
+    output, code = done["known"]
+    assert code == 0, output
+    assert (
+        "kvplug contract blackhole://: PASS; of 15 clauses 1 kept, 1 with declared known" in output
+    )

@@ -1,0 +1,281 @@
+"""The tiered Store: fan-out, write-back, lookup, prefetch, isolation of failing tiers, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import kvplug
+from kvplug import (
+    Backend,
+    BackendUnavailable,
+    BytesBackend,
+    CacheKey,
+    Capabilities,
+    FreeListAllocator,
+    MemoryObj,
+    NotSupported,
+)
+from kvplug.backend import Buffer
+from kvplug.config import Config
+from kvplug.store import Store
+
+
+class DictTier(BytesBackend):
+    """A byte store in a dict that can be told to fail or to be slow."""
+
+    capabilities = Capabilities(delete=True, list=True)
+
+    def __init__(self, url: Any = "dict://", **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.values: dict[str, bytes] = {}
+        self.failing = False
+        self.gate: asyncio.Event | None = None
+
+    async def _maybe_fail(self) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failing:
+            raise BackendUnavailable("dict tier is down")
+
+    async def get_bytes(self, key: str) -> Buffer | None:
+        await self._maybe_fail()
+        return self.values.get(key)
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        await self._maybe_fail()
+        self.values[key] = b"".join(parts)
+
+    async def contains_bytes(self, key: str) -> bool:
+        await self._maybe_fail()
+        return key in self.values
+
+    async def remove_bytes(self, key: str) -> bool:
+        await self._maybe_fail()
+        return self.values.pop(key, None) is not None
+
+    def list_keys(self) -> Any:
+        async def keys() -> Any:
+            for text in list(self.values):
+                yield CacheKey.parse(text)
+
+        return keys()
+
+    async def close(self) -> None:
+        self.mark_closed()
+
+
+def key(n: int) -> CacheKey:
+    return CacheKey("vllm", "store-test", 1, 0, n)
+
+
+def filled(allocator: kvplug.Allocator, value: float, shape=(2, 2, 16, 64)) -> MemoryObj:
+    obj = allocator.allocate(shape, torch.float16)
+    assert obj is not None
+    obj.tensor.fill_(value)
+    return obj
+
+
+async def two_dict_store(**kwargs: Any) -> tuple[Store, DictTier, DictTier, FreeListAllocator]:
+    allocator = FreeListAllocator(64 << 20, pin=False)
+    fast, slow = DictTier(allocator=allocator), DictTier(allocator=allocator)
+    store = Store([fast, slow], allocator=allocator, **kwargs)
+    return store, fast, slow, allocator
+
+
+def test_put_reaches_every_tier_and_get_prefers_the_first() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        obj = filled(allocator, 1.0)
+        await store.put(key(1), obj)
+        obj.release()
+        await store.flush()
+        assert await fast.contains(key(1)) and await slow.contains(key(1))
+        hit = await store.get(key(1))
+        assert hit is not None and bool((hit.tensor == 1.0).all())
+        hit.release()
+        stats = store.stats()
+        assert stats[store._tiers[0].name]["hits"] == 1
+        assert stats[store._tiers[1].name]["hits"] == 0
+        await store.close()
+        assert allocator.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_a_hit_in_a_lower_tier_is_written_back_into_the_faster_tiers() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        obj = filled(allocator, 3.0)
+        await slow.put(key(2), obj)
+        obj.release()
+        hit = await store.get(key(2))
+        assert hit is not None and bool((hit.tensor == 3.0).all())
+        hit.release()
+        await store.flush()
+        assert await fast.contains(key(2))
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_lookup_counts_the_prefix_present_in_any_tier() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        obj = filled(allocator, 0.5)
+        for n, tier in ((0, fast), (1, slow), (2, fast), (4, slow)):
+            await tier.put(key(n), obj)
+        obj.release()
+        assert await store.lookup([key(n) for n in range(6)]) == 3
+        assert await store.lookup([key(4), key(0), key(1)]) == 3
+        assert await store.lookup([key(3), key(0)]) == 0
+        assert await store.lookup([]) == 0
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_prefetch_loads_a_contiguous_prefix_into_the_first_tier() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        obj = filled(allocator, 2.0)
+        for n in (0, 1, 3):
+            await slow.put(key(n), obj)
+        await fast.put(key(2), obj)
+        obj.release()
+        assert await store.prefetch([key(n) for n in range(5)]) == 4
+        assert [await fast.contains(key(n)) for n in range(5)] == [True] * 4 + [False]
+        assert await store.prefetch([key(9), key(0)]) == 0
+        await store.close()
+        assert allocator.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_a_slow_tier_never_blocks_puts_and_its_overflow_is_counted() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store(queue_size=2)
+        slow.gate = asyncio.Event()
+        start = time.perf_counter()
+        for n in range(10):
+            obj = filled(allocator, float(n))
+            await store.put(key(n), obj)
+            obj.release()
+        assert time.perf_counter() - start < 1.0
+        await asyncio.sleep(0.05)
+        slow_name = store._tiers[1].name
+        # The queue held two puts; the other eight were dropped and hold no memory.
+        assert store.stats()[slow_name]["dropped_puts"] == 8
+        assert allocator.stats().object_count == 2
+        slow.gate.set()
+        await store.flush()
+        assert len(fast.values) == 10 and len(slow.values) == 2
+        await store.close()
+        assert allocator.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_a_failing_tier_is_isolated_and_retried_after_back_off() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store(backoff=0.2)
+        obj = filled(allocator, 4.0)
+        await slow.put(key(1), obj)
+        obj.release()
+        fast.failing = True
+        hit = await store.get(key(1))
+        assert hit is not None
+        hit.release()
+        health = store.health()
+        assert not health[0].healthy and "dict tier is down" in (health[0].last_error or "")
+        assert health[1].healthy
+        assert store.stats()[store._tiers[0].name]["errors"] == 1
+        # Skipped while backing off: no second error, still served by the slow tier.
+        hit = await store.get(key(1))
+        assert hit is not None
+        hit.release()
+        assert store.stats()[store._tiers[0].name]["errors"] == 1
+        fast.failing = False
+        await asyncio.sleep(0.25)
+        assert await store.lookup([key(1)]) == 1
+        assert store.health()[0].healthy
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_metrics_export_in_prometheus_format() -> None:
+    async def main() -> None:
+        store, _fast, _slow, allocator = await two_dict_store()
+        obj = filled(allocator, 1.0)
+        await store.put(key(1), obj)
+        obj.release()
+        await store.flush()
+        (await store.get(key(1))).release()
+        assert await store.get(key(2)) is None
+        text = store.prometheus_text()
+        assert 'kvplug_tier_hits_total{tier="0:dict://"} 1.0' in text
+        assert 'kvplug_tier_misses_total{tier="1:dict://"} 1.0' in text
+        assert "kvplug_tier_op_seconds_bucket" in text
+        assert f'kvplug_tier_written_bytes_total{{tier="0:dict://"}} {obj.nbytes}.0' in text
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_remove_and_clear_per_tier() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        for n in range(3):
+            obj = filled(allocator, float(n))
+            await store.put(key(n), obj)
+            obj.release()
+        await store.flush()
+        assert await store.remove(key(0), tiers=[0]) == 1
+        assert await store.remove(key(0)) == 1
+        assert await store.remove(key(0)) == 0
+        assert await store.clear(tiers=[1]) == 2
+        assert len(fast.values) == 2 and not slow.values
+        with pytest.raises(kvplug.ConfigError, match="no tier 5"):
+            await store.remove(key(1), tiers=[5])
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_clear_needs_list_and_delete() -> None:
+    async def main() -> None:
+        allocator = FreeListAllocator(8 << 20, pin=False)
+        hole = await kvplug.open_backend("blackhole://")
+        store = Store([hole], allocator=allocator)
+        with pytest.raises(NotSupported, match="cannot be cleared"):
+            await store.clear()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_open_from_config_allocates_in_the_cpu_tier_for_zero_copy_puts() -> None:
+    async def main() -> None:
+        config = Config.from_dict({"local_cpu": True, "max_local_cpu_size": "32MiB"})
+        store = await Store.open(config)
+        cpu: Backend = store.tiers[0]
+        obj = store.allocate((2, 2, 16, 64), torch.float16)
+        assert obj is not None and obj.allocator is cpu.allocator
+        await store.put(key(1), obj)
+        await store.flush()
+        hit = await store.get(key(1))
+        assert hit is not None and hit.data_ptr() == obj.data_ptr()
+        hit.release()
+        obj.release()
+        await store.close()
+        await store.close()
+        with pytest.raises(kvplug.BackendClosed):
+            await store.get(key(1))
+
+    asyncio.run(main())
