@@ -22,3 +22,4 @@ trap 'rm -rf "$acme_dir"' EXIT
 .venv/bin/kvplug contract audit::cpu://
 .venv/bin/kvplug contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
 .venv/bin/kvplug contract "acme://$acme_dir/contract.sqlite"
+.venv/bin/kvplug contract "file://$acme_dir/disk"

@@ -1,0 +1,1457 @@
+"""The local-disk tier, ``file:///dir``: KV-cache chunks in files, found again after a restart.
+
+URL and options (query parameters or keyword options, keywords win)::
+
+    file:///var/cache/kvplug?max_size=100GiB&eviction=lru
+    file:///nvme0/kv,/nvme1/kv?fsync=true            # several directories, sharded by key hash
+
+* the URL path names one absolute directory, or several separated by commas; the option
+  ``paths`` (a list, or a comma-separated string) adds more. Each is created (mode 700) when
+  missing. Objects are spread over the directories by a hash of their key.
+* ``max_size``: bytes of object files the tier may hold over all directories (an int or a size
+  string, ``512MiB``, ``100GiB``); default 10 GiB. Past it, keys are evicted by ``eviction``.
+* ``eviction``: ``lru`` (default), ``lfu`` or ``fifo`` (see :mod:`kvplug.eviction`).
+* ``pin_ttl``: seconds a pin lasts before it expires by itself. Default 300.
+* ``o_direct``: use O_DIRECT where the filesystem supports it (default true; probed per
+  directory at open, with one warning per directory that refuses it); false: never.
+* ``fsync``: fsync each file and its directory before a put returns, so objects survive a
+  power loss (default false: a crashed *process* never loses or tears an object either way).
+* ``workers``: threads doing file I/O (default 4). ``queue_depth``: operations in flight at
+  most (default 64); further callers wait their turn.
+* ``allow_shared_dir``: accept a directory that another user owns or can write to (default
+  false: such a directory is refused, since another user could plant or alter cached data).
+* ``timeout``: common to every backend, the deadline of one operation in seconds.
+
+Example::
+
+    >>> import asyncio, tempfile, torch, kvplug
+    >>> async def main(path):
+    ...     disk = await kvplug.open_backend(f"file://{path}/kv?max_size=64MiB")
+    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     obj = disk.allocator.allocate((2, 4, 16, 8), torch.float16)
+    ...     obj.tensor.fill_(1.0)
+    ...     await disk.put(key, obj)            # written with O_DIRECT from obj's own memory
+    ...     obj.release()                       # put never takes the caller's reference
+    ...     await disk.close()
+    ...     again = await kvplug.open_backend(f"file://{path}/kv")   # persistent
+    ...     hit = await again.get(key)
+    ...     total = hit.tensor.sum().item()
+    ...     hit.release()
+    ...     await again.close()
+    ...     return total
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     asyncio.run(main(tmp))
+    1024.0
+"""
+
+# File descriptors and str paths on the I/O path: os.* is the syscall itself, pathlib would add
+# an object per call and hide which call ran.
+# ruff: noqa: PTH102, PTH103, PTH105, PTH108, PTH116, PTH117, PTH118
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import itertools
+import logging
+import mmap
+import os
+import shutil
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, ClassVar, TypeVar, cast
+
+import torch
+from pydantic import Field, field_validator
+
+from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.errors import (
+    BackendClosed,
+    BackendError,
+    CapacityExceeded,
+    ConfigError,
+    CorruptObject,
+    InvalidBackendURL,
+)
+from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, check_policy_name, make_policy
+from kvplug.frame import encode_header, verify_payload
+from kvplug.keys import CacheKey, InvalidKey
+from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.units import GiB, parse_size
+from kvplug.url import BackendURL
+from kvplug_disk.layout import (
+    BLOCK,
+    MAX_KEY_BYTES,
+    OBJECT_NAME,
+    SERDE,
+    SUBDIR_NAME,
+    SUFFIX,
+    TEMP_NAME,
+    ObjectHeader,
+    decode_block,
+    digest,
+    encode_block,
+    file_length,
+    padded,
+    probe_name,
+    temp_name,
+)
+
+T = TypeVar("T")
+logger = logging.getLogger("kvplug.disk")
+
+DEFAULT_MAX_SIZE = 10 * GiB
+DEFAULT_WORKERS = 4
+DEFAULT_QUEUE_DEPTH = 64
+CLOSE_WAIT = 4.0
+"""Seconds ``close`` waits for file I/O in flight before it returns anyway."""
+BOUNCE_POOL_SIZE = 64 << 20
+"""Aligned staging memory for objects that do not live in 4096-aligned host memory."""
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_STRIPES = 64
+_ZEROS = bytes(BLOCK)
+_thread_state = threading.local()
+
+
+class DiskOptions(BackendOptions):
+    """Options of ``file://``."""
+
+    paths: tuple[str, ...] = Field(
+        (), description="more directories besides the URL path: a list or 'a,b'"
+    )
+    max_size: int = Field(
+        DEFAULT_MAX_SIZE, description="bytes of object files the tier holds: '100GiB'"
+    )
+    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
+    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts before it expires")
+    o_direct: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
+    fsync: bool = Field(False, description="fsync files and directories before put returns")
+    workers: int = Field(DEFAULT_WORKERS, ge=1, le=256, description="file I/O threads")
+    queue_depth: int = Field(
+        DEFAULT_QUEUE_DEPTH, ge=1, le=1 << 16, description="operations in flight at most"
+    )
+    allow_shared_dir: bool = Field(
+        False, description="accept a directory another user owns or can write to"
+    )
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _split_paths(cls, value: object) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            return tuple(value.split(",")) if value else ()
+        if isinstance(value, list | tuple) and all(isinstance(p, str | os.PathLike) for p in value):
+            return tuple(os.fspath(p) for p in value)
+        raise ConfigError(
+            f"paths must be a list of directories or a comma-separated string, got {value!r}."
+        )
+
+    @field_validator("max_size", mode="before")
+    @classmethod
+    def _parse_max_size(cls, value: object) -> int:
+        size = parse_size(value, what="file max_size")
+        if size < 2 * BLOCK:
+            raise ConfigError(
+                f"file max_size is {size} bytes, less than one {2 * BLOCK}-byte object file "
+                "(a header block and a payload block), so nothing would fit. "
+                "Give a size such as '10GiB'."
+            )
+        return size
+
+    @field_validator("eviction", mode="before")
+    @classmethod
+    def _check_eviction(cls, value: object) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
+        return check_policy_name(value)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+class _Slots:
+    """A counting semaphore for coroutines of any event loop and thread.
+
+    asyncio's semaphore belongs to one loop, but one backend serves engine threads through
+    SyncClient and tasks of other loops at once; waiters here are woken on their own loop.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._lock = threading.Lock()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+        self._closed: Callable[[], BaseException] | None = None
+
+    async def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed()
+            if self._free > 0 and not self._waiters:
+                self._free -= 1
+                return
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, waiter))
+        try:
+            await waiter
+        except BaseException:
+            with self._lock:
+                try:
+                    self._waiters.remove((loop, waiter))
+                    queued = True
+                except ValueError:
+                    queued = False
+            granted = waiter.done() and not waiter.cancelled() and waiter.exception() is None
+            if not queued and granted:
+                self.release()  # granted, but this caller gave up: pass the slot on
+            raise
+
+    def release(self) -> None:
+        with self._lock:
+            while self._waiters:
+                loop, waiter = self._waiters.popleft()
+                try:
+                    loop.call_soon_threadsafe(self._grant, waiter)
+                    return
+                except RuntimeError:  # that loop is closed: nobody waits there any more
+                    continue
+            self._free += 1
+
+    def _grant(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():  # cancelled after it was picked: pass the slot on
+            self.release()
+        else:
+            waiter.set_result(None)
+
+    def close(self, error: Callable[[], BaseException]) -> None:
+        """Fail every waiter and every later :meth:`acquire` with ``error()``."""
+        with self._lock:
+            self._closed = error
+            waiters = list(self._waiters)
+            self._waiters.clear()
+        for loop, waiter in waiters:
+            try:
+                loop.call_soon_threadsafe(_fail, waiter, error())
+            except RuntimeError:
+                continue
+
+
+def _fail(waiter: asyncio.Future[None], error: BaseException) -> None:
+    if not waiter.done():
+        waiter.set_exception(error)
+
+
+@dataclass
+class Directory:
+    """One directory of the tier, as found at open."""
+
+    path: str
+    o_direct: bool
+    """Whether files here are read and written with O_DIRECT."""
+    o_direct_problem: str | None
+    """Why O_DIRECT is not used here (``None`` when it is)."""
+    subdirs: set[str] = field(default_factory=set, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass
+class _Entry:
+    """What the index knows about one stored object; the file is the truth."""
+
+    path: str
+    stem: str
+    directory: Directory
+    size: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    payload_len: int
+    gen: int
+
+    def describes(self, header: ObjectHeader) -> bool:
+        frame = header.frame
+        return (frame.shape, frame.dtype, frame.fmt, frame.payload_len) == (
+            self.shape,
+            self.dtype,
+            self.fmt,
+            self.payload_len,
+        )
+
+
+@dataclass
+class _Transfer:
+    """How one payload moves between memory and a file."""
+
+    buffers: list[memoryview]
+    """The payload's buffers after the header block, in file order."""
+    o_direct: bool
+    host: memoryview
+    """The payload bytes in host memory (what the checksum covers)."""
+    staging: torch.Tensor | None = None
+    """After a read: host bytes still to be copied into the object."""
+    bounce: MemoryObj | None = None
+
+    @property
+    def length(self) -> int:
+        return sum(view.nbytes for view in self.buffers)
+
+    def close(self) -> None:
+        if self.bounce is not None:
+            self.bounce.release()
+            self.bounce = None
+
+
+def _reason(error: OSError) -> str:
+    name = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
+    return f"{error.strerror or error} [{name}]"
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        size /= 1024
+    return f"{nbytes} B"  # pragma: no cover
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous host uint8 tensor."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(cast(Any, tensor.numpy())).cast("B")
+
+
+def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
+    """The first ``length`` bytes of ``obj``'s allocator block, when that block is 4096-aligned
+    host memory of a :class:`FreeListAllocator` and at least that long; else None.
+
+    Such a block can go to and from the file with O_DIRECT as it is: the bytes after the
+    object's end up to ``length`` are the block's own padding.
+    """
+    allocator = obj.allocator
+    if not isinstance(allocator, FreeListAllocator) or allocator.alignment % BLOCK:
+        return None
+    buffer = allocator.buffer
+    if buffer.device.type != "cpu" or obj.phy_size < length:
+        return None
+    start = buffer.data_ptr() + obj.offset
+    if start % BLOCK or (obj.nbytes and start != obj.data_ptr()):
+        return None
+    return buffer[obj.offset : obj.offset + length]
+
+
+def _advance(views: list[memoryview], count: int) -> list[memoryview]:
+    while count and views:
+        first = views[0]
+        if count >= first.nbytes:
+            count -= first.nbytes
+            views = views[1:]
+        else:
+            views = [first[count:], *views[1:]]
+            count = 0
+    return views
+
+
+def _write_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    views = [view for view in buffers if view.nbytes]
+    total = 0
+    while views:
+        count = os.pwritev(fd, views, offset + total)
+        if count <= 0:
+            raise OSError(errno.EIO, "the file system accepted no bytes")
+        total += count
+        views = _advance(views, count)
+    return total
+
+
+def _read_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    views = [view for view in buffers if view.nbytes]
+    total = 0
+    while views:
+        count = os.preadv(fd, views, offset + total)
+        if count <= 0:
+            break
+        total += count
+        views = _advance(views, count)
+    return total
+
+
+def _header_buffer() -> mmap.mmap:
+    """This thread's page-aligned header block buffer (O_DIRECT needs aligned memory)."""
+    buffer: mmap.mmap | None = getattr(_thread_state, "header", None)
+    if buffer is None:
+        buffer = mmap.mmap(-1, BLOCK)
+        _thread_state.header = buffer
+    return buffer
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("could not remove %s: %s", path, _reason(error))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
+    raw = (url.path.split(",") if url.path else []) + list(extra)
+    if not raw:
+        raise InvalidBackendURL(
+            f"{url} names no directory. Write an absolute path after three slashes, "
+            "file:///var/cache/kvplug, several separated by commas, "
+            "file:///nvme0/kv,/nvme1/kv, or give the option paths."
+        )
+    paths: list[str] = []
+    for path in raw:
+        if not path or not os.path.isabs(path):
+            raise InvalidBackendURL(
+                f"{url}: directory {path!r} is not an absolute path. Write absolute paths, "
+                "separated by commas: file:///nvme0/kv,/nvme1/kv"
+            )
+        normal = os.path.normpath(path)
+        if normal not in paths:
+            paths.append(normal)
+    return tuple(paths)
+
+
+def _check_not_shared(path: str, url: BackendURL) -> None:
+    """Refuse a directory that another user owns or can write to."""
+    info = os.stat(path)
+    problems = []
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        problems.append(f"it is owned by uid {info.st_uid}, not by this process's uid {uid}")
+    writers = [
+        who
+        for bit, who in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
+        if info.st_mode & bit
+    ]
+    if writers:
+        problems.append(
+            f"{' and '.join(writers)} can write to it (mode {stat.S_IMODE(info.st_mode):o})"
+        )
+    if problems:
+        raise ConfigError(
+            f"{url}: refusing the cache directory {path}: {'; '.join(problems)}, so another "
+            "user could plant, change or delete cached KV data there. Run `chmod 700 "
+            f"{path}` (and chown it to this user), use a directory of your own, or pass "
+            "allow_shared_dir=true if sharing it is intended."
+        )
+
+
+def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(
+            f"{url}: {path} exists and is not a directory. Name a directory for the cache."
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            f"{url}: cannot create the cache directory {path}: {_reason(error)}. Create it "
+            "(mode 700) or choose a directory this user can write to."
+        ) from None
+    if not allow_shared:
+        _check_not_shared(path, url)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{url}: the cache directory {path} is not writable by this user. Fix its "
+            "permissions or choose another directory."
+        )
+
+
+def _probe_o_direct(path: str) -> str | None:
+    """None when an aligned block can be written and read back with O_DIRECT in ``path``,
+    else the reason it cannot."""
+    if not _O_DIRECT:
+        return "this platform has no O_DIRECT"
+    name = os.path.join(path, probe_name())
+    block = mmap.mmap(-1, BLOCK)
+    back = mmap.mmap(-1, BLOCK)
+    block[:] = (b"kvplug O_DIRECT probe " * (BLOCK // 16))[:BLOCK]
+    try:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _OPEN_FLAGS, 0o600)
+        except OSError as error:
+            _unlink_quietly(name)
+            return f"opening a file with O_DIRECT failed: {_reason(error)}"
+        try:
+            if os.pwritev(fd, [block], 0) != BLOCK or os.preadv(fd, [back], 0) != BLOCK:
+                return "an aligned O_DIRECT write and read transferred fewer bytes than asked"
+            if back[:] != block[:]:
+                return "an aligned O_DIRECT read did not return the block just written"
+        except OSError as error:
+            return f"an aligned O_DIRECT write and read failed: {_reason(error)}"
+        finally:
+            os.close(fd)
+            _unlink_quietly(name)
+    finally:
+        block.close()
+        back.close()
+    return None
+
+
+def _load_header(path: str) -> tuple[ObjectHeader, float]:
+    """The verified header of an object file and its mtime; CorruptObject when damaged."""
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        info = os.fstat(fd)
+        data = os.pread(fd, BLOCK, 0)
+    finally:
+        os.close(fd)
+    header = decode_block(data)
+    if info.st_size != header.file_length:
+        raise CorruptObject(
+            f"file is {info.st_size} bytes, its header says {header.file_length} "
+            "(truncated or torn)."
+        )
+    return header, info.st_mtime
+
+
+def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        abandoned(future.result())
+
+
+def _release(obj: MemoryObj | None) -> None:
+    if obj is not None:
+        obj.release()
+
+
+async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
+    for key in keys:
+        yield key
+
+
+# -- the backend ----------------------------------------------------------------------------
+
+
+class DiskBackend(Backend):
+    """A size-capped, persistent store of memory objects in files on local disks.
+
+    **Files.** One file per object, ``<dir>/<2 hex>/<xxh3-128 of the key>.kv``: a 4096-byte
+    header block (kvplug's frame header with the payload checksum, then the key, then a
+    checksum of the whole block) and the payload from offset 4096, zero-padded to whole blocks
+    (see :mod:`kvplug_disk.layout`). File names never contain key contents.
+
+    **Atomicity and crashes.** A put writes a temporary file in the same subdirectory and
+    renames it over the object's name, so readers see the old object or the new one, never a
+    mix, and a crash leaves no half-written object under an object name. With ``fsync=true``
+    the file and its directory are fsynced before the put returns. At open the index is rebuilt
+    from the files: objects of earlier runs are found again, temporary files of dead processes
+    are deleted, damaged object files are deleted, foreign files are left alone; one summary
+    line is logged.
+
+    **Reads** verify the header block, the key inside it, the file length and the payload
+    checksum; anything damaged reads as a miss, is counted in :attr:`corrupt_objects` and its
+    file is removed (clause 6).
+
+    **O_DIRECT.** Probed per directory at open. Objects in a 4096-aligned
+    :class:`~kvplug.memory.FreeListAllocator` (the core's default) go straight between their
+    allocator block and the file with ``preadv``/``pwritev``; ``get`` allocates its result in
+    :attr:`allocator` and reads into it the same way. Other objects are staged through an
+    internal aligned bounce pool. A directory that refuses O_DIRECT (tmpfs) uses buffered I/O.
+
+    **Capacity.** ``max_size`` caps the bytes of object files (header and padding included);
+    keys are evicted by policy, never a pinned one, to make room. A disk with less free space
+    than an object needs, or a write that fails with ENOSPC, raises
+    :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does not affect
+    reads.
+
+    **Concurrency.** File I/O runs on ``workers`` threads with at most ``queue_depth``
+    operations in flight; the index is guarded by a thread lock never held across an
+    ``await``, so one backend serves several event loops and threads. Writes, removals and
+    evictions of one key are serialized; reads are not (an open file stays readable when it is
+    replaced or removed).
+
+    Not declared: ``shared_across_processes`` (each process keeps its own index, so objects
+    another process writes are seen only after a reopen).
+
+    Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`corrupt_objects`,
+    :attr:`bytes_held`, :attr:`rebuild_stats` and :meth:`stats`.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        pin=True, persistent=True, delete=True, list=True
+    )
+    Options: ClassVar[type[BackendOptions]] = DiskOptions
+    options: DiskOptions
+
+    def __init__(
+        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+    ) -> None:
+        super().__init__(url, allocator=allocator, **options)
+        if self.url.hosts or self.url.username or self.url.password:
+            raise InvalidBackendURL(
+                f"{self.url} names a host or user, but file:// is a local directory. Write the "
+                "absolute path after three slashes: file:///var/cache/kvplug"
+            )
+        self.paths: tuple[str, ...] = _directory_paths(self.url, self.options.paths)
+        """The configured directories, in sharding order."""
+        self.max_size: int = self.options.max_size
+        self.directories: list[Directory] = []
+        """The directories in use, with their O_DIRECT state (filled by :meth:`open`)."""
+        self._lock = threading.Lock()
+        self._stripes = [threading.RLock() for _ in range(_STRIPES)]
+        self._index: dict[CacheKey, _Entry] = {}
+        self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
+        self._pins: dict[CacheKey, deque[float]] = {}
+        self._bytes_held = 0
+        self._reserved = 0
+        self._generations = itertools.count(1)
+        self._open_lock = threading.Lock()
+        self._opened = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.options.workers, thread_name_prefix="kvplug-disk"
+        )
+        self._slots = _Slots(self.options.queue_depth)
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
+        self._inflight_lock = threading.Lock()
+        self._bounce: FreeListAllocator | None = None
+        self._bounce_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.corrupt_objects = 0
+        """Damaged objects found (at open or on read) and removed."""
+        self.allocation_failures = 0
+        """Hits that read as misses because :attr:`allocator` had no room."""
+        self.rebuild_stats: dict[str, int] = {}
+        """What the last open found on disk: objects, bytes, corrupt, temp_removed, ..."""
+
+    # -- counters ---------------------------------------------------------------------------
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the stored object files (header blocks and padding included)."""
+        return self._bytes_held
+
+    def stats(self) -> dict[str, int]:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "corrupt_objects": self.corrupt_objects,
+                "allocation_failures": self.allocation_failures,
+                "bytes_held": self._bytes_held,
+                "keys": len(self._index),
+                "pinned_keys": len(self._pins),
+                "max_size": self.max_size,
+            }
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- open -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Check and create the directories, probe O_DIRECT in each, and rebuild the index
+        from the files on disk. Operations call it themselves when it was not awaited."""
+        self.ensure_open()
+        if not self._opened:
+            await asyncio.to_thread(self._open_sync)
+
+    async def _ready(self) -> None:
+        if not self._opened:
+            await self.open()
+
+    def _open_sync(self) -> None:
+        with self._open_lock:
+            if self._opened:
+                return
+            self.ensure_open()
+            directories: list[Directory] = []
+            seen: set[tuple[int, int]] = set()
+            for path in self.paths:
+                _prepare_directory(path, self.url, self.options.allow_shared_dir)
+                info = os.stat(path)
+                if (info.st_dev, info.st_ino) in seen:
+                    continue  # two names of one directory
+                seen.add((info.st_dev, info.st_ino))
+                problem = _probe_o_direct(path) if self.options.o_direct else "o_direct=false"
+                if problem is not None and self.options.o_direct:
+                    logger.warning(
+                        "%s: O_DIRECT is not available in %s (%s); using buffered I/O there, "
+                        "through the page cache. Put the cache on a local disk filesystem "
+                        "(ext4, xfs) for direct I/O, or set o_direct=false to silence this.",
+                        self.url,
+                        path,
+                        problem,
+                    )
+                directories.append(Directory(path, problem is None, problem))
+            self.directories = directories
+            self._rebuild()
+            self._opened = True
+
+    def _rebuild(self) -> None:
+        stats = dict.fromkeys(
+            (
+                "objects",
+                "bytes",
+                "corrupt",
+                "temp_removed",
+                "temp_in_use",
+                "duplicates",
+                "foreign",
+                "unreadable",
+                "evicted",
+            ),
+            0,
+        )
+        found: dict[CacheKey, tuple[float, _Entry]] = {}
+        for directory in self.directories:
+            with os.scandir(directory.path) as items:
+                for item in items:
+                    if TEMP_NAME.fullmatch(item.name):
+                        self._clean_temp(item.path, item.name, stats)
+                    elif SUBDIR_NAME.fullmatch(item.name) and item.is_dir(follow_symlinks=False):
+                        if not self.options.allow_shared_dir:
+                            _check_not_shared(item.path, self.url)
+                        directory.subdirs.add(item.name)
+                        self._scan_subdir(directory, item.path, found, stats)
+                    else:
+                        stats["foreign"] += 1
+        with self._lock:
+            for key, (_, entry) in sorted(found.items(), key=lambda item: item[1][0]):
+                self._index[key] = entry
+                self._policy.on_put(key)
+                self._bytes_held += entry.size
+            stats["objects"] = len(self._index)
+            stats["bytes"] = self._bytes_held
+            while self._bytes_held > self.max_size and self._evict_one(exclude=None):
+                stats["evicted"] += 1
+            self.corrupt_objects += stats["corrupt"]
+        self.rebuild_stats = stats
+        self._log_rebuild(stats)
+
+    def _scan_subdir(
+        self,
+        directory: Directory,
+        path: str,
+        found: dict[CacheKey, tuple[float, _Entry]],
+        stats: dict[str, int],
+    ) -> None:
+        with os.scandir(path) as items:
+            for item in items:
+                match = OBJECT_NAME.fullmatch(item.name)
+                if TEMP_NAME.fullmatch(item.name):
+                    self._clean_temp(item.path, item.name, stats)
+                    continue
+                if match is None or not item.is_file(follow_symlinks=False):
+                    stats["foreign"] += 1
+                    continue
+                try:
+                    header, mtime = _load_header(item.path)
+                    if digest(header.key_text) != match.group(1):
+                        raise CorruptObject("the key inside does not match the file name.")
+                    key = CacheKey.parse(header.key_text)
+                except (CorruptObject, InvalidKey) as error:
+                    logger.debug("%s: removing damaged object file %s: %s", self.url, item, error)
+                    stats["corrupt"] += 1
+                    _unlink_quietly(item.path)
+                    continue
+                except OSError as error:
+                    logger.debug("%s: cannot read %s: %s", self.url, item.path, _reason(error))
+                    stats["unreadable"] += 1
+                    continue
+                entry = self._entry(item.path, match.group(1), directory, header)
+                previous = found.get(key)
+                if previous is not None:
+                    # One key in two places (the directory list changed): keep the newer.
+                    stats["duplicates"] += 1
+                    older, newer = sorted((previous, (mtime, entry)), key=lambda pair: pair[0])
+                    _unlink_quietly(older[1].path)
+                    found[key] = newer
+                else:
+                    found[key] = (mtime, entry)
+
+    def _clean_temp(self, path: str, name: str, stats: dict[str, int]) -> None:
+        match = TEMP_NAME.fullmatch(name)
+        if match is not None and _pid_alive(int(match.group(1))):
+            stats["temp_in_use"] += 1  # another backend's write in progress
+            return
+        try:
+            os.unlink(path)
+            stats["temp_removed"] += 1
+        except FileNotFoundError:
+            pass
+        except OSError:
+            stats["unreadable"] += 1
+
+    def _log_rebuild(self, stats: dict[str, int]) -> None:
+        count = len(self.directories)
+        parts = [
+            f"found {stats['objects']} object(s), {_human(stats['bytes'])}, in {count} "
+            f"director{'y' if count == 1 else 'ies'}"
+        ]
+        notes = (
+            ("evicted", "evicted {} to fit max_size"),
+            ("corrupt", "removed {} damaged object file(s)"),
+            ("temp_removed", "removed {} temporary file(s) of interrupted writes"),
+            ("duplicates", "removed {} older duplicate(s)"),
+            ("unreadable", "skipped {} unreadable file(s)"),
+            ("foreign", "left {} foreign file(s) alone"),
+            ("temp_in_use", "left {} temporary file(s) of running writers alone"),
+        )
+        parts += [text.format(stats[name]) for name, text in notes if stats[name]]
+        damaged = stats["corrupt"] or stats["temp_removed"] or stats["unreadable"]
+        logger.log(
+            logging.WARNING if damaged else logging.INFO,
+            "%s: index rebuilt from disk: %s.",
+            self.url,
+            "; ".join(parts),
+        )
+
+    # -- internals (callers hold self._lock) ------------------------------------------------
+
+    def _entry(self, path: str, stem: str, directory: Directory, header: ObjectHeader) -> _Entry:
+        frame = header.frame
+        return _Entry(
+            path,
+            stem,
+            directory,
+            header.file_length,
+            frame.shape,
+            frame.dtype,
+            frame.fmt,
+            frame.payload_len,
+            next(self._generations),
+        )
+
+    def _stripe(self, stem: str) -> threading.RLock:
+        return self._stripes[int(stem[-4:], 16) % _STRIPES]
+
+    def _shard(self, stem: str) -> Directory:
+        return self.directories[int(stem[2:10], 16) % len(self.directories)]
+
+    def _pinned(self, key: CacheKey, now: float) -> bool:
+        deadlines = self._pins.get(key)
+        if deadlines is None:
+            return False
+        while deadlines and deadlines[0] <= now:
+            deadlines.popleft()
+        if not deadlines:
+            del self._pins[key]
+            return False
+        return True
+
+    def _drop_locked(self, key: CacheKey) -> _Entry | None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._policy.discard(key)
+            self._pins.pop(key, None)
+            self._bytes_held -= entry.size
+        return entry
+
+    def _evict_one(self, exclude: CacheKey | None) -> bool:
+        """Evict the policy's first unpinned key whose writes are not in progress."""
+        now = time.monotonic()
+        victim: CacheKey | None = None
+        stripe: threading.RLock | None = None
+        for key in self._policy.candidates():
+            if key == exclude or self._pinned(key, now):
+                continue
+            stripe = self._stripe(self._index[key].stem)
+            # Never wait here (the index lock is held): a key being written is skipped.
+            if stripe.acquire(blocking=False):
+                victim = key
+                break
+        if victim is None or stripe is None:
+            return False
+        try:
+            entry = self._drop_locked(victim)
+            if entry is not None:
+                _unlink_quietly(entry.path)
+        finally:
+            stripe.release()
+        self.evictions += 1
+        return True
+
+    def _closed_error(self) -> BackendClosed:
+        return BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
+
+    def _check_open_worker(self) -> None:
+        if self._closed:
+            raise self._closed_error()
+
+    # -- the worker pool ----------------------------------------------------------------------
+
+    def _finished(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(future)
+        self._slots.release()
+
+    async def _run(
+        self,
+        what: str,
+        work: Callable[[], T],
+        *,
+        not_run: Callable[[], None] | None = None,
+        abandoned: Callable[[T], None] | None = None,
+    ) -> T:
+        """Run ``work`` on the pool within a queue slot and the deadline.
+
+        ``not_run`` is called when ``work`` never runs (no slot, closed, cancelled in the
+        queue); ``abandoned`` gets the result of a ``work`` whose caller stopped waiting.
+        """
+        submitted: list[concurrent.futures.Future[T]] = []
+
+        async def submit_and_wait() -> T:
+            await self._slots.acquire()
+            try:
+                self.ensure_open()
+                future = self._pool.submit(work)
+            except RuntimeError:  # the pool was shut down by close()
+                self._slots.release()
+                raise self._closed_error() from None
+            except BaseException:
+                self._slots.release()
+                raise
+            submitted.append(future)
+            with self._inflight_lock:
+                self._inflight.add(future)
+            future.add_done_callback(self._finished)
+            if not_run is not None:
+                future.add_done_callback(lambda f: not_run() if f.cancelled() else None)
+            return await asyncio.wrap_future(future)
+
+        try:
+            return await self.with_deadline(submit_and_wait(), what)
+        except BaseException:
+            if not submitted:
+                if not_run is not None:
+                    not_run()
+            elif abandoned is not None:
+                submitted[0].add_done_callback(partial(_hand_back, abandoned))
+            raise
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def _bounce_allocate(self, length: int) -> MemoryObj | None:
+        with self._bounce_lock:
+            if self._bounce is None:
+                self._bounce = FreeListAllocator(BOUNCE_POOL_SIZE, alignment=BLOCK, pin=False)
+            bounce = self._bounce
+        return bounce.allocate((length,), torch.uint8, MemoryFormat.BINARY_BUFFER)
+
+    def _plan(self, obj: MemoryObj, length: int, o_direct: bool, writing: bool) -> _Transfer:
+        """How ``obj``'s payload (``length`` bytes on disk, block-padded) moves."""
+        nbytes = obj.nbytes
+        if o_direct:
+            block = _aligned_block(obj, length)
+            if block is not None:  # the fast path: no copy at all
+                if writing:
+                    block[nbytes:].zero_()  # the block's padding: never leak stale memory
+                view = _view(block)
+                return _Transfer([view], True, view[:nbytes])
+            bounce = self._bounce_allocate(length)
+            if bounce is not None:
+                raw = bounce.raw
+                if writing:
+                    raw[:nbytes].copy_(obj.raw)
+                    raw[nbytes:].zero_()
+                view = _view(raw)
+                return _Transfer([view], True, view[:nbytes], raw[:nbytes], bounce)
+        # Buffered I/O takes any host memory; device memory goes through a host copy.
+        staging: torch.Tensor | None = None
+        if obj.device.type == "cpu":
+            view = _view(obj.raw)
+        elif writing:
+            view = _view(obj.raw.cpu())
+        else:
+            staging = torch.empty(nbytes, dtype=torch.uint8)
+            view = _view(staging)
+        buffers = [view]
+        if writing and length > nbytes:
+            buffers.append(memoryview(_ZEROS)[: length - nbytes])
+        return _Transfer(buffers, False, view, staging)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _subdir(self, directory: Directory, name: str, *, create: bool = False) -> str:
+        path = os.path.join(directory.path, name)
+        if name in directory.subdirs and not create:
+            return path
+        with directory.lock:
+            try:
+                os.mkdir(path, 0o700)
+                if self.options.fsync:
+                    _fsync_dir(directory.path)
+            except FileExistsError:
+                pass
+            directory.subdirs.add(name)
+        return path
+
+    def _reserve(self, key: CacheKey, length: int) -> None:
+        """Make room for a file of ``length`` bytes (evicting by policy) and reserve it."""
+        with self._lock:
+            self._check_open_worker()
+            current = self._index.get(key)
+            replaced = current.size if current is not None else 0
+            while self._bytes_held - replaced + self._reserved + length > self.max_size:
+                if not self._evict_one(exclude=key):
+                    raise CapacityExceeded(
+                        f"cannot make room for an object file of {length} bytes in {self.url}: "
+                        f"{self._bytes_held} of {self.max_size} bytes are held in "
+                        f"{len(self._index)} objects and {self._reserved} more are being "
+                        "written, and every object that could go is pinned or being written. "
+                        "Unpin keys, raise max_size, or add a directory."
+                    )
+            self._reserved += length
+
+    def _check_free_space(self, directory: Directory, length: int) -> None:
+        try:
+            free = shutil.disk_usage(directory.path).free
+        except OSError as error:
+            raise BackendError(
+                f"{self.url}: cannot check the free space of {directory.path}: "
+                f"{_reason(error)}. Check that the directory still exists."
+            ) from None
+        if free < length:
+            raise CapacityExceeded(
+                f"the disk holding {directory.path} has {free} bytes free, and an object file "
+                f"needs {length}; nothing was stored and reads keep working. Free space on that "
+                f"disk, lower max_size (now {self.max_size}) below what the disk can hold, or "
+                "add a directory on another disk."
+            )
+
+    def _write_failed(self, error: OSError, directory: Directory, length: int) -> BackendError:
+        what = f"writing an object file of {length} bytes to {directory.path} failed"
+        if error.errno in _FULL_ERRNOS:
+            return CapacityExceeded(
+                f"{what}: {_reason(error)}: the disk is full or over its quota. Nothing was "
+                "stored, no partial file was left, and reads keep working. Free space on that "
+                "disk, lower max_size, or add a directory on another disk."
+            )
+        return BackendError(
+            f"{what}: {_reason(error)}. Nothing was stored and no partial file was left. "
+            "Check the disk and the directory's permissions."
+        )
+
+    def _write_file(
+        self, directory: Directory, stem: str, key_text: str, obj: MemoryObj, length: int
+    ) -> str:
+        """Write ``obj`` to a temporary file and rename it into place; the final path."""
+        subdir = self._subdir(directory, stem[:2])
+        final = os.path.join(subdir, stem + SUFFIX)
+        temp = os.path.join(subdir, temp_name(stem))
+        transfer = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+        flags |= _O_DIRECT if transfer.o_direct else 0
+        fd = -1
+        try:
+            header = _header_buffer()
+            frame = encode_header(obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host)
+            header[:] = encode_block(frame, key_text)
+            try:
+                fd = os.open(temp, flags, 0o600)
+            except FileNotFoundError:  # the subdirectory was removed behind our back
+                self._subdir(directory, stem[:2], create=True)
+                fd = os.open(temp, flags, 0o600)
+            written = _write_all(fd, [memoryview(header), *transfer.buffers], 0)
+            if written != BLOCK + transfer.length:
+                raise OSError(errno.EIO, f"wrote {written} of {BLOCK + transfer.length} bytes")
+            if self.options.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(temp, final)
+            if self.options.fsync:
+                _fsync_dir(subdir)
+        except BaseException as error:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _unlink_quietly(temp)
+            if isinstance(error, OSError):
+                raise self._write_failed(error, directory, length) from error
+            raise
+        finally:
+            transfer.close()
+        return final
+
+    def _write(self, key: CacheKey, key_text: str, obj: MemoryObj, length: int) -> None:
+        """The whole put, on a worker thread; releases the reference ``put`` took."""
+        try:
+            self._check_open_worker()
+            stem = digest(key_text)
+            directory = self._shard(stem)
+            with self._stripe(stem):
+                self._reserve(key, length)
+                try:
+                    self._check_free_space(directory, length)
+                    path = self._write_file(directory, stem, key_text, obj, length)
+                except BaseException:
+                    with self._lock:
+                        self._reserved -= length
+                    raise
+                with self._lock:
+                    self._reserved -= length
+                    entry = _Entry(
+                        path,
+                        stem,
+                        directory,
+                        length,
+                        obj.shape,
+                        obj.dtype,
+                        obj.fmt,
+                        obj.nbytes,
+                        next(self._generations),
+                    )
+                    old = self._index.get(key)
+                    if old is not None:
+                        self._bytes_held -= old.size
+                    self._index[key] = entry
+                    self._bytes_held += length
+                    self._policy.on_put(key)
+                if old is not None and old.path != path:
+                    _unlink_quietly(old.path)  # it lived in another directory
+        finally:
+            obj.release()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _forget(self, key: CacheKey, entry: _Entry) -> None:
+        """The file of ``entry`` is gone (removed outside kvplug): drop it from the index."""
+        with self._stripe(entry.stem), self._lock:
+            current = self._index.get(key)
+            if current is not None and current.gen == entry.gen:
+                self._drop_locked(key)
+
+    def _discard_corrupt(self, key: CacheKey, entry: _Entry, fd: int, error: Exception) -> None:
+        with self._lock:
+            self.corrupt_objects += 1
+        logger.warning(
+            "%s: %s is damaged (%s); it reads as a miss and was removed.",
+            self.url,
+            entry.path,
+            error,
+        )
+        with self._stripe(entry.stem):
+            with self._lock:
+                current = self._index.get(key)
+                if current is not None and current.gen == entry.gen:
+                    self._drop_locked(key)
+            try:
+                on_disk = os.stat(entry.path, follow_symlinks=False)
+                opened = os.fstat(fd)
+                # Only the file that was read: a put may have renamed a new one into place.
+                if (on_disk.st_dev, on_disk.st_ino) == (opened.st_dev, opened.st_ino):
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+    def _adopt(self, key: CacheKey, entry: _Entry, header: ObjectHeader) -> _Entry:
+        """The file holds a valid object other than ``entry`` describes (replaced behind the
+        index's back): describe it as it is, in the index too."""
+        frame = header.frame
+        adopted = replace(
+            entry,
+            size=header.file_length,
+            shape=frame.shape,
+            dtype=frame.dtype,
+            fmt=frame.fmt,
+            payload_len=frame.payload_len,
+        )
+        with self._lock:
+            current = self._index.get(key)
+            if current is not None and current.gen == entry.gen:
+                self._index[key] = adopted
+                self._bytes_held += adopted.size - current.size
+        return adopted
+
+    def _verify(
+        self, fd: int, key: CacheKey, key_text: str, entry: _Entry, transfer: _Transfer
+    ) -> ObjectHeader | None:
+        """Read and verify the file into ``transfer``. Returns None when the object is
+        complete, or the header of a different valid object the file holds; raises
+        CorruptObject when the file is damaged."""
+        header_buffer = _header_buffer()
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            # Never read the payload past a short file with O_DIRECT: check the header first.
+            count = _read_all(fd, [memoryview(header_buffer)], 0)
+            header = decode_block(memoryview(header_buffer)[:count])
+            if header.key_text == key_text and header.file_length == size:
+                return header
+            raise CorruptObject(
+                f"file is {size} bytes, its header says {header.file_length} (truncated or torn)."
+            )
+        try:
+            count = _read_all(fd, [memoryview(header_buffer), *transfer.buffers], 0)
+        except OSError as error:
+            if error.errno in (errno.EIO, errno.EINVAL):
+                raise CorruptObject(f"reading the file failed: {_reason(error)}.") from None
+            raise
+        expected = BLOCK + transfer.length
+        if count != expected:
+            raise CorruptObject(f"read {count} of {expected} bytes: the file was truncated.")
+        header = decode_block(memoryview(header_buffer))
+        if header.key_text != key_text:
+            raise CorruptObject(f"file holds key {header.key_text!r}, not {key_text!r}.")
+        if not entry.describes(header):
+            return header
+        verify_payload(header.frame, transfer.host)
+        return None
+
+    def _read_once(
+        self, key: CacheKey, key_text: str, entry: _Entry
+    ) -> MemoryObj | ObjectHeader | None:
+        obj = self.allocator.allocate(entry.shape, entry.dtype, entry.fmt)
+        if obj is None:
+            with self._lock:
+                self.allocation_failures += 1
+            logger.debug("%s: allocator full; a hit on %s reads as a miss", self.url, key)
+            return None
+        keep = False
+        transfer: _Transfer | None = None
+        try:
+            transfer = self._plan(
+                obj, padded(entry.payload_len), entry.directory.o_direct, writing=False
+            )
+            flags = os.O_RDONLY | _OPEN_FLAGS | (_O_DIRECT if transfer.o_direct else 0)
+            try:
+                fd = os.open(entry.path, flags)
+            except FileNotFoundError:
+                self._forget(key, entry)
+                return None
+            except OSError as error:
+                raise BackendError(
+                    f"{self.url}: cannot open {entry.path}: {_reason(error)}. Check the disk "
+                    "and the directory's permissions."
+                ) from None
+            try:
+                try:
+                    other = self._verify(fd, key, key_text, entry, transfer)
+                except CorruptObject as error:
+                    self._discard_corrupt(key, entry, fd, error)
+                    return None
+            finally:
+                os.close(fd)
+            if other is not None:
+                return other
+            if transfer.staging is not None:
+                obj.raw.copy_(transfer.staging)
+            keep = True
+            return obj
+        finally:
+            if transfer is not None:
+                transfer.close()
+            if not keep:
+                obj.release()
+
+    def _read(self, key: CacheKey, entry: _Entry) -> MemoryObj | None:
+        """The whole get, on a worker thread."""
+        self._check_open_worker()
+        key_text = key.to_string()
+        result: MemoryObj | None = None
+        for _ in range(3):
+            outcome = self._read_once(key, key_text, entry)
+            if isinstance(outcome, ObjectHeader):
+                entry = self._adopt(key, entry, outcome)
+                continue
+            result = outcome
+            break
+        with self._lock:
+            if result is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                if key in self._index:
+                    self._policy.on_hit(key)
+        return result
+
+    def _remove(self, key: CacheKey, stem: str) -> bool:
+        self._check_open_worker()
+        with self._stripe(stem):
+            with self._lock:
+                entry = self._drop_locked(key)
+            if entry is None:
+                return False
+            _unlink_quietly(entry.path)
+        return True
+
+    # -- the contract -------------------------------------------------------------------------
+
+    async def get(self, key: CacheKey) -> MemoryObj | None:
+        """The stored object, read into a new object of :attr:`allocator` (the caller owns it),
+        or ``None``: absent, damaged (counted and removed) or no room in the allocator."""
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+        return await self._run("get", partial(self._read, key, entry), abandoned=_release)
+
+    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+        """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its
+        reference; the write holds one more until it is done."""
+        self.ensure_open()
+        await self._ready()
+        key_text = key.to_string()
+        key_bytes = len(key_text.encode("utf-8"))
+        if key_bytes > MAX_KEY_BYTES:
+            raise InvalidKey(
+                f"key {key_text[:80]!r}... is {key_bytes} bytes long in UTF-8; file:// keeps "
+                f"each key in its file's {BLOCK}-byte header block, which holds at most "
+                f"{MAX_KEY_BYTES}. Use a shorter model name or fewer tags."
+            )
+        length = file_length(obj.nbytes)
+        if length > self.max_size:
+            raise CapacityExceeded(
+                f"cannot store an object of {obj.nbytes} bytes in {self.url}: its file of "
+                f"{length} bytes is larger than the tier's max_size of {self.max_size} bytes. "
+                "Raise max_size or store smaller chunks."
+            )
+        obj.retain()
+        await self._run(
+            "put", partial(self._write, key, key_text, obj, length), not_run=obj.release
+        )
+
+    async def contains(self, key: CacheKey) -> bool:
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            return key in self._index
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            count = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                count += 1
+            return count
+
+    async def remove(self, key: CacheKey) -> bool:
+        """Delete ``key`` and its file even when pinned (its pins go with it); False if
+        absent."""
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return False
+        return await self._run("remove", partial(self._remove, key, entry.stem))
+
+    async def pin(self, key: CacheKey) -> bool:
+        """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
+        count. False if ``key`` is absent. Pins are not kept across a reopen."""
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._pins.setdefault(key, deque()).append(time.monotonic() + self.options.pin_ttl)
+            return True
+
+    async def unpin(self, key: CacheKey) -> bool:
+        """Release the oldest live pin of ``key``; False when none is left (never raises for an
+        absent or unpinned key)."""
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            if not self._pinned(key, time.monotonic()):
+                return False
+            deadlines = self._pins[key]
+            deadlines.popleft()
+            if not deadlines:
+                del self._pins[key]
+            return True
+
+    def is_pinned(self, key: CacheKey) -> bool:
+        """Whether ``key`` holds a pin that has not expired."""
+        with self._lock:
+            return self._pinned(key, time.monotonic())
+
+    def stored_files(self, key: CacheKey) -> list[str]:
+        """The path of the file holding ``key`` (empty when absent). The contract suite's
+        default ``damage_stored`` fixture damages these files to check clause 6."""
+        with self._lock:
+            entry = self._index.get(key)
+        return [entry.path] if entry is not None else []
+
+    def list_keys(self) -> AsyncIterator[CacheKey]:
+        """The keys stored when iteration starts (a snapshot), in no particular order."""
+        self.ensure_open()
+        return self._list_keys()
+
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
+        await self._ready()
+        with self._lock:
+            snapshot = list(self._index)
+        for key in snapshot:
+            yield key
+
+    async def close(self) -> None:
+        """Stop taking operations, wait up to CLOSE_WAIT seconds for file I/O in flight, and
+        stop the workers. Idempotent; the files stay (the tier is persistent)."""
+        if not self.mark_closed():
+            return
+        self._slots.close(self._closed_error)
+        deadline = time.monotonic() + CLOSE_WAIT
+        while time.monotonic() < deadline:
+            with self._inflight_lock:
+                if not self._inflight:
+                    break
+            await asyncio.sleep(0.005)
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            self._index.clear()
+            self._pins.clear()
+            self._policy = make_policy(self.options.eviction)
+            self._bytes_held = 0
+
+
+__all__ = [
+    "BOUNCE_POOL_SIZE",
+    "DEFAULT_MAX_SIZE",
+    "DEFAULT_QUEUE_DEPTH",
+    "DEFAULT_WORKERS",
+    "Directory",
+    "DiskBackend",
+    "DiskOptions",
+]

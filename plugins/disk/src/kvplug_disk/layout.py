@@ -1,0 +1,197 @@
+"""The on-disk layout of ``file://``: one file per object, named by a digest of its key.
+
+A directory of the tier holds up to 256 subdirectories named by two hex digits; each holds
+object files ``<digest>.kv``, where ``<digest>`` is the 32-hex-digit xxh3-128 of the key's
+string form. No part of a file name comes from key contents, so no key can reach outside the
+directory (contract clause 12). The subdirectory is the digest's first two digits.
+
+An object file (all integers little-endian)::
+
+    offset 0      header block, BLOCK (4096) bytes:
+      0             kvplug frame header (kvplug.frame.encode_header), H bytes: magic, version,
+                    format, dtype, shape, serde ("naive"), payload length, xxh3-64 checksum of
+                    the payload, and its own xxh32 header checksum
+      H             b"KVPD", u16 layout version (1), u16 zero, u32 key length L
+      H + 12        the key's string form (CacheKey.to_string), UTF-8, L bytes
+      H + 12 + L    zero padding
+      4088          u64 xxh3-64 of bytes 0..4088 of the block (everything above)
+    offset 4096   payload: payload-length bytes, zero-padded to a multiple of BLOCK
+
+Every file length is a multiple of BLOCK and the payload starts on a block boundary, so a
+file is written and read with O_DIRECT straight from and into 4096-aligned allocator memory.
+
+Files are written under a temporary name in the same subdirectory,
+``.<digest>.<pid>.<16 hex>.tmp``, and renamed into place, so a reader (or a process started
+after a crash) never sees a half-written object under an object name. The pid in the name
+lets a later open delete temporary files of processes that died.
+
+Example::
+
+    >>> import torch
+    >>> from kvplug.frame import encode_header
+    >>> from kvplug.memory import MemoryFormat
+    >>> payload = bytes(100)
+    >>> frame = encode_header((100,), torch.uint8, MemoryFormat.BINARY_BUFFER, "naive", payload)
+    >>> block = encode_block(frame, "vllm@llama@1@0@42")
+    >>> header = decode_block(block)
+    >>> header.key_text, header.frame.payload_len, header.file_length
+    ('vllm@llama@1@0@42', 100, 8192)
+    >>> object_name(header.key_text)[0] == digest(header.key_text)[:2]
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvplug.errors import CorruptObject
+from kvplug.frame import MAX_NDIM, FrameHeader, decode_header, encode_header
+from kvplug.memory import MemoryFormat
+
+BLOCK = 4096
+"""File alignment: header block size, payload offset and the unit of every file length."""
+MAGIC = b"KVPD"
+LAYOUT_VERSION = 1
+SERDE = "naive"
+"""Payloads are the object's bytes as they are: no transform, so reads go straight to memory."""
+SUFFIX = ".kv"
+
+_KEY_RECORD = struct.Struct("<4sHHI")
+_BLOCK_CHECKSUM = struct.Struct("<Q")
+CHECKSUM_AT = BLOCK - _BLOCK_CHECKSUM.size
+
+_LARGEST_FRAME_HEADER = len(
+    encode_header((1,) * MAX_NDIM, torch.uint8, MemoryFormat.BINARY_BUFFER, SERDE, b"")
+)
+MAX_KEY_BYTES = CHECKSUM_AT - _LARGEST_FRAME_HEADER - _KEY_RECORD.size
+"""The longest key string form (UTF-8 bytes) that fits in the header block with any shape."""
+
+OBJECT_NAME = re.compile(r"([0-9a-f]{32})\.kv")
+SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
+TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{32}|kvplug-probe)\.([0-9]+)\.[0-9a-f]{16}\.tmp")
+"""Temporary files (object writes and O_DIRECT probes); group 1 is the writer's pid."""
+
+
+def digest(key_text: str) -> str:
+    """The 32-hex-digit xxh3-128 of a key's string form: the object's file name stem."""
+    return str(xxhash.xxh3_128_hexdigest(key_text.encode("utf-8")))
+
+
+def object_name(key_text: str) -> tuple[str, str]:
+    """``(subdirectory, file name)`` of the object stored under ``key_text``."""
+    stem = digest(key_text)
+    return stem[:2], stem + SUFFIX
+
+
+def temp_name(stem: str) -> str:
+    """A fresh temporary file name for a write of the object ``stem`` by this process."""
+    return f".{stem}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def probe_name() -> str:
+    """A fresh name for the O_DIRECT probe file of this process."""
+    return f".kvplug-probe.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of blocks."""
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def file_length(payload_len: int) -> int:
+    """The length of the file holding a payload of ``payload_len`` bytes."""
+    return BLOCK + padded(payload_len)
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """What a verified header block says: the frame header and the key it was stored under."""
+
+    frame: FrameHeader
+    key_text: str
+
+    @property
+    def file_length(self) -> int:
+        return file_length(self.frame.payload_len)
+
+
+def encode_block(frame_header: bytes, key_text: str) -> bytes:
+    """The BLOCK-byte header block for ``frame_header`` (from
+    :func:`kvplug.frame.encode_header`) and the key string ``key_text``."""
+    key_bytes = key_text.encode("utf-8")
+    end = len(frame_header) + _KEY_RECORD.size + len(key_bytes)
+    if end > CHECKSUM_AT:
+        raise ValueError(
+            f"key of {len(key_bytes)} bytes does not fit in a header block; the limit is "
+            f"{MAX_KEY_BYTES} bytes."
+        )
+    block = bytearray(BLOCK)
+    block[: len(frame_header)] = frame_header
+    _KEY_RECORD.pack_into(block, len(frame_header), MAGIC, LAYOUT_VERSION, 0, len(key_bytes))
+    start = len(frame_header) + _KEY_RECORD.size
+    block[start:end] = key_bytes
+    _BLOCK_CHECKSUM.pack_into(block, CHECKSUM_AT, xxhash.xxh3_64_intdigest(block[:CHECKSUM_AT]))
+    return bytes(block)
+
+
+def decode_block(data: bytes | bytearray | memoryview) -> ObjectHeader:
+    """Verify a header block completely (block checksum, frame header and its checksum, layout
+    magic and version, key length, UTF-8 key, zero padding, serde) and return what it says.
+
+    Raises :class:`~kvplug.errors.CorruptObject` naming the first problem found.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < BLOCK:
+        raise CorruptObject(f"header block truncated: {view.nbytes} of {BLOCK} bytes.")
+    view = view[:BLOCK]
+    (stored,) = _BLOCK_CHECKSUM.unpack_from(view, CHECKSUM_AT)
+    if xxhash.xxh3_64_intdigest(view[:CHECKSUM_AT]) != stored:
+        raise CorruptObject("header block checksum mismatch: the header was altered or torn.")
+    frame = decode_header(view[:CHECKSUM_AT])
+    if frame.serde != SERDE:
+        raise CorruptObject(
+            f"object stored with serde {frame.serde!r}; this layout uses {SERDE!r}."
+        )
+    magic, version, reserved, key_len = _KEY_RECORD.unpack_from(view, frame.header_len)
+    if magic != MAGIC or version != LAYOUT_VERSION or reserved:
+        raise CorruptObject(
+            f"not a kvplug disk object: key record {bytes(magic)!r} version {version}, "
+            f"expected {MAGIC!r} version {LAYOUT_VERSION}."
+        )
+    start = frame.header_len + _KEY_RECORD.size
+    end = start + key_len
+    if end > CHECKSUM_AT:
+        raise CorruptObject(f"key length {key_len} runs past the header block.")
+    if bytes(view[end:CHECKSUM_AT]).lstrip(b"\x00"):
+        raise CorruptObject("header block padding is not zero.")
+    try:
+        key_text = bytes(view[start:end]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptObject("the key in the header block is not UTF-8.") from None
+    return ObjectHeader(frame, key_text)
+
+
+__all__ = [
+    "BLOCK",
+    "MAX_KEY_BYTES",
+    "OBJECT_NAME",
+    "SUBDIR_NAME",
+    "SUFFIX",
+    "TEMP_NAME",
+    "ObjectHeader",
+    "decode_block",
+    "digest",
+    "encode_block",
+    "file_length",
+    "object_name",
+    "padded",
+    "probe_name",
+    "temp_name",
+]
