@@ -34,7 +34,7 @@ def test_readme_shows_the_two_commands_and_ci_runs_the_test_one() -> None:
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)
     assert commands[:2] == [
-        "bash scripts/setup.sh && .venv/bin/kvplug plugins && .venv/bin/kvplug check",
+        "bash scripts/setup.sh && .venv/bin/kvplug bench",
         "bash scripts/test.sh",
     ]
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()

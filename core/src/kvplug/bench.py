@@ -39,6 +39,8 @@ class BenchRow:
     seconds: list[float] = field(default_factory=list)
     nbytes: int = 0
     misses: int = 0
+    zero_copy: bool = False
+    """The tier hands over memory instead of copying it: its GB/s would mean nothing."""
 
     @property
     def count(self) -> int:
@@ -141,6 +143,10 @@ async def run_bench(
                 report(f"get tier {index}", done + 1, count)
     finally:
         await store.close()
+    for tier in store._tiers:
+        for row in rows.values():
+            if row.tier == tier.name:
+                row.zero_copy = tier.backend.capabilities.zero_copy
     ordered = sorted(rows.values(), key=lambda r: (r.operation != "put", r.tier))
     return BenchResult(ordered, chunk_bytes, verified, mismatches)
 

@@ -308,7 +308,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
             row.operation,
             row.tier,
             str(row.count),
-            f"{row.gb_per_s:.2f}",
+            "zero-copy" if row.zero_copy else f"{row.gb_per_s:.2f}",
             f"{row.percentile_ms(0.5):.2f}",
             f"{row.percentile_ms(0.99):.2f}",
             str(row.misses),

@@ -98,8 +98,11 @@ def encode_header(
     fmt: MemoryFormat,
     serde: str,
     payload: Buffer,
+    checksum: int | None = None,
 ) -> bytes:
-    """The header for ``payload``, checksums included."""
+    """The header for ``payload``, checksums included. ``checksum`` is the payload's
+    :func:`payload_checksum` when the caller computed it already (for instance while the
+    payload was being written)."""
     if len(shape) > MAX_NDIM:
         raise CorruptObject(f"a frame holds at most {MAX_NDIM} dimensions, got shape {shape}.")
     serde_name = serde.encode("ascii")
@@ -114,7 +117,7 @@ def encode_header(
             len(serde_name),
             header_len,
             memoryview(payload).nbytes,
-            payload_checksum(payload),
+            payload_checksum(payload) if checksum is None else checksum,
         )
         + struct.pack(f"<{len(shape)}Q", *shape)
         + serde_name

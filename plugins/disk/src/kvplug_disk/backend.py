@@ -81,7 +81,7 @@ from kvplug.errors import (
     InvalidBackendURL,
 )
 from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, check_policy_name, make_policy
-from kvplug.frame import encode_header, verify_payload
+from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
@@ -641,6 +641,11 @@ class DiskBackend(Backend):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.options.workers, thread_name_prefix="kvplug-disk"
         )
+        # The payload checksum is computed here while the worker's write (which releases the
+        # GIL) is in the kernel, so hashing costs no time on the write path.
+        self._hashers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.options.workers, thread_name_prefix="kvplug-disk-hash"
+        )
         self._slots = _Slots(self.options.queue_depth)
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._inflight_lock = threading.Lock()
@@ -1078,18 +1083,23 @@ class DiskBackend(Backend):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
         flags |= _O_DIRECT if transfer.o_direct else 0
         fd = -1
+        checksum = self._hashers.submit(payload_checksum, transfer.host)
         try:
-            header = _header_buffer()
-            frame = encode_header(obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host)
-            header[:] = encode_block(frame, key_text)
             try:
                 fd = os.open(temp, flags, 0o600)
             except FileNotFoundError:  # the subdirectory was removed behind our back
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
-            written = _write_all(fd, [memoryview(header), *transfer.buffers], 0)
-            if written != BLOCK + transfer.length:
-                raise OSError(errno.EIO, f"wrote {written} of {BLOCK + transfer.length} bytes")
+            written = _write_all(fd, transfer.buffers, BLOCK)
+            if written != transfer.length:
+                raise OSError(errno.EIO, f"wrote {written} of {transfer.length} payload bytes")
+            header = _header_buffer()
+            frame = encode_header(
+                obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host, checksum.result()
+            )
+            header[:] = encode_block(frame, key_text)
+            if _write_all(fd, [memoryview(header)], 0) != BLOCK:
+                raise OSError(errno.EIO, "short write of the header block")
             if self.options.fsync:
                 os.fsync(fd)
             os.close(fd)
@@ -1106,6 +1116,8 @@ class DiskBackend(Backend):
                 raise self._write_failed(error, directory, length) from error
             raise
         finally:
+            checksum.cancel()
+            concurrent.futures.wait([checksum])  # never release memory it is still reading
             transfer.close()
         return final
 
@@ -1439,6 +1451,7 @@ class DiskBackend(Backend):
                     break
             await asyncio.sleep(0.005)
         self._pool.shutdown(wait=False)
+        self._hashers.shutdown(wait=False)
         with self._lock:
             self._index.clear()
             self._pins.clear()

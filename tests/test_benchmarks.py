@@ -1,0 +1,34 @@
+"""The benchmark scripts run end to end (tiny sizes; their numbers are not checked here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_cpu_benchmark_compares_against_plain_copies() -> None:
+    output = run("bench_cpu.py", "--chunks", "2", "--repeat", "1")
+    assert output.count("x of plain copy") == 2
+    assert "small objects (4 KiB" in output
+
+
+def test_disk_benchmark_compares_against_the_raw_tools(tmp_path: Path) -> None:
+    output = run("bench_disk.py", "--dir", str(tmp_path), "--chunks", "4", "--repeat", "1")
+    assert "queue depth 1" in output and "queue depth 4" in output
+    assert "dd      write" in output
+    assert "ratio   write" in output
