@@ -19,6 +19,7 @@ from kvplug import (
     MemoryObj,
     UnknownScheme,
 )
+from kvplug import errors as kvplug_errors
 from kvplug.sync import SyncClient
 
 
@@ -148,3 +149,21 @@ def test_use_after_fork_is_a_clear_error(client) -> None:
         os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_client_over_a_tiered_store_from_config(tmp_path) -> None:
+    from kvplug.config import Config
+
+    config = Config.from_dict({"tiers": ["cpu://?max_size=16MiB", f"file://{tmp_path}/disk"]})
+    with SyncClient(config) as client:
+        obj = MemoryObj.from_tensor(torch.full((64,), 5.0))
+        client.put(key(1), obj).result(10)
+        got = client.get(key(1)).result(10)
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        got.release()
+        assert client.lookup([key(1), key(2)]).result(10) == 1
+        client.run(client.backend.flush()).result(10)
+        assert client.remove(key(1)).result(10) is True
+        assert client.prefetch([key(1)]).result(10) == 0
+        with pytest.raises(kvplug_errors.NotSupported, match="tiered Store"):
+            client.pin(key(1))

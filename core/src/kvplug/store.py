@@ -418,6 +418,10 @@ class Store:
             position += advance
         return position
 
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        """The same as :meth:`lookup`: the backend contract's name for it."""
+        return await self.lookup(keys)
+
     async def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """Load the leading present ``keys`` into the first tier, stopping at the first key no
         tier has; returns how many of them the first tier now holds."""

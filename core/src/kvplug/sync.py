@@ -29,26 +29,33 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvplug.backend import Backend
-from kvplug.errors import BackendClosed, KvplugError
+from kvplug.config import Config
+from kvplug.errors import BackendClosed, KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.registry import open_backend
+from kvplug.store import Store
 from kvplug.url import BackendURL
 
 T = TypeVar("T")
 
 
 class SyncClient:
-    """A backend driven from any thread through one private event-loop thread.
+    """A backend or a tiered store driven from any thread through one private event-loop
+    thread.
 
-    Pass an opened :class:`~kvplug.backend.Backend`, or a URL that is opened on the client's
-    loop. Every method returns a ``concurrent.futures.Future``; errors surface from
-    ``.result()``. A client belongs to the process that made it: after ``fork`` make a new one.
+    Pass an opened :class:`~kvplug.backend.Backend`, a URL (opened on the client's loop), or a
+    :class:`~kvplug.config.Config` (its tiers are opened as a :class:`~kvplug.store.Store`
+    on the client's loop). Every method returns a ``concurrent.futures.Future``; errors
+    surface from ``.result()``. A client belongs to the process that made it: after ``fork``
+    make a new one.
     """
+
+    backend: Backend | Store
 
     def __init__(
         self,
-        backend: Backend | str | BackendURL,
+        backend: Backend | str | BackendURL | Config,
         *,
         allocator: Allocator | None = None,
         open_timeout: float = 60.0,
@@ -65,7 +72,11 @@ class SyncClient:
         if isinstance(backend, Backend):
             self.backend = backend
         else:
-            opening = self._submit(open_backend(backend, allocator=allocator, **options))
+            opening: concurrent.futures.Future[Backend | Store] = self._submit(
+                Store.open(backend, allocator=allocator, **options)
+                if isinstance(backend, Config)
+                else open_backend(backend, allocator=allocator, **options)
+            )
             try:
                 self.backend = opening.result(open_timeout)
             except BaseException:
@@ -115,13 +126,37 @@ class SyncClient:
         return self.run(self.backend.contains(key))
 
     def remove(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.remove(key))
+        """Whether ``key`` was stored (in any tier of a Store) and is now removed."""
+        backend = self.backend
+
+        async def remove() -> bool:
+            return bool(await backend.remove(key))
+
+        return self.run(remove())
 
     def pin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.pin(key))
+        return self.run(self._single_backend("pin").pin(key))
 
     def unpin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.unpin(key))
+        return self.run(self._single_backend("unpin").unpin(key))
+
+    def _single_backend(self, operation: str) -> Backend:
+        if isinstance(self.backend, Store):
+            raise NotSupported(
+                f"{operation} works on one backend, not on a tiered Store; call it on a tier: "
+                f"client.run(client.backend.tiers[0].{operation}(key))"
+            )
+        return self.backend
+
+    def lookup(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
+        """How many leading ``keys`` are stored (in any tier of a Store)."""
+        return self.run(self.backend.batched_contains(list(keys)))
+
+    def prefetch(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
+        """Load the leading present ``keys`` into a Store's first tier (see Store.prefetch)."""
+        if not isinstance(self.backend, Store):
+            return self.lookup(keys)
+        return self.run(self.backend.prefetch(list(keys)))
 
     def batched_get(
         self, keys: Sequence[CacheKey]
