@@ -27,20 +27,12 @@ from kvplug.bench import (
 from kvplug.config import load_config
 from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
-from kvplug.memory import FreeListAllocator, MemoryFormat, nbytes_of
+from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
 from kvplug.url import mask_passwords
 
 T = TypeVar("T")
 console = Console()
-DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-}
 
 
 @click.group()
@@ -197,7 +189,7 @@ async def _check(
     callback=lambda c, p, v: _parse_shape(v),
     help="Shape of the test object.",
 )
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option("--dtype", type=click.Choice(sorted(KV_DTYPES)), default="float16", show_default=True)
 @click.option("--rounds", type=click.IntRange(1, 10_000), default=5, show_default=True)
 @click.option(
     "-o",
@@ -222,11 +214,11 @@ def check_command(
             tier = load_config(config_path).tiers[0]
             url, options = tier.url, dict(tier.options)
         options.update(_parse_options(option_pairs))
-        samples, capabilities = asyncio.run(_check(url, options, shape, DTYPES[dtype], rounds))
+        samples, capabilities = asyncio.run(_check(url, options, shape, KV_DTYPES[dtype], rounds))
     except KvplugError as error:
         click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
-    size = nbytes_of(shape, DTYPES[dtype])
+    size = nbytes_of(shape, KV_DTYPES[dtype])
     title = f"kvplug check {mask_passwords(url)}: {rounds} round(s) of {size} bytes, bit-exact"
     table = Table(title=title)
     for column in ("operation", "calls", "p50 ms", "max ms"):
@@ -254,7 +246,7 @@ def check_command(
     callback=lambda c, p, v: _parse_shape(v),
     help="Shape of one KV chunk ([2, layers, tokens, heads*head_size]).",
 )
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float16", show_default=True)
+@click.option("--dtype", type=click.Choice(sorted(KV_DTYPES)), default="float16", show_default=True)
 @click.option(
     "--count",
     type=click.IntRange(1, 1_000_000),
@@ -266,7 +258,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
     """Store and read back KV chunks through the tiers, verify every byte, report GB/s."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = KV_DTYPES[dtype]
     chunk_bytes = nbytes_of(shape, torch_dtype)
     with (
         TemporaryDirectory() as scratch,

@@ -90,6 +90,16 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int64: 12,
 }
 DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+"""The dtypes KV caches come in, by name (what the CLI and the contract suite exercise)."""
 DTYPES_BY_CODE[1] = torch.float16
 
 
@@ -505,6 +515,7 @@ __all__ = [
     "DEFAULT_ALIGNMENT",
     "DTYPES_BY_CODE",
     "DTYPE_CODES",
+    "KV_DTYPES",
     "Allocator",
     "AllocatorStats",
     "FreeListAllocator",

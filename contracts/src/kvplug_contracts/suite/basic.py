@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvplug import Backend, BackendClosed, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.memory import KV_DTYPES
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
@@ -25,14 +26,6 @@ from kvplug_contracts.support import (
 Run = Callable[..., Any]
 T = TypeVar("T")
 
-DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-}
 
 # One shape per format, as engines produce them (small model: 4 layers, 8 heads x 64).
 FORMAT_SHAPES = {
@@ -106,7 +99,7 @@ class RoundTripContract:
     """Clause 2: get after a completed put is bit-identical in bytes, dtype, shape, format."""
 
     @clause(2)
-    @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+    @pytest.mark.parametrize("dtype", KV_DTYPES.values(), ids=KV_DTYPES.keys())
     def test_round_trip_is_bit_exact_for_every_dtype(
         self,
         backend: Backend,
