@@ -17,9 +17,20 @@ echo "== pytest"
 
 echo "== the contract suite through the CLI, against every built-in backend and the example"
 acme_dir=$(mktemp -d)
-trap 'rm -rf "$acme_dir"' EXIT
+redis_pid=
+trap 'rm -rf "$acme_dir"; [ -z "$redis_pid" ] || kill -9 "$redis_pid" 2>/dev/null || true' EXIT
 .venv/bin/kvplug contract cpu://
 .venv/bin/kvplug contract audit::cpu://
 .venv/bin/kvplug contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
 .venv/bin/kvplug contract "acme://$acme_dir/contract.sqlite"
 .venv/bin/kvplug contract "file://$acme_dir/disk"
+# A redis-server of our own on a free loopback port, killed on exit.
+redis_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
+redis-server --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
+  --dir "$acme_dir" >"$acme_dir/redis.log" 2>&1 &
+redis_pid=$!
+for _ in $(seq 100); do
+  grep -q "Ready to accept connections" "$acme_dir/redis.log" && break
+  sleep 0.1
+done
+.venv/bin/kvplug contract "redis://127.0.0.1:$redis_port"

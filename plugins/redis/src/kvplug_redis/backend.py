@@ -1,0 +1,805 @@
+"""The Redis tier: KV-cache chunks as Redis strings, through redis-py's asyncio client.
+
+URL forms (options go in the query or in code/config, which win)::
+
+    redis://[user[:password]@]host[:port][/db]           one server (port 6379 by default)
+    rediss://host:6380?ssl_ca_certs=/etc/ca.pem          the same over TLS
+    unix:///run/redis/redis.sock?db=1                    a unix socket
+    redis+sentinel://[user[:password]@]h1:26379,h2:26379/mymaster
+                                                         a Sentinel-managed master
+                                                         (LMCache's redis-sentinel:// too)
+    redis+cluster://[user[:password]@]h1:7000,h2:7001    a Redis Cluster
+
+**Storage.** One Redis string per chunk, under ``key_prefix`` + the key's LMCache string form
+(``kvplug:vllm@llama@1@0@42``). The value is kvplug's whole frame (header, checksums,
+payload), written by one ``SET`` (``SET ... PX`` with a ``ttl``), so data and metadata never
+disagree and a reader sees the old value or the new one, never a mix. Batched operations are
+one non-transactional pipeline (one round trip; per node on a cluster). ``list_keys`` uses
+``SCAN MATCH <prefix>*``, never ``KEYS``.
+
+**Failures.** Every operation runs under the ``timeout`` deadline and a bound of
+``max_connections`` operations in flight (further callers wait, within their deadline, rather
+than fail with redis-py's ``MaxConnectionsError``). An unreachable, restarting, loading or
+failing-over server raises :class:`~kvplug.errors.BackendUnavailable`, a slow one
+:class:`~kvplug.errors.BackendTimeout`; the next operation reconnects by itself. A server out
+of memory (``maxmemory`` with ``noeviction``) makes puts raise
+:class:`~kvplug.errors.CapacityExceeded` while reads keep working.
+
+**Credentials** come from the options, then the URL, then the ``REDIS_USERNAME`` and
+``REDIS_PASSWORD`` environment variables; they are never logged.
+
+kvplug-valkey reuses this class: valkey-py has redis-py's API, so a subclass swaps the client
+library (:meth:`RedisBackend.client_library`), the schemes and the environment prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import Field, SecretStr, field_validator
+
+from kvplug.backend import BackendOptions, Buffer, BytesBackend, BytesBackendOptions, Capabilities
+from kvplug.errors import (
+    BackendClosed,
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    CorruptObject,
+    InvalidBackendURL,
+    KvplugError,
+)
+from kvplug.frame import decode_frame, encode_frame
+from kvplug.keys import CacheKey, InvalidKey
+from kvplug.memory import Allocator, MemoryObj
+from kvplug.units import parse_size
+from kvplug.url import BackendURL
+
+T = TypeVar("T")
+
+logger = logging.getLogger("kvplug.redis")
+
+CLOSE_TIMEOUT = 5.0
+"""Seconds ``close`` waits for the client library to drop its connections."""
+PIPELINE_BYTES = 256 << 20
+"""A batched put sends its values in pipelines of about this many bytes, so a large batch is
+not joined into memory all at once."""
+SCAN_COUNT = 1000
+"""The ``COUNT`` hint of each ``SCAN`` page of ``list_keys``."""
+PROBE_TTL_MS = 60_000
+"""The probe key of :meth:`RedisBackend.ping` expires by itself if its ``DEL`` is lost."""
+
+
+class Mode(enum.Enum):
+    """How the backend reaches Redis, chosen by the URL's scheme."""
+
+    STANDALONE = "standalone"
+    TLS = "tls"
+    UNIX = "unix"
+    SENTINEL = "sentinel"
+    CLUSTER = "cluster"
+
+
+@dataclass(frozen=True)
+class ClientLibrary:
+    """The parts of the client library the backend uses. redis-py and valkey-py have the same
+    API under different names, so kvplug-valkey hands valkey-py's parts here; the fields are
+    typed ``Any`` because they are one library's classes or the other's."""
+
+    name: str
+    """For messages: ``redis-py``."""
+    client: Any
+    """The asyncio client class (``redis.asyncio.Redis``), with ``from_pool``."""
+    connection_pool: Any
+    """``redis.asyncio.ConnectionPool``."""
+    ssl_connection: Any
+    """``redis.asyncio.SSLConnection``."""
+    unix_connection: Any
+    """``redis.asyncio.UnixDomainSocketConnection``."""
+    sentinel: Any
+    """``redis.asyncio.sentinel.Sentinel``."""
+    cluster: Any
+    """``redis.asyncio.cluster.RedisCluster``."""
+    cluster_node: Any
+    """``redis.asyncio.cluster.ClusterNode``."""
+    retry: Any
+    """``redis.asyncio.retry.Retry``."""
+    backoff: Any
+    """``redis.backoff.ExponentialBackoff``."""
+    exceptions: ModuleType
+    """``redis.exceptions``: ``ConnectionError``, ``TimeoutError``, ``ResponseError`` ..."""
+    base_error: type[Exception]
+    """The root of the library's errors (``RedisError``)."""
+    cluster_exception: type[Exception]
+    """The cluster client's set-up error, outside ``base_error`` (``RedisClusterException``)."""
+
+
+def redis_py() -> ClientLibrary:
+    """redis-py's asyncio client (hiredis parses replies when it is installed)."""
+    import redis.asyncio
+    import redis.asyncio.cluster
+    import redis.asyncio.retry
+    import redis.asyncio.sentinel
+    import redis.backoff
+    import redis.exceptions
+
+    return ClientLibrary(
+        name="redis-py",
+        client=redis.asyncio.Redis,
+        connection_pool=redis.asyncio.ConnectionPool,
+        ssl_connection=redis.asyncio.SSLConnection,
+        unix_connection=redis.asyncio.UnixDomainSocketConnection,
+        sentinel=redis.asyncio.sentinel.Sentinel,
+        cluster=redis.asyncio.cluster.RedisCluster,
+        cluster_node=redis.asyncio.cluster.ClusterNode,
+        retry=redis.asyncio.retry.Retry,
+        backoff=redis.backoff.ExponentialBackoff,
+        exceptions=redis.exceptions,
+        base_error=redis.exceptions.RedisError,
+        cluster_exception=redis.exceptions.RedisClusterException,
+    )
+
+
+class RedisOptions(BytesBackendOptions):
+    """Options of the Redis schemes (query parameters or keyword options; keywords win)."""
+
+    key_prefix: str = Field(
+        "kvplug:",
+        description="prepended to every Redis key; one prefix per deployment or tenant",
+    )
+    ttl: float | None = Field(
+        None, gt=0, description="seconds a stored chunk lives (SET ... PX); none by default"
+    )
+    max_connections: int = Field(
+        256, ge=1, description="operations in flight at most (and connections per server)"
+    )
+    db: int | None = Field(
+        None, ge=0, description="database number (default: the URL path /N, else 0)"
+    )
+    username: str | None = Field(None, description="ACL user (wins over the URL and env)")
+    password: SecretStr | None = Field(None, description="password (wins over URL and env)")
+    max_value_size: int = Field(
+        512 << 20, description="largest frame a put sends (Redis' proto-max-bulk-len)"
+    )
+    ssl_ca_certs: str | None = Field(None, description="rediss://: CA bundle (PEM)")
+    ssl_certfile: str | None = Field(None, description="rediss://: client certificate (PEM)")
+    ssl_keyfile: str | None = Field(None, description="rediss://: client private key (PEM)")
+    ssl_cert_reqs: Literal["required", "optional", "none"] = Field(
+        "required", description="rediss://: how the server certificate is checked"
+    )
+    ssl_check_hostname: bool = Field(
+        True, description="rediss://: the certificate must name the host"
+    )
+    read_from_replicas: bool = Field(
+        False, description="Sentinel and Cluster: gets and contains may go to replicas"
+    )
+    sentinel_username: str | None = Field(None, description="Sentinel: user of the sentinels")
+    sentinel_password: SecretStr | None = Field(
+        None, description="Sentinel: password of the sentinels (default: REDIS_SENTINEL_PASSWORD)"
+    )
+
+    @field_validator("max_value_size", mode="before")
+    @classmethod
+    def _parse_max_value_size(cls, value: object) -> int:
+        return parse_size(value, what="redis max_value_size")
+
+
+_SECRET_OPTIONS = ("password", "sentinel_password")
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the URL points: validated hosts, socket path, database and Sentinel service."""
+
+    hosts: tuple[tuple[str, int], ...] = ()
+    socket_path: str | None = None
+    db: int = 0
+    service: str | None = None
+
+
+def escape_glob(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (``SCAN MATCH``)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisBackend(BytesBackend):
+    """A shared, persistent byte store on Redis: standalone, TLS, unix socket, Sentinel or
+    Cluster, chosen by the URL's scheme (see the module docstring for the URL forms).
+
+    **Atomicity.** Each object is one Redis string holding the whole frame, written by one
+    ``SET``: readers see the old value or the new one (clause 3), and there is no separate
+    metadata key to disagree with the data.
+
+    **Event loop.** The redis-py client belongs to the event loop that first uses it: use a
+    backend from one loop (``open_backend`` and :class:`~kvplug.sync.SyncClient` do).
+
+    **Replicas.** With ``read_from_replicas`` (Sentinel, Cluster), gets and contains go to
+    replicas, which lag the master: a get right after a put may miss. Off by default.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True,
+        shared_across_processes=True,
+        native_batching=True,
+        delete=True,
+        list=True,
+    )
+    Options: ClassVar[type[BackendOptions]] = RedisOptions
+    options: RedisOptions
+
+    schemes: ClassVar[Mapping[str, Mode]] = {
+        "redis": Mode.STANDALONE,
+        "rediss": Mode.TLS,
+        "unix": Mode.UNIX,
+        "redis+sentinel": Mode.SENTINEL,
+        "redis-sentinel": Mode.SENTINEL,
+        "redis+cluster": Mode.CLUSTER,
+    }
+    """Scheme -> how to connect; a subclass for another client library renames them."""
+    env_prefix: ClassVar[str] = "REDIS"
+    """Environment variables: ``REDIS_USERNAME``, ``REDIS_PASSWORD``,
+    ``REDIS_SENTINEL_PASSWORD``, ``REDIS_SERVICE_NAME``."""
+    default_port: ClassVar[int] = 6379
+    default_sentinel_port: ClassVar[int] = 26379
+    default_service_name: ClassVar[str] = "mymaster"
+
+    @classmethod
+    def client_library(cls) -> ClientLibrary:
+        """The client library; kvplug-valkey returns valkey-py's parts."""
+        return redis_py()
+
+    def __init__(
+        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+    ) -> None:
+        parsed = BackendURL.parse(url)
+        self._refuse_secrets_in_query(parsed)
+        super().__init__(parsed, allocator=allocator, **options)
+        mode = self.schemes.get(self.url.scheme)
+        if mode is None:
+            raise InvalidBackendURL(
+                f"{type(self).__name__} does not serve {self.url.scheme}://; it serves "
+                f"{', '.join(s + '://' for s in self.schemes)}."
+            )
+        self.mode = mode
+        self._check_options_fit_the_scheme()
+        self.target = self._target()
+        self._lib = self.client_library()
+        # Why a semaphore: redis-py's pools raise MaxConnectionsError instead of waiting when
+        # every connection is busy; an operation holds at most one connection per server.
+        self._slots = asyncio.Semaphore(self.options.max_connections)
+        self._sentinel: Any = None
+        self._writer, self._reader = self._make_clients()
+        self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def _refuse_secrets_in_query(self, url: BackendURL) -> None:
+        leaked = [name for name in _SECRET_OPTIONS if name in url.options]
+        if leaked:
+            # The URL is not shown: its query, which holds the secret, is not masked.
+            raise InvalidBackendURL(
+                f"a {url.scheme}:// URL has {leaked[0]!r} in its query, where URLs are logged "
+                f"unmasked. Put the password in the user-info part "
+                f"({url.scheme}://user:password@host), in ${self.env_prefix}_PASSWORD, or in "
+                "the option given in code or config."
+            )
+
+    def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
+        return InvalidBackendURL(f"{self.url}: {problem}. {fix}")
+
+    def _check_options_fit_the_scheme(self) -> None:
+        given = self.options.model_fields_set
+        scheme = self.url.scheme
+        if self.mode is not Mode.TLS:
+            tls = [name for name in _TLS_OPTIONS if name in given]
+            if tls:
+                raise self._fail(
+                    f"option {tls[0]!r} applies to TLS, which {scheme}:// does not use",
+                    "Use rediss://host:port for TLS, or drop the option",
+                )
+        if self.mode is not Mode.SENTINEL:
+            sentinel = [name for name in _SENTINEL_OPTIONS if name in given]
+            if sentinel:
+                raise self._fail(
+                    f"option {sentinel[0]!r} applies to Sentinel only",
+                    "Use redis+sentinel://h1:26379,h2:26379/service, or drop the option",
+                )
+        if self.options.read_from_replicas and self.mode not in (Mode.SENTINEL, Mode.CLUSTER):
+            raise self._fail(
+                f"read_from_replicas needs replicas that {scheme}:// cannot find",
+                "Use redis+sentinel:// or redis+cluster://, or drop the option",
+            )
+
+    def _target(self) -> Target:
+        url, mode = self.url, self.mode
+        scheme = url.scheme
+        if mode is Mode.UNIX:
+            if url.hosts or not url.path.startswith("/") or url.path.endswith("/"):
+                raise self._fail(
+                    "a unix:// URL names a socket file by its absolute path and has no host",
+                    "Write three slashes: unix:///run/redis/redis.sock",
+                )
+            return Target(socket_path=url.path, db=self.options.db or 0)
+        if not url.hosts:
+            example = {
+                Mode.SENTINEL: f"{scheme}://h1:26379,h2:26379/mymaster",
+                Mode.CLUSTER: f"{scheme}://h1:7000,h2:7001",
+            }.get(mode, f"{scheme}://host:{self.default_port}")
+            raise self._fail("it names no host", f"Write it as {example}")
+        if mode is Mode.SENTINEL:
+            port = self.default_sentinel_port
+            service = url.path.strip("/") or (
+                os.environ.get(f"{self.env_prefix}_SERVICE_NAME") or self.default_service_name
+            )
+            if "/" in service:
+                raise self._fail(
+                    f"the path {url.path!r} is not one Sentinel service name",
+                    f"Write it as {scheme}://h1:26379,h2:26379/mymaster",
+                )
+            hosts = tuple((host, p or port) for host, p in url.hosts)
+            return Target(hosts=hosts, db=self.options.db or 0, service=service)
+        hosts = tuple((host, p or self.default_port) for host, p in url.hosts)
+        if mode is Mode.CLUSTER:
+            if url.path.strip("/") or self.options.db:
+                raise self._fail(
+                    "Redis Cluster has only database 0",
+                    f"Drop the path and the db option: {scheme}://h1:7000,h2:7001",
+                )
+            return Target(hosts=hosts)
+        if len(hosts) > 1:
+            raise self._fail(
+                f"{scheme}:// takes one host, it names {len(hosts)}",
+                "Use redis+sentinel://h1,h2/service or redis+cluster://h1,h2 for several servers",
+            )
+        db_text = url.path.strip("/")
+        if db_text and not (db_text.isascii() and db_text.isdigit()):
+            raise self._fail(
+                f"the path {url.path!r} is not a database number",
+                f"Write the database as a number: {scheme}://host:{self.default_port}/0",
+            )
+        db = self.options.db if self.options.db is not None else int(db_text or 0)
+        return Target(hosts=hosts, db=db)
+
+    def _credentials(self) -> tuple[str | None, str | None]:
+        """(username, password): the options, else the URL, else the environment."""
+        env = os.environ
+        username = (
+            self.options.username
+            or self.url.username
+            or env.get(f"{self.env_prefix}_USERNAME")
+            or None
+        )
+        if self.options.password is not None:
+            password: str | None = self.options.password.get_secret_value()
+        elif self.url.password is not None:
+            password = self.url.password
+        else:
+            password = env.get(f"{self.env_prefix}_PASSWORD") or None
+        return username, password
+
+    def _quick_retry(self) -> Any:
+        """One retry of a broken connection, 10-100 ms later (see ``_make_clients``)."""
+        lib = self._lib
+        return lib.retry(lib.backoff(cap=0.1, base=0.01), 1, (lib.exceptions.ConnectionError,))
+
+    def _make_clients(self) -> tuple[Any, Any]:
+        """(writer, reader) clients; the same one unless reads may go to replicas."""
+        lib, options, target = self._lib, self.options, self.target
+        username, password = self._credentials()
+        common: dict[str, Any] = {
+            "username": username,
+            "password": password,
+            "socket_timeout": options.timeout,
+            "socket_connect_timeout": options.timeout,
+            # One quick retry on a broken connection: after a server restart every pooled
+            # connection is dead, and the retry reconnects instead of failing the operation.
+            # Timeouts are not retried: the deadline is already spent. (redis-py's default
+            # backs off for seconds, which also makes Sentinel discovery slow past a dead
+            # sentinel.)
+            "retry": self._quick_retry(),
+            "client_name": "kvplug",
+        }
+        if self.mode is Mode.CLUSTER:
+            if options.read_from_replicas:
+                common["read_from_replicas"] = True  # only when asked: deprecated in redis-py 5.3
+            client = lib.cluster(
+                startup_nodes=[lib.cluster_node(host, port) for host, port in target.hosts],
+                max_connections=options.max_connections,
+                **common,
+            )
+            return client, client
+        common["db"] = target.db
+        if self.mode is Mode.SENTINEL:
+            sentinel_password = (
+                options.sentinel_password.get_secret_value()
+                if options.sentinel_password is not None
+                else os.environ.get(f"{self.env_prefix}_SENTINEL_PASSWORD") or None
+            )
+            self._sentinel = lib.sentinel(
+                list(target.hosts),
+                sentinel_kwargs={
+                    "username": options.sentinel_username,
+                    "password": sentinel_password,
+                    "socket_timeout": options.timeout,
+                    "socket_connect_timeout": options.timeout,
+                    "max_connections": options.max_connections,
+                    "retry": self._quick_retry(),
+                    "client_name": "kvplug",
+                },
+                **common,
+            )
+            writer = self._sentinel.master_for(
+                target.service, max_connections=options.max_connections
+            )
+            if not options.read_from_replicas:
+                return writer, writer
+            reader = self._sentinel.slave_for(
+                target.service, max_connections=options.max_connections
+            )
+            return writer, reader
+        if self.mode is Mode.UNIX:
+            common.update(connection_class=lib.unix_connection, path=target.socket_path)
+        else:
+            (host, port) = target.hosts[0]
+            common.update(host=host, port=port)
+        if self.mode is Mode.TLS:
+            for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                path = getattr(options, name)
+                if path is not None and not Path(path).is_file():
+                    raise self._fail(
+                        f"{name} {path!r} is not a readable file", "Give the path of a PEM file"
+                    )
+            common.update(
+                connection_class=lib.ssl_connection,
+                ssl_ca_certs=options.ssl_ca_certs,
+                ssl_certfile=options.ssl_certfile,
+                ssl_keyfile=options.ssl_keyfile,
+                ssl_cert_reqs=options.ssl_cert_reqs,
+                ssl_check_hostname=options.ssl_check_hostname,
+            )
+        pool = lib.connection_pool(max_connections=options.max_connections, **common)
+        client = lib.client.from_pool(pool)
+        return client, client
+
+    # -- running operations ----------------------------------------------------------------------
+
+    async def _run(
+        self, what: str, operation: Callable[[Any], Awaitable[T]], *, read: bool = False
+    ) -> T:
+        """``operation(client)`` under the deadline and the bound on operations in flight,
+        with the library's errors turned into kvplug's."""
+        self.ensure_open()
+        client = self._reader if read else self._writer
+
+        async def bounded() -> T:
+            async with self._slots:
+                self.ensure_open()  # close() may have run while this operation waited
+                return await operation(client)
+
+        try:
+            return await self.with_deadline(bounded(), what)
+        except KvplugError:
+            if self.closed:
+                raise BackendClosed(
+                    f"{what} on {self.url} was cut short by close(); open a new backend."
+                ) from None
+            raise
+        except Exception as error:
+            raise self._translate(error, what) from error
+
+    def _translate(self, error: Exception, what: str) -> Exception:
+        """The library's ``error`` as the kvplug error that tells the caller what to do."""
+        if self.closed:
+            return BackendClosed(f"{what} on {self.url} was cut short by close(); open a new one.")
+        errors = self._lib.exceptions
+        where = f"{what} on {self.url}"
+        reason = f"{type(error).__name__}: {error}"
+
+        def classes(*names: str) -> tuple[type[Exception], ...]:
+            return tuple(getattr(errors, name) for name in names if hasattr(errors, name))
+
+        if isinstance(
+            error, classes("AuthenticationError", "AuthorizationError", "NoPermissionError")
+        ):
+            return BackendError(
+                f"{where} was refused ({reason}). Check the user name and password (URL, "
+                f"options or ${self.env_prefix}_USERNAME/${self.env_prefix}_PASSWORD) and the "
+                "user's ACL permissions."
+            )
+        if isinstance(error, classes("OutOfMemoryError")) or (
+            isinstance(error, errors.ResponseError) and str(error).startswith("OOM")
+        ):
+            return CapacityExceeded(
+                f"{where} failed: the server is full ({error}). Raise its maxmemory, set an "
+                "eviction policy such as allkeys-lru, or use a ttl; reads keep working."
+            )
+        if isinstance(error, errors.TimeoutError):
+            return BackendTimeout(
+                f"{where} timed out ({reason}): the server is slow or unreachable. Check it, or "
+                "raise the 'timeout' option."
+            )
+        unavailable = (
+            errors.ConnectionError,
+            OSError,
+            self._lib.cluster_exception,
+            *classes("ReadOnlyError", "ClusterDownError", "TryAgainError", "BusyLoadingError"),
+        )
+        if isinstance(error, unavailable):
+            return BackendUnavailable(
+                f"{where} failed ({reason}): the server is unreachable, restarting, loading or "
+                "failing over. Operations succeed again once it answers; check the server if "
+                "this persists."
+            )
+        if isinstance(error, errors.ResponseError):
+            return BackendError(f"{where} was rejected by the server: {error}.")
+        if isinstance(error, self._lib.base_error):
+            return BackendError(f"{where} failed in {self._lib.name} ({reason}).")
+        return error
+
+    def _value(self, key: str, parts: Sequence[Buffer]) -> bytes:
+        """One bytes value from the frame's parts, checked against ``max_value_size``."""
+        # Why a join: redis-py sends every command argument as one bulk string, so SET needs
+        # the frame as one buffer. Joining the header and payload here is the put path's only
+        # copy; a SET of the header and an APPEND of the payload would let a reader see a
+        # header without its payload.
+        value = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        if len(value) > self.options.max_value_size:
+            raise CapacityExceeded(
+                f"put of {key!r} on {self.url}: the object is {len(value)} bytes, more than "
+                f"max_value_size ({self.options.max_value_size}), the largest value the server "
+                "takes (proto-max-bulk-len). Store smaller chunks, or raise both."
+            )
+        return value
+
+    # -- the byte operations ---------------------------------------------------------------------
+
+    async def get_bytes(self, key: str) -> Buffer | None:
+        value: bytes | None = await self._run("get", lambda c: c.get(key), read=True)
+        return value
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        value = self._value(key, parts)
+        await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
+
+    async def contains_bytes(self, key: str) -> bool:
+        count: int = await self._run("contains", lambda c: c.exists(key), read=True)
+        return count > 0
+
+    async def remove_bytes(self, key: str) -> bool:
+        count: int = await self._run("remove", lambda c: c.delete(key))
+        return count > 0
+
+    # -- batched operations: one pipeline each -------------------------------------------------
+
+    @staticmethod
+    async def _pipelined(client: Any, commands: Callable[[Any], None]) -> list[Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            commands(pipe)
+            results: list[Any] = await pipe.execute()
+            return results
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """One pipeline of ``GET`` s; damaged values are misses, counted and deleted."""
+        self.ensure_open()
+        if not keys:
+            return []
+        names = [self.key_string(key) for key in keys]
+
+        def gets(pipe: Any) -> None:
+            for name in names:
+                pipe.get(name)
+
+        values = await self._run("batched_get", lambda c: self._pipelined(c, gets), read=True)
+        results: list[MemoryObj | None] = []
+        damaged: list[str] = []
+        try:
+            for name, value in zip(names, values, strict=True):
+                try:
+                    results.append(None if value is None else decode_frame(value, self.allocator))
+                except CorruptObject:
+                    self.corrupt_objects += 1
+                    damaged.append(name)
+                    results.append(None)
+            if damaged:
+                # On a cluster, redis-py splits a multi-key DEL by slot.
+                await self._run(
+                    "batched_get (removing damaged values)", lambda c: c.delete(*damaged)
+                )
+        except BaseException:
+            for obj in results:
+                if obj is not None:
+                    obj.release()
+            raise
+        return results
+
+    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """Pipelines of ``SET`` s of about ``PIPELINE_BYTES`` each (one for a usual batch)."""
+        if len(keys) != len(objs):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
+        self.ensure_open()
+        if not keys:
+            return
+        for obj in objs:
+            obj.retain()
+        try:
+            names = [self.key_string(key) for key in keys]
+            await self._run("batched_put", lambda c: self._put_pipelines(c, names, objs))
+        finally:
+            for obj in objs:
+                obj.release()
+
+    async def _put_pipelines(
+        self, client: Any, names: Sequence[str], objs: Sequence[MemoryObj]
+    ) -> None:
+        start = 0
+        while start < len(names):
+            batch: list[tuple[str, bytes]] = []
+            size = 0
+            while start < len(names) and (not batch or size < PIPELINE_BYTES):
+                header, payload = encode_frame(objs[start], self.serde)
+                value = self._value(names[start], (header, payload))
+                batch.append((names[start], value))
+                size += len(value)
+                start += 1
+
+            def sets(pipe: Any, batch: list[tuple[str, bytes]] = batch) -> None:
+                for name, value in batch:
+                    pipe.set(name, value, px=self._ttl_ms)
+
+            await self._pipelined(client, sets)
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        """One pipeline of ``EXISTS``; the number of leading keys present."""
+        self.ensure_open()
+        if not keys:
+            return 0
+        names = [self.key_string(key) for key in keys]
+
+        def exists(pipe: Any) -> None:
+            for name in names:
+                pipe.exists(name)
+
+        counts = await self._run(
+            "batched_contains", lambda c: self._pipelined(c, exists), read=True
+        )
+        present = 0
+        for count in counts:
+            if not count:
+                break
+            present += 1
+        return present
+
+    # -- listing, health, lifecycle --------------------------------------------------------------
+
+    def list_keys(self) -> AsyncIterator[CacheKey]:
+        """Keys under ``key_prefix``, found with ``SCAN MATCH <prefix>*`` (never ``KEYS``),
+        page by page, each page under the deadline; keys that do not parse as a
+        :class:`~kvplug.keys.CacheKey` (other tools' keys) are skipped. Keys written or
+        removed during the scan may or may not be listed."""
+        self.ensure_open()
+        return self._list_keys()
+
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
+        prefix = self.options.key_prefix
+        pattern = escape_glob(prefix) + "*"
+        seen: set[bytes] = set()  # SCAN may return a key twice
+        async for page in self._scan_pages(pattern):
+            for raw in page:
+                if raw in seen:
+                    continue
+                seen.add(raw)
+                try:
+                    yield CacheKey.parse(raw.decode()[len(prefix) :])
+                except (UnicodeDecodeError, InvalidKey):
+                    continue
+
+    async def _scan_pages(self, pattern: str) -> AsyncIterator[list[bytes]]:
+        """Pages of ``SCAN`` results; on a cluster, every primary is scanned in turn."""
+        nodes: list[Any] = [None]
+        if self.mode is Mode.CLUSTER:
+            nodes = await self._run("list_keys", self._primaries)
+        for node in nodes:
+            cursor = 0
+            while True:
+                cursor, page = await self._run("list_keys", self._scanner(cursor, pattern, node))
+                yield page
+                if not cursor:
+                    break
+
+    @staticmethod
+    def _scanner(
+        cursor: int, pattern: str, node: Any
+    ) -> Callable[[Any], Awaitable[tuple[int, list[bytes]]]]:
+        async def scan(client: Any) -> tuple[int, list[bytes]]:
+            if node is None:
+                next_cursor, page = await client.scan(cursor, match=pattern, count=SCAN_COUNT)
+                return int(next_cursor), list(page)
+            cursors, page = await client.scan(
+                cursor, match=pattern, count=SCAN_COUNT, target_nodes=node
+            )
+            return int(cursors[node.name]), list(page)
+
+        return scan
+
+    @staticmethod
+    async def _primaries(client: Any) -> list[Any]:
+        await client.initialize()
+        nodes: list[Any] = client.get_primaries()
+        return nodes
+
+    async def ping(self) -> float:
+        """A data-path health check: ``SET`` a random probe value under ``key_prefix``, ``GET``
+        it back and ``DEL`` it, on the master. Returns the round trip in seconds; raises
+        :class:`~kvplug.errors.BackendUnavailable`/:class:`~kvplug.errors.BackendTimeout`
+        like any operation, and :class:`~kvplug.errors.BackendError` if the value read back
+        differs."""
+        name = f"{self.options.key_prefix}kvplug-probe:{secrets.token_hex(8)}"
+        token = secrets.token_bytes(16)
+
+        async def round_trip(client: Any) -> tuple[bytes | None, float]:
+            started = time.perf_counter()
+            await client.set(name, token, px=PROBE_TTL_MS)
+            got: bytes | None = await client.get(name)
+            await client.delete(name)
+            return got, time.perf_counter() - started
+
+        got, seconds = await self._run("ping", round_trip)
+        if got != token:
+            raise BackendError(
+                f"ping on {self.url}: the probe key read back {got!r}, not what was written. "
+                "Something else writes under this key_prefix, or the server is misbehaving."
+            )
+        return seconds
+
+    async def open(self) -> None:
+        """Check that the server answers a ``PING``. An unreachable server is logged, not
+        raised: operations raise :class:`~kvplug.errors.BackendUnavailable` until it answers,
+        then work without a reopen. Refused credentials raise now."""
+        try:
+            await self._run("open", lambda c: c.ping())
+        except BackendUnavailable as error:
+            logger.warning("%s is not reachable now; operations will retry: %s", self.url, error)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Close the connections; idempotent and bounded by ``CLOSE_TIMEOUT``. Operations in
+        flight end with :class:`~kvplug.errors.BackendClosed`."""
+        if not self.mark_closed():
+            return
+        clients = {id(c): c for c in (self._writer, self._reader)}
+        if self._sentinel is not None:
+            clients.update((id(c), c) for c in self._sentinel.sentinels)
+        closing = asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        try:
+            results = await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+        except TimeoutError:
+            logger.warning("%s: connections not closed within %s s", self.url, CLOSE_TIMEOUT)
+            return
+        for result in results:
+            if isinstance(result, Exception):
+                logger.debug("%s: error while closing: %s", self.url, result)
+
+
+__all__ = [
+    "ClientLibrary",
+    "Mode",
+    "RedisBackend",
+    "RedisOptions",
+    "Target",
+    "escape_glob",
+    "redis_py",
+]
