@@ -32,3 +32,13 @@ def test_disk_benchmark_compares_against_the_raw_tools(tmp_path: Path) -> None:
     assert "queue depth 1" in output and "queue depth 4" in output
     assert "dd      write" in output
     assert "ratio   write" in output
+
+
+def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
+    output = run(
+        "bench_redis.py", "--chunks", "4", "--batch", "2", "--repeat", "1", "--tokens", "4"
+    )
+    assert "redis-server" in output and "valkey-server" in output
+    for case in ("batched put", "batched get", "single put", "single get"):
+        assert output.count(case) >= 4, case  # 2 servers x 2 shapes, plus the summary
+    assert output.count("read back bit-exact through kvplug") == 4

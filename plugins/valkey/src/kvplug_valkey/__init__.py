@@ -1,0 +1,27 @@
+"""kvplug-valkey: the Valkey tier, ``valkey://host:6379``, ``valkeys://`` (TLS),
+``valkey+sentinel://h1:26379,h2:26379/mymaster`` and ``valkey+cluster://h1:7000,h2:7001``.
+
+See :class:`kvplug_valkey.backend.ValkeyBackend`: kvplug-redis' backend on valkey-py's client.
+:mod:`kvplug_valkey.testing` finds a valkey-server and starts real servers for tests. The
+backend is imported on first use, so the plugin entry point stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvplug_valkey.backend import ValkeyBackend, valkey_py
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ValkeyBackend", "valkey_py"):
+        from kvplug_valkey import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ValkeyBackend", "__version__", "valkey_py"]

@@ -1,0 +1,131 @@
+"""The Valkey tier: KV-cache chunks as Valkey strings, through valkey-py's asyncio client.
+
+URL forms (options go in the query or in code/config, which win)::
+
+    valkey://[user[:password]@]host[:port][/db]          one server (port 6379 by default)
+    valkeys://host:6380?ssl_ca_certs=/etc/ca.pem         the same over TLS
+    valkey+sentinel://[user[:password]@]h1:26379,h2:26379/mymaster
+                                                         a Sentinel-managed master
+    valkey+cluster://[user[:password]@]h1:7000,h2:7001   a Valkey Cluster
+
+Valkey speaks Redis' protocol and valkey-py is a fork of redis-py with the same API, so this
+backend is :class:`kvplug_redis.backend.RedisBackend` with valkey-py's classes handed in
+(:func:`valkey_py`), its own schemes and its own environment variables. Everything else, the
+storage layout (one key per chunk holding kvplug's whole frame, written by one ``SET``),
+pipelined batches, deadlines, the bound on operations in flight, reconnects, failover and
+``CapacityExceeded`` from a full server, is the Redis tier's: see ``docs/redis.md``.
+
+**Credentials** come from the options, then the URL, then the ``VALKEY_USERNAME`` and
+``VALKEY_PASSWORD`` environment variables (Sentinel: ``VALKEY_SENTINEL_PASSWORD``; the
+default service name ``VALKEY_SERVICE_NAME``); they are never logged.
+
+A unix socket is reached through kvplug-redis' ``unix://`` (redis-py speaks to Valkey too):
+one scheme is served by one plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+from kvplug.errors import InvalidBackendURL
+from kvplug_redis.backend import CLOSE_TIMEOUT, ClientLibrary, Mode, RedisBackend
+
+T = TypeVar("T")
+
+_REDIS_SCHEME = re.compile(r"\bredis(s|\+sentinel|\+cluster)?://")
+_OUR_SCHEME = {
+    "": "valkey://",
+    "s": "valkeys://",
+    "+sentinel": "valkey+sentinel://",
+    "+cluster": "valkey+cluster://",
+}
+
+
+def valkey_py() -> ClientLibrary:
+    """valkey-py's asyncio client (libvalkey parses replies when it is installed:
+    ``pip install "kvplug-valkey[fast]"``)."""
+    import valkey.asyncio
+    import valkey.asyncio.cluster
+    import valkey.asyncio.retry
+    import valkey.asyncio.sentinel
+    import valkey.backoff
+    import valkey.exceptions
+
+    return ClientLibrary(
+        name="valkey-py",
+        client=valkey.asyncio.Valkey,
+        connection_pool=valkey.asyncio.ConnectionPool,
+        ssl_connection=valkey.asyncio.SSLConnection,
+        unix_connection=valkey.asyncio.UnixDomainSocketConnection,
+        sentinel=valkey.asyncio.sentinel.Sentinel,
+        cluster=valkey.asyncio.cluster.ValkeyCluster,
+        cluster_node=valkey.asyncio.cluster.ClusterNode,
+        retry=valkey.asyncio.retry.Retry,
+        backoff=valkey.backoff.ExponentialBackoff,
+        exceptions=valkey.exceptions,
+        base_error=valkey.exceptions.ValkeyError,
+        cluster_exception=valkey.exceptions.ValkeyClusterException,
+    )
+
+
+class ValkeyBackend(RedisBackend):
+    """A shared, persistent byte store on Valkey: standalone, TLS, Sentinel or Cluster, chosen
+    by the URL's scheme, through valkey-py. Options, atomicity, failure behaviour and
+    capabilities are those of :class:`~kvplug_redis.backend.RedisBackend`.
+
+    Example (with a valkey-server listening on 127.0.0.1:6379)::
+
+        backend = await kvplug.open_backend("valkey://127.0.0.1:6379", key_prefix="llama:")
+    """
+
+    schemes: ClassVar[Mapping[str, Mode]] = {
+        "valkey": Mode.STANDALONE,
+        "valkeys": Mode.TLS,
+        "valkey+sentinel": Mode.SENTINEL,
+        "valkey+cluster": Mode.CLUSTER,
+    }
+    env_prefix: ClassVar[str] = "VALKEY"
+    """Environment variables: ``VALKEY_USERNAME``, ``VALKEY_PASSWORD``,
+    ``VALKEY_SENTINEL_PASSWORD``, ``VALKEY_SERVICE_NAME``."""
+
+    @classmethod
+    def client_library(cls) -> ClientLibrary:
+        return valkey_py()
+
+    def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
+        # The Redis tier's hints name its own schemes ("Use rediss://host:port for TLS"); a
+        # user of this tier needs the Valkey spelling of the same advice.
+        return super()._fail(self._valkey_schemes(problem), self._valkey_schemes(fix))
+
+    @staticmethod
+    def _valkey_schemes(text: str) -> str:
+        return _REDIS_SCHEME.sub(lambda match: _OUR_SCHEME[match.group(1) or ""], text)
+
+    async def _run(
+        self, what: str, operation: Callable[[Any], Awaitable[T]], *, read: bool = False
+    ) -> T:
+        try:
+            return await super()._run(what, operation, read=read)
+        finally:
+            if self.closed:
+                await self._close_stragglers()
+
+    async def _close_stragglers(self) -> None:
+        """Close the connections again after an operation that was in flight during
+        :meth:`close` ends. Why: such an operation may have been connecting while close()
+        emptied the pools, and its new connection would stay open; valkey-py's Sentinel
+        connections then fail in ``__del__`` (their ``repr`` reads the pool through a dead
+        weak reference) instead of only warning."""
+        clients: dict[int, Any] = {id(c): c for c in (self._writer, self._reader)}
+        if self._sentinel is not None:
+            clients.update((id(c), c) for c in self._sentinel.sentinels)
+        closing = asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+
+
+__all__ = ["ValkeyBackend", "valkey_py"]
