@@ -21,10 +21,10 @@ bytes straight from host memory (a memoryview; on Python 3.11 asyncio still join
 command's pieces into one buffer before sending, on both sides) and its ``GET`` ends with a
 ``bytes`` object. kvplug stores a *framed* value: a header (format, dtype, shape, serde,
 payload length, xxh3 checksums; 128 bytes for these shapes) followed by the payload. Its put
-computes the checksum and joins header and payload into one buffer (one more copy than the
-raw side), and its get verifies the checksum and copies the payload into an allocator buffer,
-the ``MemoryObj`` it returns. GB/s count the payload bytes on both sides. After timing, every
-chunk kvplug stored is read back and compared bit-exact.
+computes the checksum and sends ``SET`` as pre-packed pieces (RESP header, frame header,
+payload view) with no join of its own, and its get verifies the checksum and copies the
+payload into an allocator buffer, the ``MemoryObj`` it returns. GB/s count the payload bytes
+on both sides. After timing, every chunk kvplug stored is read back and compared bit-exact.
 
     .venv/bin/python benchmarks/bench_redis.py [--server both] [--chunks 16] [--batch 8]
         [--repeat 5] [--tokens 256]

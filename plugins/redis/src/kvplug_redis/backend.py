@@ -35,6 +35,7 @@ library (:meth:`RedisBackend.client_library`), the schemes and the environment p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -280,6 +281,7 @@ class RedisBackend(BytesBackend):
         # every connection is busy; an operation holds at most one connection per server.
         self._slots = asyncio.Semaphore(self.options.max_connections)
         self._sentinel: Any = None
+        self._in_flight = 0
         self._writer, self._reader = self._make_clients()
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
 
@@ -296,6 +298,10 @@ class RedisBackend(BytesBackend):
                 "the option given in code or config."
             )
 
+    def _scheme_of(self, mode: Mode) -> str:
+        """This class's scheme for ``mode``, as hints spell it (``rediss://``)."""
+        return next(scheme for scheme, m in self.schemes.items() if m is mode) + "://"
+
     def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
         return InvalidBackendURL(f"{self.url}: {problem}. {fix}")
 
@@ -307,19 +313,21 @@ class RedisBackend(BytesBackend):
             if tls:
                 raise self._fail(
                     f"option {tls[0]!r} applies to TLS, which {scheme}:// does not use",
-                    "Use rediss://host:port for TLS, or drop the option",
+                    f"Use {self._scheme_of(Mode.TLS)}host:port for TLS, or drop the option",
                 )
         if self.mode is not Mode.SENTINEL:
             sentinel = [name for name in _SENTINEL_OPTIONS if name in given]
             if sentinel:
                 raise self._fail(
                     f"option {sentinel[0]!r} applies to Sentinel only",
-                    "Use redis+sentinel://h1:26379,h2:26379/service, or drop the option",
+                    f"Use {self._scheme_of(Mode.SENTINEL)}h1:26379,h2:26379/service, or drop "
+                    "the option",
                 )
         if self.options.read_from_replicas and self.mode not in (Mode.SENTINEL, Mode.CLUSTER):
             raise self._fail(
                 f"read_from_replicas needs replicas that {scheme}:// cannot find",
-                "Use redis+sentinel:// or redis+cluster://, or drop the option",
+                f"Use {self._scheme_of(Mode.SENTINEL)} or {self._scheme_of(Mode.CLUSTER)}, or "
+                "drop the option",
             )
 
     def _target(self) -> Target:
@@ -361,7 +369,8 @@ class RedisBackend(BytesBackend):
         if len(hosts) > 1:
             raise self._fail(
                 f"{scheme}:// takes one host, it names {len(hosts)}",
-                "Use redis+sentinel://h1,h2/service or redis+cluster://h1,h2 for several servers",
+                f"Use {self._scheme_of(Mode.SENTINEL)}h1,h2/service or "
+                f"{self._scheme_of(Mode.CLUSTER)}h1,h2 for several servers",
             )
         db_text = url.path.strip("/")
         if db_text and not (db_text.isascii() and db_text.isdigit()):
@@ -482,7 +491,20 @@ class RedisBackend(BytesBackend):
         with the library's errors turned into kvplug's."""
         self.ensure_open()
         client = self._reader if read else self._writer
+        self._in_flight += 1
+        try:
+            return await self._run_bounded(what, operation, client)
+        finally:
+            self._in_flight -= 1
+            if self.closed and not self._in_flight:
+                # An operation in flight during close() may have been connecting while close()
+                # emptied the pools; its new connection would stay open (and valkey-py's
+                # Sentinel connections then fail in __del__). The last one closes them again.
+                await self._close_clients()
 
+    async def _run_bounded(
+        self, what: str, operation: Callable[[Any], Awaitable[T]], client: Any
+    ) -> T:
         async def bounded() -> T:
             async with self._slots:
                 self.ensure_open()  # close() may have run while this operation waited
@@ -548,20 +570,80 @@ class RedisBackend(BytesBackend):
             return BackendError(f"{where} failed in {self._lib.name} ({reason}).")
         return error
 
-    def _value(self, key: str, parts: Sequence[Buffer]) -> bytes:
-        """One bytes value from the frame's parts, checked against ``max_value_size``."""
-        # Why a join: redis-py sends every command argument as one bulk string, so SET needs
-        # the frame as one buffer. Joining the header and payload here is the put path's only
-        # copy; a SET of the header and an APPEND of the payload would let a reader see a
-        # header without its payload.
-        value = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-        if len(value) > self.options.max_value_size:
+    def _check_size(self, key: str, size: int) -> None:
+        if size > self.options.max_value_size:
             raise CapacityExceeded(
-                f"put of {key!r} on {self.url}: the object is {len(value)} bytes, more than "
+                f"put of {key!r} on {self.url}: the object is {size} bytes, more than "
                 f"max_value_size ({self.options.max_value_size}), the largest value the server "
                 "takes (proto-max-bulk-len). Store smaller chunks, or raise both."
             )
+
+    def _value(self, key: str, parts: Sequence[Buffer]) -> bytes:
+        """One bytes value from the frame's parts, checked against ``max_value_size``."""
+        # Why a join: a client command argument is one bulk string, so a pipelined or cluster
+        # SET needs the frame as one buffer (single puts avoid it: _set_pieces).
+        value = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        self._check_size(key, len(value))
         return value
+
+    def _set_pieces(self, key: str, parts: Sequence[Buffer]) -> list[bytes | memoryview]:
+        """``SET key <frame> [PX ms]`` as RESP pieces, the frame's parts sent as they are.
+        Why: joining a 32 MiB payload behind its 128-byte header costs a copy per put; the
+        pieces go to the socket in one ``writelines``, still as one ``SET``, so a reader never
+        sees a header without its payload."""
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(view.nbytes for view in views)
+        self._check_size(key, size)
+        name = key.encode()
+        count = 3 if self._ttl_ms is None else 5
+        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (count, len(name), name, size)
+        tail = b"\r\n"
+        if self._ttl_ms is not None:
+            ms = b"%d" % self._ttl_ms
+            tail += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+        return [head, *views, tail]
+
+    async def _send_set(
+        self, client: Any, pieces: list[bytes | memoryview], count: int = 1
+    ) -> None:
+        """``count`` packed ``SET`` s (``pieces``, one pipeline) on a connection of
+        ``client``'s pool, retried like the client's own commands (one quick retry of a
+        broken connection); the first error reply is raised once all replies are read."""
+        pool = client.connection_pool
+        # redis-py >= 5.3 warns when get_connection gets a command name; valkey-py needs one.
+        conn = await (
+            pool.get_connection("SET") if self._lib.name == "valkey-py" else pool.get_connection()
+        )
+        try:
+            await conn.retry.call_with_retry(
+                lambda: self._set_on(conn, pieces, count), lambda error: conn.disconnect()
+            )
+        finally:
+            await pool.release(conn)
+
+    async def _set_on(self, conn: Any, pieces: list[bytes | memoryview], count: int) -> None:
+        answered = False
+        refused: Exception | None = None
+        try:
+            await conn.send_packed_command(pieces)
+            for _ in range(count):
+                try:
+                    await conn.read_response()
+                except self._lib.exceptions.ResponseError as error:
+                    refused = refused or error  # an error reply (OOM ...): read on
+            answered = True
+        finally:
+            if not answered:
+                # Why abort: drain() returns with up to the high-water mark still buffered, and
+                # since Python 3.12 the transport buffers our memoryviews without copying; a
+                # plain close would go on sending them after the caller released the payload.
+                writer = getattr(conn, "_writer", None)
+                if writer is not None:
+                    writer.transport.abort()
+                with contextlib.suppress(Exception):
+                    await conn.disconnect(nowait=True)
+        if refused is not None:
+            raise refused
 
     # -- the byte operations ---------------------------------------------------------------------
 
@@ -570,8 +652,12 @@ class RedisBackend(BytesBackend):
         return value
 
     async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
-        value = self._value(key, parts)
-        await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
+        if self.mode is Mode.CLUSTER:
+            value = self._value(key, parts)
+            await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
+            return
+        pieces = self._set_pieces(key, parts)
+        await self._run("put", lambda c: self._send_set(c, pieces))
 
     async def contains_bytes(self, key: str) -> bool:
         count: int = await self._run("contains", lambda c: c.exists(key), read=True)
@@ -645,17 +731,21 @@ class RedisBackend(BytesBackend):
     ) -> None:
         start = 0
         while start < len(names):
-            batch: list[tuple[str, bytes]] = []
+            batch: list[tuple[str, Sequence[Buffer]]] = []
             size = 0
             while start < len(names) and (not batch or size < PIPELINE_BYTES):
                 header, payload = encode_frame(objs[start], self.serde)
-                value = self._value(names[start], (header, payload))
-                batch.append((names[start], value))
-                size += len(value)
+                batch.append((names[start], (header, payload)))
+                size += len(header) + memoryview(payload).nbytes
                 start += 1
+            if self.mode is not Mode.CLUSTER:
+                pieces = [piece for name, parts in batch for piece in self._set_pieces(name, parts)]
+                await self._send_set(client, pieces, len(batch))
+                continue
+            values = [(name, self._value(name, parts)) for name, parts in batch]
 
-            def sets(pipe: Any, batch: list[tuple[str, bytes]] = batch) -> None:
-                for name, value in batch:
+            def sets(pipe: Any, values: list[tuple[str, bytes]] = values) -> None:
+                for name, value in values:
                     pipe.set(name, value, px=self._ttl_ms)
 
             await self._pipelined(client, sets)
@@ -780,6 +870,9 @@ class RedisBackend(BytesBackend):
         flight end with :class:`~kvplug.errors.BackendClosed`."""
         if not self.mark_closed():
             return
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
         clients = {id(c): c for c in (self._writer, self._reader)}
         if self._sentinel is not None:
             clients.update((id(c), c) for c in self._sentinel.sentinels)

@@ -322,7 +322,11 @@ class ServerProcess:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> ServerProcess:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a failed start leaves no working directory behind
+            raise
         return self
 
     def __exit__(
@@ -469,7 +473,11 @@ class RedisServer(ServerProcess):
         return f"{self.scheme}://{auth}{HOST}:{self.port}"
 
     def __enter__(self) -> RedisServer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a failed start leaves no working directory (certificates) behind
+            raise
         return self
 
 
@@ -531,6 +539,8 @@ class SentinelGroup:
     """
 
     scheme = "redis+sentinel"
+    sentinel_class: type[SentinelProcess] = SentinelProcess
+    """The class that runs each sentinel; kvplug-valkey's adds ``--sentinel`` to the argv."""
 
     def __init__(
         self,
@@ -551,7 +561,7 @@ class SentinelGroup:
         self.master = RedisServer(binary=binary, password=password)
         self.replica = RedisServer(binary=binary, password=password, replica_of=self.master)
         self.sentinels = [
-            SentinelProcess(
+            self.sentinel_class(
                 self.master,
                 binary=sentinel_binary,
                 service=service,

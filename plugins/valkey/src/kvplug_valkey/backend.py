@@ -25,24 +25,10 @@ one scheme is served by one plugin.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import re
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Mapping
+from typing import ClassVar
 
-from kvplug.errors import InvalidBackendURL
-from kvplug_redis.backend import CLOSE_TIMEOUT, ClientLibrary, Mode, RedisBackend
-
-T = TypeVar("T")
-
-_REDIS_SCHEME = re.compile(r"\bredis(s|\+sentinel|\+cluster)?://")
-_OUR_SCHEME = {
-    "": "valkey://",
-    "s": "valkeys://",
-    "+sentinel": "valkey+sentinel://",
-    "+cluster": "valkey+cluster://",
-}
+from kvplug_redis.backend import ClientLibrary, Mode, RedisBackend
 
 
 def valkey_py() -> ClientLibrary:
@@ -95,37 +81,6 @@ class ValkeyBackend(RedisBackend):
     @classmethod
     def client_library(cls) -> ClientLibrary:
         return valkey_py()
-
-    def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
-        # The Redis tier's hints name its own schemes ("Use rediss://host:port for TLS"); a
-        # user of this tier needs the Valkey spelling of the same advice.
-        return super()._fail(self._valkey_schemes(problem), self._valkey_schemes(fix))
-
-    @staticmethod
-    def _valkey_schemes(text: str) -> str:
-        return _REDIS_SCHEME.sub(lambda match: _OUR_SCHEME[match.group(1) or ""], text)
-
-    async def _run(
-        self, what: str, operation: Callable[[Any], Awaitable[T]], *, read: bool = False
-    ) -> T:
-        try:
-            return await super()._run(what, operation, read=read)
-        finally:
-            if self.closed:
-                await self._close_stragglers()
-
-    async def _close_stragglers(self) -> None:
-        """Close the connections again after an operation that was in flight during
-        :meth:`close` ends. Why: such an operation may have been connecting while close()
-        emptied the pools, and its new connection would stay open; valkey-py's Sentinel
-        connections then fail in ``__del__`` (their ``repr`` reads the pool through a dead
-        weak reference) instead of only warning."""
-        clients: dict[int, Any] = {id(c): c for c in (self._writer, self._reader)}
-        if self._sentinel is not None:
-            clients.update((id(c), c) for c in self._sentinel.sentinels)
-        closing = asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(closing, CLOSE_TIMEOUT)
 
 
 __all__ = ["ValkeyBackend", "valkey_py"]

@@ -158,11 +158,7 @@ class ValkeyServer(RedisServer):
             raise
 
     def __enter__(self) -> ValkeyServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()  # a failed start leaves no working directory (certificates) behind
-            raise
+        super().__enter__()
         return self
 
 
@@ -180,6 +176,7 @@ class ValkeySentinelGroup(SentinelGroup):
     ``valkey+sentinel://127.0.0.1:s1,127.0.0.1:s2,127.0.0.1:s3/mymaster``."""
 
     scheme = "valkey+sentinel"
+    sentinel_class = ValkeySentinelProcess
 
     def __init__(
         self,
@@ -203,21 +200,6 @@ class ValkeySentinelGroup(SentinelGroup):
             failover_timeout_ms=failover_timeout_ms,
             **options,
         )
-        # SentinelGroup builds plain SentinelProcess objects, which run the binary without
-        # --sentinel; replace them (they have not started, only made their directories).
-        for plain in self.sentinels:
-            plain.close()
-        self.sentinels = [
-            ValkeySentinelProcess(
-                self.master,
-                binary=sentinel,
-                service=self.service,
-                quorum=quorum,
-                down_after_ms=down_after_ms,
-                failover_timeout_ms=failover_timeout_ms,
-            )
-            for _ in range(sentinels)
-        ]
 
     def __enter__(self) -> ValkeySentinelGroup:
         self.start()
