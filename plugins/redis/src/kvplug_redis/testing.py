@@ -30,6 +30,7 @@ In a test module::
 
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import datetime
@@ -185,7 +186,7 @@ def make_tls_files(directory: Path | str) -> TLSFiles:
     return files
 
 
-class ServerProcess:
+class ServerProcess(abc.ABC):
     """One server process with a config file in its own working directory. Subclasses write
     the config (:meth:`config_lines`) and say how to reach the process (:meth:`client`)."""
 
@@ -214,9 +215,9 @@ class ServerProcess:
 
     # -- what subclasses say ---------------------------------------------------------------------
 
+    @abc.abstractmethod
     def config_lines(self) -> list[str]:
         """The config file's lines."""
-        raise NotImplementedError
 
     def write_config(self, path: Path) -> None:
         path.write_text("\n".join(self.config_lines()) + "\n")
@@ -224,9 +225,9 @@ class ServerProcess:
     def argv(self, config: Path) -> list[str]:
         return [self.binary, str(config)]
 
+    @abc.abstractmethod
     def client(self, **kwargs: Any) -> redis.Redis:
         """A synchronous redis-py client of this process, for set-up and checks."""
-        raise NotImplementedError
 
     def ready(self) -> bool:
         """Whether the process answers; called until true or ``startup_timeout``."""
