@@ -38,6 +38,8 @@ from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
     LoopRunner,
+    innermost,
+    layers,
     violated,
 )
 
@@ -348,10 +350,7 @@ def backend(open_contract_backend: Callable[..., Backend]) -> Backend:
 @pytest.fixture
 def small_store_options(backend: Backend) -> dict[str, Any] | None:
     """Options that make the store small enough to fill in a test, or None (clause 9 n/a)."""
-    inner = backend
-    while hasattr(inner, "inner"):
-        inner = inner.inner
-    if "max_size" in type(inner).Options.model_fields:
+    if "max_size" in type(innermost(backend)).Options.model_fields:
         return {"max_size": "4MiB"}
     return None
 
@@ -364,12 +363,14 @@ def damage_stored() -> Callable[..., Any] | None:
     ``stored_files(key)`` method (the local files holding ``key``), also behind wrappers."""
 
     async def damage(backend: Backend, key: kvplug.CacheKey, mode: str) -> bool:
-        while (
-            not isinstance(backend, BytesBackend)
-            and not callable(getattr(backend, "stored_files", None))
-            and isinstance(getattr(backend, "inner", None), Backend)
-        ):
-            backend = backend.inner  # type: ignore[attr-defined]
+        backend = next(
+            (
+                layer
+                for layer in layers(backend)
+                if isinstance(layer, BytesBackend) or callable(getattr(layer, "stored_files", None))
+            ),
+            backend,
+        )
         stored_files = getattr(backend, "stored_files", None)
         if not isinstance(backend, BytesBackend) and callable(stored_files):
             paths = [Path(path) for path in stored_files(key)]

@@ -8,16 +8,18 @@ import concurrent.futures
 import hashlib
 import threading
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import pytest
 import torch
 
-from kvplug import CacheKey, MemoryFormat, MemoryObj
+from kvplug import Backend, CacheKey, MemoryFormat, MemoryObj
 from kvplug.memory import Allocator
 
 T = TypeVar("T")
+Run = Callable[..., Any]
+"""The ``run`` fixture: ``run(coroutine, timeout=None)`` awaits on the suite's loop."""
 
 CLAUSES: dict[int, str] = {
     1: "a miss returns None",
@@ -160,6 +162,19 @@ def check_same(number: int, expected: MemoryObj, got: MemoryObj | None, what: st
         violated(number, f"{what}: {problem}")
 
 
+def layers(backend: Backend) -> list[Backend]:
+    """``backend`` and every backend it wraps (through ``inner``), outermost first."""
+    chain = [backend]
+    while isinstance(getattr(chain[-1], "inner", None), Backend):
+        chain.append(chain[-1].inner)  # type: ignore[attr-defined]
+    return chain
+
+
+def innermost(backend: Backend) -> Backend:
+    """The backend at the bottom of a ``wrapper::...::url`` chain."""
+    return layers(backend)[-1]
+
+
 def release_all(objs: Sequence[MemoryObj | None]) -> None:
     for obj in objs:
         if obj is not None:
@@ -171,9 +186,12 @@ __all__ = [
     "ContractTimeout",
     "Keyspace",
     "LoopRunner",
+    "Run",
     "check_same",
     "clause",
     "difference",
+    "innermost",
+    "layers",
     "make_obj",
     "not_applicable",
     "release_all",

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import abc
 import difflib
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -204,6 +205,60 @@ def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy[K]:
     return POLICIES[check_policy_name(name)]()
 
 
+class PinTable(Generic[K]):
+    """Pins that expire: each ``pin`` holds a key for ``ttl`` seconds or until one ``unpin``.
+
+    Not thread-safe by itself: tiers call it under the lock that guards their index.
+
+    Example::
+
+        >>> pins = PinTable[str]()
+        >>> pins.pin("a", ttl=60.0)
+        >>> pins.pin("a", ttl=60.0)
+        >>> pins.unpin("a"), pins.is_pinned("a"), pins.unpin("a"), pins.unpin("a")
+        (True, True, True, False)
+    """
+
+    def __init__(self) -> None:
+        self._deadlines: dict[K, deque[float]] = {}
+
+    def pin(self, key: K, ttl: float) -> None:
+        self._deadlines.setdefault(key, deque()).append(time.monotonic() + ttl)
+
+    def is_pinned(self, key: K, now: float | None = None) -> bool:
+        """Whether ``key`` holds a pin that has not expired (expired ones are dropped)."""
+        deadlines = self._deadlines.get(key)
+        if deadlines is None:
+            return False
+        now = time.monotonic() if now is None else now
+        while deadlines and deadlines[0] <= now:
+            deadlines.popleft()
+        if not deadlines:
+            del self._deadlines[key]
+            return False
+        return True
+
+    def unpin(self, key: K) -> bool:
+        """Release the oldest live pin of ``key``; False when it holds none."""
+        if not self.is_pinned(key):
+            return False
+        deadlines = self._deadlines[key]
+        deadlines.popleft()
+        if not deadlines:
+            del self._deadlines[key]
+        return True
+
+    def discard(self, key: K) -> None:
+        """Forget every pin of ``key`` (it was removed)."""
+        self._deadlines.pop(key, None)
+
+    def clear(self) -> None:
+        self._deadlines.clear()
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
@@ -211,6 +266,7 @@ __all__ = [
     "FIFOPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "PinTable",
     "check_policy_name",
     "make_policy",
 ]

@@ -14,6 +14,7 @@ from kvplug.memory import KV_DTYPES
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
+    Run,
     check_same,
     clause,
     difference,
@@ -23,7 +24,6 @@ from kvplug_contracts.support import (
     violated,
 )
 
-Run = Callable[..., Any]
 T = TypeVar("T")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
@@ -12,6 +11,7 @@ from kvplug.sync import SyncClient
 from kvplug_contracts.support import (
     Keyspace,
     LoopRunner,
+    Run,
     clause,
     difference,
     make_obj,
@@ -19,7 +19,6 @@ from kvplug_contracts.support import (
     violated,
 )
 
-Run = Callable[..., Any]
 T = TypeVar("T")
 
 # Small objects, few of them: the store never needs to evict, so every read must hit.

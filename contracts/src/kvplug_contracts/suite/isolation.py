@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
+    Run,
     check_same,
     clause,
     difference,
@@ -20,8 +21,6 @@ from kvplug_contracts.support import (
     release_all,
     violated,
 )
-
-Run = Callable[..., Any]
 
 # 8 KiB in float16.
 SHAPE = (2, 1, 16, 64)

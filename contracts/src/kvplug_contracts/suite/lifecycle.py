@@ -23,16 +23,17 @@ from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
+    Run,
     check_same,
     clause,
     difference,
+    innermost,
     make_obj,
     not_applicable,
     release_all,
     violated,
 )
 
-Run = Callable[..., Any]
 Operation = Callable[[], Coroutine[Any, Any, object]]
 
 SHAPE = (2, 1, 16, 64)
@@ -569,12 +570,6 @@ def _works(run: Run, capability: str, what: str, operation: Operation) -> Any:
         )
 
 
-def _innermost(backend: Backend) -> Backend:
-    while isinstance(getattr(backend, "inner", None), Backend):
-        backend = backend.inner  # type: ignore[attr-defined]
-    return backend
-
-
 class CapabilityContract:
     """Clause 13: a declared capability works; an undeclared one raises NotSupported.
 
@@ -735,7 +730,7 @@ class CapabilityContract:
     def test_native_batching_overrides_the_batched_operations(self, backend: Backend) -> None:
         if not backend.capabilities.native_batching:
             not_applicable("the backend does not declare 'native_batching'")
-        inner = type(_innermost(backend))
+        inner = type(innermost(backend))
         defaults = [
             name
             for name in ("batched_get", "batched_put", "batched_contains")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -19,9 +18,7 @@ from hypothesis.stateful import (
 )
 
 from kvplug import Backend, FreeListAllocator, MemoryObj
-from kvplug_contracts.support import Keyspace, clause, difference, make_obj, violated
-
-Run = Callable[..., Any]
+from kvplug_contracts.support import Keyspace, Run, clause, difference, make_obj, violated
 
 # Tiny objects and few keys, so no store ever needs to evict: every miss is a violation.
 SHAPE = (2, 1, 4, 16)

@@ -16,16 +16,18 @@ from kvplug.units import parse_size
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
+    Run,
     check_same,
     clause,
     difference,
+    innermost,
+    layers,
     make_obj,
     not_applicable,
     release_all,
     violated,
 )
 
-Run = Callable[..., Any]
 Damage = Callable[..., Any]
 
 DAMAGE_MODES = ("flip", "truncate", "garbage")
@@ -56,18 +58,10 @@ NO_SMALL_STORE = (
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _layers(backend: Backend) -> list[Backend]:
-    """``backend`` and every backend it wraps (through ``inner``), outermost first."""
-    layers = [backend]
-    while isinstance(getattr(layers[-1], "inner", None), Backend):
-        layers.append(layers[-1].inner)  # type: ignore[attr-defined]
-    return layers
-
-
 def _corrupt_count(backend: Backend) -> int | None:
     """The sum of the ``corrupt_objects`` counters of ``backend`` and the backends it wraps,
     or None when none of them has one."""
-    counts = [getattr(layer, "corrupt_objects", None) for layer in _layers(backend)]
+    counts = [getattr(layer, "corrupt_objects", None) for layer in layers(backend)]
     numbers = [c for c in counts if isinstance(c, int) and not isinstance(c, bool)]
     return sum(numbers) if numbers else None
 
@@ -172,10 +166,6 @@ def _require_small(small_store_options: dict[str, Any] | None) -> dict[str, Any]
     if small_store_options is None:
         not_applicable(NO_SMALL_STORE)
     return small_store_options
-
-
-def _innermost(backend: Backend) -> Backend:
-    return _layers(backend)[-1]
 
 
 # -- clause 6 --------------------------------------------------------------------------------
@@ -393,7 +383,7 @@ class PinContract:
     ) -> None:
         _require_pin(backend)
         options = _require_small(small_store_options)
-        if "pin_ttl" not in _innermost(backend).Options.model_fields:
+        if "pin_ttl" not in innermost(backend).Options.model_fields:
             not_applicable("the backend has no 'pin_ttl' option, so pin expiry cannot be set")
         small = open_contract_backend(**{**options, "pin_ttl": PIN_TTL})
         key, control = keyspace.key(1), keyspace.key(2)

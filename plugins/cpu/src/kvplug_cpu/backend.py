@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
@@ -41,7 +40,7 @@ from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
-from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, check_policy_name, make_policy
+from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.keys import CacheKey
 from kvplug.memory import DEFAULT_ALIGNMENT, Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
@@ -136,7 +135,7 @@ class CpuBackend(Backend):
         self._lock = threading.Lock()
         self._index: dict[CacheKey, MemoryObj] = {}
         self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
-        self._pins: dict[CacheKey, deque[float]] = {}
+        self._pins: PinTable[CacheKey] = PinTable()
         self._bytes_held = 0
         self.hits = 0
         self.misses = 0
@@ -181,23 +180,12 @@ class CpuBackend(Backend):
 
     # -- internals (callers hold self._lock) -------------------------------------------------
 
-    def _pinned(self, key: CacheKey, now: float) -> bool:
-        deadlines = self._pins.get(key)
-        if deadlines is None:
-            return False
-        while deadlines and deadlines[0] <= now:
-            deadlines.popleft()
-        if not deadlines:
-            del self._pins[key]
-            return False
-        return True
-
     def _drop(self, key: CacheKey) -> bool:
         obj = self._index.pop(key, None)
         if obj is None:
             return False
         self._policy.discard(key)
-        self._pins.pop(key, None)
+        self._pins.discard(key)
         self._bytes_held -= obj.phy_size
         obj.release()
         return True
@@ -208,7 +196,7 @@ class CpuBackend(Backend):
             (
                 key
                 for key in self._policy.candidates()
-                if key != exclude and not self._pinned(key, now)
+                if key != exclude and not self._pins.is_pinned(key, now)
             ),
             None,
         )
@@ -361,8 +349,7 @@ class CpuBackend(Backend):
         with self._lock:
             if key not in self._index:
                 return False
-            deadline = time.monotonic() + self.options.pin_ttl
-            self._pins.setdefault(key, deque()).append(deadline)
+            self._pins.pin(key, self.options.pin_ttl)
             return True
 
     async def unpin(self, key: CacheKey) -> bool:
@@ -370,18 +357,12 @@ class CpuBackend(Backend):
         absent or unpinned key)."""
         self.ensure_open()
         with self._lock:
-            if not self._pinned(key, time.monotonic()):
-                return False
-            deadlines = self._pins[key]
-            deadlines.popleft()
-            if not deadlines:
-                del self._pins[key]
-            return True
+            return self._pins.unpin(key)
 
     def is_pinned(self, key: CacheKey) -> bool:
         """Whether ``key`` holds a pin that has not expired."""
         with self._lock:
-            return self._pinned(key, time.monotonic())
+            return self._pins.is_pinned(key)
 
     def list_keys(self) -> AsyncIterator[CacheKey]:
         """The keys stored when this is called (a snapshot), in no particular order."""

@@ -80,7 +80,7 @@ from kvplug.errors import (
     CorruptObject,
     InvalidBackendURL,
 )
-from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, check_policy_name, make_policy
+from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
@@ -632,7 +632,7 @@ class DiskBackend(Backend):
         self._stripes = [threading.RLock() for _ in range(_STRIPES)]
         self._index: dict[CacheKey, _Entry] = {}
         self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
-        self._pins: dict[CacheKey, deque[float]] = {}
+        self._pins: PinTable[CacheKey] = PinTable()
         self._bytes_held = 0
         self._reserved = 0
         self._generations = itertools.count(1)
@@ -868,22 +868,11 @@ class DiskBackend(Backend):
     def _shard(self, stem: str) -> Directory:
         return self.directories[int(stem[2:10], 16) % len(self.directories)]
 
-    def _pinned(self, key: CacheKey, now: float) -> bool:
-        deadlines = self._pins.get(key)
-        if deadlines is None:
-            return False
-        while deadlines and deadlines[0] <= now:
-            deadlines.popleft()
-        if not deadlines:
-            del self._pins[key]
-            return False
-        return True
-
     def _drop_locked(self, key: CacheKey) -> _Entry | None:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._policy.discard(key)
-            self._pins.pop(key, None)
+            self._pins.discard(key)
             self._bytes_held -= entry.size
         return entry
 
@@ -893,7 +882,7 @@ class DiskBackend(Backend):
         victim: CacheKey | None = None
         stripe: threading.RLock | None = None
         for key in self._policy.candidates():
-            if key == exclude or self._pinned(key, now):
+            if key == exclude or self._pins.is_pinned(key, now):
                 continue
             stripe = self._stripe(self._index[key].stem)
             # Never wait here (the index lock is held): a key being written is skipped.
@@ -1397,7 +1386,7 @@ class DiskBackend(Backend):
         with self._lock:
             if key not in self._index:
                 return False
-            self._pins.setdefault(key, deque()).append(time.monotonic() + self.options.pin_ttl)
+            self._pins.pin(key, self.options.pin_ttl)
             return True
 
     async def unpin(self, key: CacheKey) -> bool:
@@ -1406,18 +1395,12 @@ class DiskBackend(Backend):
         self.ensure_open()
         await self._ready()
         with self._lock:
-            if not self._pinned(key, time.monotonic()):
-                return False
-            deadlines = self._pins[key]
-            deadlines.popleft()
-            if not deadlines:
-                del self._pins[key]
-            return True
+            return self._pins.unpin(key)
 
     def is_pinned(self, key: CacheKey) -> bool:
         """Whether ``key`` holds a pin that has not expired."""
         with self._lock:
-            return self._pinned(key, time.monotonic())
+            return self._pins.is_pinned(key)
 
     def stored_files(self, key: CacheKey) -> list[str]:
         """The path of the file holding ``key`` (empty when absent). The contract suite's
