@@ -248,6 +248,27 @@ def _check_not_other(number: int, got: MemoryObj, other: MemoryObj, what: str) -
         )
 
 
+def _store_then_outage(
+    run: Run,
+    backend: Backend,
+    deadline: float,
+    keyspace: Keyspace,
+    objs: list[MemoryObj],
+    down: Callable[[], None],
+    up: Callable[[], None],
+    state: str,
+) -> None:
+    """Store ``objs[0]`` and ``objs[1]`` under keys 1 and 2, take the server down, check one
+    round of operations against the deadline (putting ``objs[2]``), and bring it back."""
+    run(backend.put(keyspace.key(1), objs[0]))
+    run(backend.put(keyspace.key(2), objs[1]))
+    down()
+    try:
+        _outage_round(run, backend, deadline, state, keyspace, objs[1], objs[2])
+    finally:
+        up()
+
+
 class DeadlineContract:
     """Clause 10: remote operations have deadlines, never hang, and recover without a reopen.
 
@@ -272,15 +293,11 @@ class DeadlineContract:
         backend = _deadline_backend(open_contract_backend, kvplug_url, kvplug_options)
         deadline = _deadline(backend)
         objs = [make_obj(allocator, SHAPE, seed=s) for s in (30, 31, 32, 33)]
-        first, second, paused_put, later = objs
+        first, second, _, later = objs
         try:
-            run(backend.put(keyspace.key(1), first))
-            run(backend.put(keyspace.key(2), second))
-            control.pause()
-            try:
-                _outage_round(run, backend, deadline, "paused", keyspace, second, paused_put)
-            finally:
-                control.resume()
+            _store_then_outage(
+                run, backend, deadline, keyspace, objs, control.pause, control.resume, "paused"
+            )
             back = "resumed"
             got = _once_back(run, deadline, back, "get", lambda: backend.get(keyspace.key(1)))
             if got is not None:
@@ -315,15 +332,11 @@ class DeadlineContract:
         backend = _deadline_backend(open_contract_backend, kvplug_url, kvplug_options)
         deadline = _deadline(backend)
         objs = [make_obj(allocator, SHAPE, seed=s) for s in (40, 41, 42, 43)]
-        first, second, stopped_put, later = objs
+        first, second, _, later = objs
         try:
-            run(backend.put(keyspace.key(1), first))
-            run(backend.put(keyspace.key(2), second))
-            control.stop()
-            try:
-                _outage_round(run, backend, deadline, "stopped", keyspace, second, stopped_put)
-            finally:
-                control.start()
+            _store_then_outage(
+                run, backend, deadline, keyspace, objs, control.stop, control.start, "stopped"
+            )
             back = "restarted"
             _once_back(run, deadline, back, "put", lambda: backend.put(keyspace.key(5), later))
             got = _once_back(run, deadline, back, "get", lambda: backend.get(keyspace.key(5)))
