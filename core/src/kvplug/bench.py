@@ -8,8 +8,6 @@ local-disk tier (``file://``) in a temporary directory, so it needs no server.
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,10 +120,8 @@ async def run_bench(
             obj.release()
             report("put", done + 1, count)
         await store.flush()
-        for index, backend in enumerate(store.tiers):
-            row = rows.setdefault(
-                ("get", store._tiers[index].name), BenchRow("get", store._tiers[index].name)
-            )
+        for index, (name, backend) in enumerate(zip(store.tier_names, store.tiers, strict=True)):
+            row = rows.setdefault(("get", name), BenchRow("get", name))
             for done, key in enumerate(keys):
                 start = time.perf_counter()
                 got = await backend.get(key)
@@ -143,23 +139,12 @@ async def run_bench(
                 report(f"get tier {index}", done + 1, count)
     finally:
         await store.close()
-    for tier in store._tiers:
+    for name, backend in zip(store.tier_names, store.tiers, strict=True):
         for row in rows.values():
-            if row.tier == tier.name:
-                row.zero_copy = tier.backend.capabilities.zero_copy
+            if row.tier == name:
+                row.zero_copy = backend.capabilities.zero_copy
     ordered = sorted(rows.values(), key=lambda r: (r.operation != "put", r.tier))
     return BenchResult(ordered, chunk_bytes, verified, mismatches)
-
-
-class TemporaryDirectory:
-    """A directory for the default disk tier, private to this user, removed afterwards."""
-
-    def __enter__(self) -> str:
-        self.path = tempfile.mkdtemp(prefix="kvplug-bench-")
-        return self.path
-
-    def __exit__(self, *exc: object) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
 
 
 __all__ = ["BenchResult", "BenchRow", "default_bench_config", "run_bench"]

@@ -7,6 +7,7 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -20,7 +21,6 @@ import kvplug
 from kvplug.bench import (
     DEFAULT_COUNT,
     DEFAULT_SHAPE,
-    TemporaryDirectory,
     default_bench_config,
     run_bench,
 )
@@ -261,7 +261,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
     torch_dtype = KV_DTYPES[dtype]
     chunk_bytes = nbytes_of(shape, torch_dtype)
     with (
-        TemporaryDirectory() as scratch,
+        tempfile.TemporaryDirectory(prefix="kvplug-bench-") as scratch,
         Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -250,6 +250,11 @@ class Store:
     def tiers(self) -> list[Backend]:
         return [tier.backend for tier in self._tiers]
 
+    @property
+    def tier_names(self) -> list[str]:
+        """``index:url`` of each tier (password masked), as metrics and stats label them."""
+        return [tier.name for tier in self._tiers]
+
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.KV_2LTD
     ) -> MemoryObj | None:
