@@ -285,6 +285,11 @@ class RedisBackend(BytesBackend):
         self._writer, self._reader = self._make_clients()
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
 
+    @property
+    def tls(self) -> bool:
+        """Whether connections to the servers use TLS (``rediss://``)."""
+        return self.mode is Mode.TLS
+
     # -- configuration ---------------------------------------------------------------------------
 
     def _refuse_secrets_in_query(self, url: BackendURL) -> None:
@@ -308,7 +313,7 @@ class RedisBackend(BytesBackend):
     def _check_options_fit_the_scheme(self) -> None:
         given = self.options.model_fields_set
         scheme = self.url.scheme
-        if self.mode is not Mode.TLS:
+        if not self.tls:
             tls = [name for name in _TLS_OPTIONS if name in given]
             if tls:
                 raise self._fail(
@@ -463,7 +468,7 @@ class RedisBackend(BytesBackend):
         else:
             (host, port) = target.hosts[0]
             common.update(host=host, port=port)
-        if self.mode is Mode.TLS:
+        if self.tls:
             for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
                 path = getattr(options, name)
                 if path is not None and not Path(path).is_file():
