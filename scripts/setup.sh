@@ -1,27 +1,51 @@
 #!/usr/bin/env bash
-# Sets up a fresh Debian bookworm machine for kvplug: Debian's redis-server and redis-sentinel
-# (the Redis tests start their own), a virtual environment in .venv with the CPU build of torch,
-# every distribution of this repository installed editable (core, contracts, built-in plugins,
-# the example plugin) and the development tools. Safe to run again.
+# Sets up a fresh Debian bookworm machine for kvplug: Debian's redis-server, redis-sentinel,
+# valkey-server and valkey-sentinel (the Redis and Valkey tests start their own), a virtual
+# environment in .venv with the CPU build of torch, every distribution of this repository
+# installed editable (core, contracts, built-in plugins, the example plugin) and the
+# development tools. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Real servers for the Redis tests, installed only when missing so that a re-run is fast.
+# Real servers for the Redis and Valkey tests, installed only when missing so that a re-run is
+# fast: Debian's redis-server and redis-sentinel (7.0), and valkey-server and valkey-sentinel
+# (8.0, built with TLS), which bookworm has only in bookworm-backports.
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
+command -v valkey-server >/dev/null || missing+=(valkey-server)
+command -v valkey-sentinel >/dev/null || missing+=(valkey-sentinel)
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
     echo "setup: ${missing[*]} not on PATH and apt-get is not available: install Redis 7" \
-      "(redis-server and redis-sentinel) with your package manager, then run this again." >&2
+      "(redis-server, redis-sentinel) and Valkey 8 built with TLS (valkey-server," \
+      "valkey-sentinel) with your package manager, then run this again." >&2
     exit 1
   fi
   sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive)
+  if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = bookworm ] &&
+    ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    echo "setup: adding Debian's bookworm-backports apt source (for valkey-server)"
+    printf '%s\n' "Types: deb" "URIs: http://deb.debian.org/debian" \
+      "Suites: bookworm-backports" "Components: main" \
+      "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" |
+      "${sudo[@]}" tee /etc/apt/sources.list.d/bookworm-backports.sources >/dev/null
+  fi
   echo "setup: installing ${missing[*]} from Debian"
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  "${apt[@]}" apt-get update -qq
+  redis=() valkey=()
+  for package in "${missing[@]}"; do
+    case $package in redis-*) redis+=("$package") ;; *) valkey+=("$package") ;; esac
+  done
+  install=("${apt[@]}" apt-get install -y -qq --no-install-recommends)
+  [ ${#redis[@]} -eq 0 ] || "${install[@]}" "${redis[@]}" >/dev/null
+  if [ ${#valkey[@]} -gt 0 ]; then
+    # Backports are pinned below the release: they are installed only when asked for by name.
+    apt-cache policy valkey-server | grep -q bookworm-backports && install+=(-t bookworm-backports)
+    "${install[@]}" "${valkey[@]}" >/dev/null
+  fi
 fi
 
 PYTHON=${PYTHON:-python3.11}

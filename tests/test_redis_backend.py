@@ -1,7 +1,8 @@
 """The Redis tier (plugins/redis) against real redis-server, redis-sentinel and cluster
 processes: URL forms and their errors, credentials, key layout, SCAN listing, TTL, the
 connection bound, deadlines on a paused server, a restart mid-load, full memory with and
-without eviction, Sentinel failover under load, and Cluster batches across slots."""
+without eviction, Sentinel failover under load (plain and over TLS), and Cluster batches
+across slots."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from kvplug import (
     UnknownOption,
 )
 from kvplug_redis.backend import Mode, RedisBackend, escape_glob
-from kvplug_redis.testing import RedisCluster, RedisServer, SentinelGroup
+from kvplug_redis.testing import RedisCluster, RedisServer, SentinelGroup, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -104,6 +106,7 @@ def fresh_server() -> Iterator[RedisServer]:
             "cache",
         ),
         ("redis-sentinel://u:p@h1:26379", Mode.SENTINEL, (("h1", 26379),), 0, "mymaster"),
+        ("rediss+sentinel://h1,h2:5000/c", Mode.SENTINEL, (("h1", 26379), ("h2", 5000)), 0, "c"),
         ("redis+cluster://h1:7000,h2", Mode.CLUSTER, (("h1", 7000), ("h2", 6379)), 0, None),
     ],
 )
@@ -121,6 +124,30 @@ def test_url_forms_name_hosts_database_and_service(
     assert (backend.mode, backend.target.hosts, backend.target.db) == (mode, hosts, db)
     assert backend.target.service == service
     assert backend.options.key_prefix == "kvplug:"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tls"),
+    [
+        ("redis", False),
+        ("rediss", True),
+        ("redis+sentinel", False),
+        ("redis-sentinel", False),
+        ("rediss+sentinel", True),
+        ("redis+cluster", False),
+    ],
+)
+def test_tls_follows_the_scheme(scheme: str, tls: bool) -> None:
+    backend = kvplug.create_backend(f"{scheme}://h1:1")
+    assert isinstance(backend, RedisBackend)
+    assert backend.tls is tls
+
+
+def test_a_subclass_must_name_its_tls_schemes() -> None:
+    with pytest.raises(TypeError, match="tls_schemes"):
+
+        class Forgetful(RedisBackend):  # its TLS scheme would connect in the clear
+            schemes: ClassVar[Mapping[str, Mode]] = {"plain": Mode.STANDALONE, "tls": Mode.TLS}
 
 
 def test_unix_url_names_the_socket_and_db_option() -> None:
@@ -152,9 +179,17 @@ def test_sentinel_service_defaults_to_the_environment(monkeypatch: pytest.Monkey
         ("unix://host/redis.sock", {}, "absolute path and has no host"),
         ("unix://", {}, "absolute path and has no host"),
         ("redis://h1", {"ssl_ca_certs": "/ca.pem"}, "Use rediss://"),
+        ("redis+sentinel://h1/m", {"ssl_ca_certs": "/ca.pem"}, r"Use rediss\+sentinel://h1"),
+        ("redis-sentinel://h1", {"ssl_certfile": "/c.pem"}, r"Use rediss\+sentinel://h1"),
+        ("redis+cluster://h1", {"ssl_keyfile": "/k.pem"}, "TLS to a Cluster is not offered"),
         ("redis://h1", {"read_from_replicas": True}, "read_from_replicas"),
+        ("rediss://h1", {"read_from_replicas": True}, r"Use rediss\+sentinel:// or redis\+"),
         ("redis://h1", {"sentinel_password": "x"}, "Sentinel only"),
+        ("rediss://h1", {"sentinel_password": "x"}, r"Use rediss\+sentinel://h1"),
+        ("rediss://h1,h2", {}, r"Use rediss\+sentinel://h1,h2/service or redis\+cluster"),
         ("rediss://h1?ssl_ca_certs=/no/such/ca.pem", {}, "not a readable file"),
+        ("rediss+sentinel://h1/m?ssl_certfile=/no/such/c.pem", {}, "not a readable file"),
+        ("rediss+sentinel:///m", {}, r"rediss\+sentinel://h1:26379,h2:26379/mymaster"),
     ],
 )
 def test_bad_urls_say_what_to_write(url: str, options: dict[str, Any], message: str) -> None:
@@ -162,6 +197,39 @@ def test_bad_urls_say_what_to_write(url: str, options: dict[str, Any], message: 
         kvplug.create_backend(url, **options)
     problem, _, fix = str(error.value).partition(". ")
     assert fix, f"no fix after the problem: {problem}"
+
+
+def test_tls_sentinel_takes_the_ssl_and_sentinel_options_for_both_hops(tmp_path: Path) -> None:
+    """rediss+sentinel:// takes every ssl_* option and hands them to the sentinels' clients
+    and to the master's and replicas' pools alike."""
+    files = make_tls_files(tmp_path)
+    backend = kvplug.create_backend(
+        f"rediss+sentinel://h1,h2/cache?ssl_ca_certs={files.ca_cert}&ssl_cert_reqs=optional",
+        ssl_certfile=str(files.client_cert),
+        ssl_keyfile=str(files.client_key),
+        ssl_check_hostname=False,
+        sentinel_username="watcher",
+        sentinel_password="sentinel-pw",
+        read_from_replicas=True,
+    )
+    assert isinstance(backend, RedisBackend)
+    assert backend.tls and backend.mode is Mode.SENTINEL
+    expected = {
+        "ssl_ca_certs": str(files.ca_cert),
+        "ssl_certfile": str(files.client_cert),
+        "ssl_keyfile": str(files.client_key),
+        "ssl_cert_reqs": "optional",
+        "ssl_check_hostname": False,
+    }
+    pools = [backend._writer.connection_pool, backend._reader.connection_pool]
+    pools += [sentinel.connection_pool for sentinel in backend._sentinel.sentinels]
+    assert len(pools) == 4
+    for pool in pools:
+        assert pool.connection_class.__name__ in ("SSLConnection", "SentinelManagedSSLConnection")
+        assert {k: pool.connection_kwargs.get(k) for k in expected} == expected
+    plain = kvplug.create_backend("redis+sentinel://h1,h2/cache")
+    assert isinstance(plain, RedisBackend)
+    assert plain._writer.connection_pool.connection_class.__name__ == "SentinelManagedConnection"
 
 
 def test_unknown_and_invalid_options_are_rejected() -> None:
@@ -320,8 +388,9 @@ def test_300_concurrent_operations_wait_for_a_connection(
     model = new_model()
     keys = keys_of(model, 300)
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         backend = await kvplug.open_backend(server.url, max_connections=max_connections)
+        assert isinstance(backend, RedisBackend) and backend.direct is not None
         obj = make_obj(5)
         try:
             await asyncio.gather(*(backend.put(key, obj) for key in keys))
@@ -332,12 +401,16 @@ def test_300_concurrent_operations_wait_for_a_connection(
                     g.release()
             with server.client() as client:
                 mine = [c for c in client.client_list() if c.get("name") == "kvplug"]
+            direct = backend.direct.open_connections
             await backend.close()
-            return len(mine)
+            return len(mine) - direct, direct
         finally:
             obj.release()
 
-    assert run(scenario()) <= max_connections
+    # The client library's pool and the direct reads' connections are bounded each.
+    library, direct = run(scenario())
+    assert 0 < library <= max_connections
+    assert 0 < direct <= max_connections
 
 
 def test_close_is_bounded_while_the_server_is_paused(fresh_server: RedisServer) -> None:
@@ -666,6 +739,55 @@ def test_sentinel_with_a_password_reads_from_replicas_when_asked(
     assert after > before
 
 
+@pytest.fixture(scope="module")
+def tls_sentinel_group() -> Iterator[SentinelGroup]:
+    """Master, replica and sentinels on TLS only, each asking for a client certificate."""
+    with SentinelGroup(password=PASSWORD, tls=True) as group:
+        yield group
+
+
+def test_tls_sentinel_reaches_master_and_replica_over_tls(
+    tls_sentinel_group: SentinelGroup,
+) -> None:
+    group = tls_sentinel_group
+    assert group.url.startswith("rediss+sentinel://") and "ssl_certfile=" in group.url
+    assert _password_round_trip(group.url)
+    key = keys_of(new_model(), 1)[0]
+
+    async def read_from_the_replica() -> None:
+        backend = await kvplug.open_backend(group.url, read_from_replicas=True)
+        obj = make_obj(13)
+        try:
+            await backend.put(key, obj)
+            for _ in range(100):  # the replica lags the master by a little
+                if await backend.contains(key):
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("the replica never saw the put")
+        finally:
+            obj.release()
+            await backend.close()
+
+    with group.replica.client() as client:
+        before = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    run(read_from_the_replica())
+    with group.replica.client() as client:
+        after = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    assert after > before
+
+
+def test_a_plain_or_certificate_less_client_cannot_use_tls_sentinels(
+    tls_sentinel_group: SentinelGroup,
+) -> None:
+    url = tls_sentinel_group.url
+    plain = url.split("?")[0].replace("rediss+sentinel://", "redis+sentinel://", 1)
+    with pytest.raises(BackendUnavailable, match=r"listen on TLS only: then use rediss\+sentinel"):
+        run(_fails_once_open(plain))
+    without_certificate = url.split("&")[0]
+    with pytest.raises(BackendUnavailable, match="ssl_certfile and ssl_keyfile"):
+        run(_fails_once_open(without_certificate))
+
+
 def test_lmcache_sentinel_url_without_a_service_reaches_the_default_master(
     sentinel_group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -676,16 +798,22 @@ def test_lmcache_sentinel_url_without_a_service_reaches_the_default_master(
 
 
 @pytest.mark.slow
-def test_sentinel_failover_under_load(record_property: Callable[[str, object], None]) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_sentinel_failover_under_load(
+    tls: bool, record_property: Callable[[str, object], None]
+) -> None:
     """Kill the master during a steady load of puts and gets: operations fail with
     BackendUnavailable/BackendTimeout within the deadline (none hangs), the backend follows
-    the promoted replica without a reopen, and no read returns wrong bytes."""
+    the promoted replica without a reopen, and no read returns wrong bytes. With TLS the
+    sentinels, the replication and the client all speak TLS (rediss+sentinel://)."""
     deadline = 3.0
-    with SentinelGroup() as group:
+    with SentinelGroup(tls=tls) as group:
+        assert group.url.startswith("rediss+sentinel://" if tls else "redis+sentinel://")
         result = run(_failover_under_load(group, deadline))
     record_property("failover_outage_s", round(result["outage"], 2))
     print(
-        f"\nsentinel failover: outage {result['outage']:.2f} s (kill to first successful put), "
+        f"\nsentinel failover{' over TLS' if tls else ''}: outage {result['outage']:.2f} s "
+        "(kill to first successful put), "
         f"{int(result['failures'])} failed operations, slowest operation "
         f"{result['slowest']:.2f} s, {int(result['ops'])} operations"
     )

@@ -1,5 +1,6 @@
 """The contract suite against every form of the Redis tier (plugins/redis), each against real
-servers this module starts: standalone, TLS, unix socket, Sentinel and Cluster. Standalone,
+servers this module starts: standalone, TLS, unix socket, Sentinel (plain and over TLS) and
+Cluster. Standalone,
 TLS, unix socket and Cluster hand the suite their ServerControl, so clause 10 (deadlines and
 recovery) runs against a real pause and a real restart. Clause 9 (a full store) runs against
 servers of its own with a small maxmemory, once refusing writes and once evicting."""
@@ -38,6 +39,12 @@ def unix_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def sentinel_group() -> Iterator[SentinelGroup]:
     with SentinelGroup() as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def tls_sentinel_group() -> Iterator[SentinelGroup]:
+    with SentinelGroup(tls=True) as group:
         yield group
 
 
@@ -84,6 +91,16 @@ class TestSentinelConformance(BackendContract):
     @pytest.fixture
     def kvplug_url(self, sentinel_group: SentinelGroup) -> str:
         return sentinel_group.url
+
+
+class TestTLSSentinelConformance(BackendContract):
+    """rediss+sentinel://: TLS to the sentinels and to the master they name, with a client
+    certificate (every process asks for one). Clause 10 is n/a, as for plain Sentinel."""
+
+    @pytest.fixture
+    def kvplug_url(self, tls_sentinel_group: SentinelGroup) -> str:
+        assert tls_sentinel_group.url.startswith("rediss+sentinel://")
+        return tls_sentinel_group.url
 
 
 class TestClusterConformance(BackendContract):

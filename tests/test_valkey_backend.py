@@ -1,9 +1,9 @@
 """The Valkey tier (plugins/valkey): its schemes and their errors, valkey-py as the client
 library, VALKEY_* credentials, where the tests' valkey-server comes from, and real
-valkey-server processes: the stored layout, a Sentinel failover and a Cluster batch over every
-node. Also valkey-py against redis-server, plain and over TLS (valkeys://), since Valkey
-speaks Redis' protocol and the PyPI valkey-server is built without TLS. The contract suite
-runs in test_valkey_contract.py."""
+valkey-server processes: the stored layout, a Sentinel failover (plain and over TLS) and a
+Cluster batch over every node. Also valkey-py against redis-server, plain and over TLS
+(valkeys://), since Valkey speaks Redis' protocol and the PyPI valkey-server is built without
+TLS. The contract suite runs in test_valkey_contract.py."""
 
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def password_server() -> Iterator[ValkeyServer]:
         ("valkey://cache-1:7000/3", Mode.STANDALONE, (("cache-1", 7000),), None),
         ("valkeys://[::1]", Mode.TLS, (("::1", 6379),), None),
         ("valkey+sentinel://h1,h2:5000/kv", Mode.SENTINEL, (("h1", 26379), ("h2", 5000)), "kv"),
+        ("valkeys+sentinel://h1,h2:5000/kv", Mode.SENTINEL, (("h1", 26379), ("h2", 5000)), "kv"),
         ("valkey+cluster://h1:7000,h2", Mode.CLUSTER, (("h1", 7000), ("h2", 6379)), None),
     ],
 )
@@ -137,6 +138,7 @@ def test_each_scheme_opens_a_valkey_backend_on_valkey_py(
         valkey.asyncio.cluster.ValkeyCluster if mode is Mode.CLUSTER else valkey.asyncio.Valkey
     )
     assert isinstance(backend._writer, client_class)
+    assert backend.tls is url.startswith("valkeys")
 
 
 def test_unix_sockets_stay_with_kvplug_redis() -> None:
@@ -158,6 +160,11 @@ def test_sentinel_service_defaults_to_valkey_service_name(monkeypatch: pytest.Mo
     [
         ("valkey://h1:6379,h2:6379", {}, "valkey+sentinel://h1,h2/service or valkey+cluster://"),
         ("valkey://h1", {"ssl_ca_certs": "/ca.pem"}, "Use valkeys://host:port"),
+        ("valkey+sentinel://h1", {"ssl_ca_certs": "/ca.pem"}, "Use valkeys+sentinel://h1:26379"),
+        ("valkey+cluster://h1", {"ssl_ca_certs": "/ca.pem"}, "use valkeys://host:port or valkeys+"),
+        ("valkeys://h1", {"sentinel_password": "x"}, "Use valkeys+sentinel://h1:26379"),
+        ("valkeys://h1,h2", {}, "valkeys+sentinel://h1,h2/service or valkey+cluster://"),
+        ("valkeys+sentinel:///kv", {}, "valkeys+sentinel://h1:26379,h2:26379/mymaster"),
         ("valkey://h1", {"sentinel_password": "x"}, "Use valkey+sentinel://"),
         ("valkey://h1", {"read_from_replicas": True}, "Use valkey+sentinel:// or valkey+cluster"),
         ("valkey+cluster://h1:7000/2", {}, "valkey+cluster://h1:7000,h2:7001"),
@@ -283,12 +290,16 @@ def test_valkeys_through_valkey_py_against_redis_server_tls() -> None:
 
 
 @pytest.mark.slow
-def test_valkey_sentinel_failover_is_followed_without_a_reopen() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_valkey_sentinel_failover_is_followed_without_a_reopen(tls: bool) -> None:
     """Kill the master: operations fail with BackendUnavailable within the deadline, then the
     backend writes to the promoted replica, and keys replicated before the kill still read
-    back bit-exact."""
+    back bit-exact. With TLS (valkeys+sentinel://) every hop speaks TLS."""
+    if tls and tls_problem() is not None:
+        pytest.skip(tls_problem() or "")
     deadline = 3.0
-    with ValkeySentinelGroup(password=PASSWORD) as group:
+    with ValkeySentinelGroup(password=PASSWORD, tls=tls) as group:
+        assert group.url.startswith("valkeys+sentinel://" if tls else "valkey+sentinel://")
 
         async def scenario() -> float:
             backend = await kvplug.open_backend(group.url, timeout=deadline)

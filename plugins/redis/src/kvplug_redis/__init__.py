@@ -1,5 +1,6 @@
 """kvplug-redis: the Redis tier, ``redis://host:6379``, ``rediss://``, ``unix:///path.sock``,
-``redis+sentinel://h1:26379,h2:26379/mymaster`` and ``redis+cluster://h1:7000,h2:7001``.
+``redis+sentinel://h1:26379,h2:26379/mymaster`` (``rediss+sentinel://`` over TLS) and
+``redis+cluster://h1:7000,h2:7001``.
 
 See :class:`kvplug_redis.backend.RedisBackend`; :mod:`kvplug_redis.testing` starts real
 servers for tests. The backend is imported on first use, so the plugin entry point stays light.

@@ -8,6 +8,9 @@ URL forms (options go in the query or in code/config, which win)::
     redis+sentinel://[user[:password]@]h1:26379,h2:26379/mymaster
                                                          a Sentinel-managed master
                                                          (LMCache's redis-sentinel:// too)
+    rediss+sentinel://h1:26379,h2:26379/mymaster?ssl_ca_certs=/etc/ca.pem
+                                                         the same, TLS to the sentinels and
+                                                         to the servers they name
     redis+cluster://[user[:password]@]h1:7000,h2:7001    a Redis Cluster
 
 **Storage.** One Redis string per chunk, under ``key_prefix`` + the key's LMCache string form
@@ -16,6 +19,11 @@ payload), written by one ``SET`` (``SET ... PX`` with a ``ttl``), so data and me
 disagree and a reader sees the old value or the new one, never a mix. Batched operations are
 one non-transactional pipeline (one round trip; per node on a cluster). ``list_keys`` uses
 ``SCAN MATCH <prefix>*``, never ``KEYS``.
+
+**Direct reads.** Outside Cluster and replica reads, ``get`` and ``batched_get`` do not use
+the client library: they read ``GET`` replies on connections of their own, the payload
+received straight into the allocator memory of the object returned (:mod:`kvplug_redis.direct`;
+``direct_reads=False`` turns this off).
 
 **Failures.** Every operation runs under the ``timeout`` deadline and a bound of
 ``max_connections`` operations in flight (further callers wait, within their deadline, rather
@@ -40,6 +48,7 @@ import enum
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,6 +74,7 @@ from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
+from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack
 
 T = TypeVar("T")
 
@@ -162,7 +172,10 @@ class RedisOptions(BytesBackendOptions):
         None, gt=0, description="seconds a stored chunk lives (SET ... PX); none by default"
     )
     max_connections: int = Field(
-        256, ge=1, description="operations in flight at most (and connections per server)"
+        256,
+        ge=1,
+        description="operations in flight at most (and connections per server, for the client "
+        "library and for direct reads each)",
     )
     db: int | None = Field(
         None, ge=0, description="database number (default: the URL path /N, else 0)"
@@ -172,17 +185,22 @@ class RedisOptions(BytesBackendOptions):
     max_value_size: int = Field(
         512 << 20, description="largest frame a put sends (Redis' proto-max-bulk-len)"
     )
-    ssl_ca_certs: str | None = Field(None, description="rediss://: CA bundle (PEM)")
-    ssl_certfile: str | None = Field(None, description="rediss://: client certificate (PEM)")
-    ssl_keyfile: str | None = Field(None, description="rediss://: client private key (PEM)")
+    ssl_ca_certs: str | None = Field(None, description="TLS schemes: CA bundle (PEM)")
+    ssl_certfile: str | None = Field(None, description="TLS schemes: client certificate (PEM)")
+    ssl_keyfile: str | None = Field(None, description="TLS schemes: client private key (PEM)")
     ssl_cert_reqs: Literal["required", "optional", "none"] = Field(
-        "required", description="rediss://: how the server certificate is checked"
+        "required", description="TLS schemes: how the server certificate is checked"
     )
     ssl_check_hostname: bool = Field(
-        True, description="rediss://: the certificate must name the host"
+        True, description="TLS schemes: the certificate must name the host"
     )
     read_from_replicas: bool = Field(
         False, description="Sentinel and Cluster: gets and contains may go to replicas"
+    )
+    direct_reads: bool = Field(
+        True,
+        description="read GET replies straight into allocator memory; off: through the client "
+        "library (Cluster and read_from_replicas always read through it)",
     )
     sentinel_username: str | None = Field(None, description="Sentinel: user of the sentinels")
     sentinel_password: SecretStr | None = Field(
@@ -213,6 +231,13 @@ class Target:
 def escape_glob(text: str) -> str:
     """``text`` as a literal in a Redis glob pattern (``SCAN MATCH``)."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _release(results: Sequence[object]) -> None:
+    """Release the objects among ``results`` (a failed get gives back what it read)."""
+    for result in results:
+        if isinstance(result, MemoryObj):
+            result.release()
 
 
 class RedisBackend(BytesBackend):
@@ -246,9 +271,15 @@ class RedisBackend(BytesBackend):
         "unix": Mode.UNIX,
         "redis+sentinel": Mode.SENTINEL,
         "redis-sentinel": Mode.SENTINEL,
+        "rediss+sentinel": Mode.SENTINEL,
         "redis+cluster": Mode.CLUSTER,
     }
-    """Scheme -> how to connect; a subclass for another client library renames them."""
+    """Scheme -> how to connect; a subclass for another client library renames them. Where two
+    schemes share a mode, hints name the first (plain) or the first TLS one."""
+    tls_schemes: ClassVar[frozenset[str]] = frozenset({"rediss", "rediss+sentinel"})
+    """The schemes whose connections use TLS, the one place that says so (:attr:`tls`): every
+    ``Mode.TLS`` scheme, and the Sentinel scheme that speaks TLS both to the sentinels and to
+    the servers they name. A subclass that renames :attr:`schemes` renames these too."""
     env_prefix: ClassVar[str] = "REDIS"
     """Environment variables: ``REDIS_USERNAME``, ``REDIS_PASSWORD``,
     ``REDIS_SENTINEL_PASSWORD``, ``REDIS_SERVICE_NAME``."""
@@ -283,12 +314,16 @@ class RedisBackend(BytesBackend):
         self._sentinel: Any = None
         self._in_flight = 0
         self._writer, self._reader = self._make_clients()
+        self.direct = self._make_direct_reads()
+        """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
+        gets go through the client library."""
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
 
     @property
     def tls(self) -> bool:
-        """Whether connections to the servers use TLS (``rediss://``)."""
-        return self.mode is Mode.TLS
+        """Whether connections to the servers use TLS (``rediss://``, ``rediss+sentinel://``;
+        with Sentinel, the sentinels' connections too)."""
+        return self.url.scheme in self.tls_schemes
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -303,9 +338,24 @@ class RedisBackend(BytesBackend):
                 "the option given in code or config."
             )
 
-    def _scheme_of(self, mode: Mode) -> str:
-        """This class's scheme for ``mode``, as hints spell it (``rediss://``)."""
-        return next(scheme for scheme, m in self.schemes.items() if m is mode) + "://"
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass whose :attr:`tls_schemes` do not match its :attr:`schemes`: a
+        ``Mode.TLS`` scheme left out would connect in the clear."""
+        super().__init_subclass__(**kwargs)
+        tls_mode = {scheme for scheme, mode in cls.schemes.items() if mode is Mode.TLS}
+        if not tls_mode <= cls.tls_schemes <= set(cls.schemes):
+            raise TypeError(
+                f"{cls.__name__}.tls_schemes must hold every Mode.TLS scheme of its schemes "
+                f"({', '.join(sorted(tls_mode))}) and no other class's schemes; it holds "
+                f"{', '.join(sorted(cls.tls_schemes))}."
+            )
+
+    def _scheme_of(self, mode: Mode, *, tls: bool = False) -> str:
+        """This class's scheme for ``mode`` as hints spell it (``redis+sentinel://``), its TLS
+        form with ``tls`` (``rediss+sentinel://``) where the mode has one."""
+        named = [scheme for scheme, m in self.schemes.items() if m is mode]
+        fitting = (scheme for scheme in named if (scheme in self.tls_schemes) == tls)
+        return next(fitting, named[0]) + "://"
 
     def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
         return InvalidBackendURL(f"{self.url}: {problem}. {fix}")
@@ -313,27 +363,39 @@ class RedisBackend(BytesBackend):
     def _check_options_fit_the_scheme(self) -> None:
         given = self.options.model_fields_set
         scheme = self.url.scheme
+        sentinel_scheme = self._scheme_of(Mode.SENTINEL, tls=self.tls)
         if not self.tls:
             tls = [name for name in _TLS_OPTIONS if name in given]
             if tls:
                 raise self._fail(
                     f"option {tls[0]!r} applies to TLS, which {scheme}:// does not use",
-                    f"Use {self._scheme_of(Mode.TLS)}host:port for TLS, or drop the option",
+                    self._tls_hint(),
                 )
         if self.mode is not Mode.SENTINEL:
             sentinel = [name for name in _SENTINEL_OPTIONS if name in given]
             if sentinel:
                 raise self._fail(
                     f"option {sentinel[0]!r} applies to Sentinel only",
-                    f"Use {self._scheme_of(Mode.SENTINEL)}h1:26379,h2:26379/service, or drop "
-                    "the option",
+                    f"Use {sentinel_scheme}h1:26379,h2:26379/service, or drop the option",
                 )
         if self.options.read_from_replicas and self.mode not in (Mode.SENTINEL, Mode.CLUSTER):
             raise self._fail(
                 f"read_from_replicas needs replicas that {scheme}:// cannot find",
-                f"Use {self._scheme_of(Mode.SENTINEL)} or {self._scheme_of(Mode.CLUSTER)}, or "
-                "drop the option",
+                f"Use {sentinel_scheme} or {self._scheme_of(Mode.CLUSTER)}, or drop the option",
             )
+
+    def _tls_hint(self) -> str:
+        """The scheme to write for TLS instead of this plain one."""
+        tls_sentinel = self._scheme_of(Mode.SENTINEL, tls=True) + "h1:26379,h2:26379/service"
+        tls_server = self._scheme_of(Mode.TLS, tls=True) + "host:port"
+        if self.mode is Mode.SENTINEL:
+            return f"Use {tls_sentinel} for TLS to the sentinels and servers, or drop the option"
+        if self.mode is Mode.CLUSTER:
+            return (
+                f"TLS to a Cluster is not offered; use {tls_server} or {tls_sentinel}, or drop "
+                "the option"
+            )
+        return f"Use {tls_server} for TLS, or drop the option"
 
     def _target(self) -> Target:
         url, mode = self.url, self.mode
@@ -374,7 +436,7 @@ class RedisBackend(BytesBackend):
         if len(hosts) > 1:
             raise self._fail(
                 f"{scheme}:// takes one host, it names {len(hosts)}",
-                f"Use {self._scheme_of(Mode.SENTINEL)}h1,h2/service or "
+                f"Use {self._scheme_of(Mode.SENTINEL, tls=self.tls)}h1,h2/service or "
                 f"{self._scheme_of(Mode.CLUSTER)}h1,h2 for several servers",
             )
         db_text = url.path.strip("/")
@@ -441,6 +503,9 @@ class RedisBackend(BytesBackend):
                 if options.sentinel_password is not None
                 else os.environ.get(f"{self.env_prefix}_SENTINEL_PASSWORD") or None
             )
+            # ssl=True makes the sentinels' clients use SSLConnection and the master/replica
+            # pools SentinelManagedSSLConnection; both get the same certificates.
+            tls: dict[str, Any] = {"ssl": True, **self._ssl_settings()} if self.tls else {}
             self._sentinel = lib.sentinel(
                 list(target.hosts),
                 sentinel_kwargs={
@@ -451,8 +516,10 @@ class RedisBackend(BytesBackend):
                     "max_connections": options.max_connections,
                     "retry": self._quick_retry(),
                     "client_name": "kvplug",
+                    **tls,
                 },
                 **common,
+                **tls,
             )
             writer = self._sentinel.master_for(
                 target.service, max_connections=options.max_connections
@@ -469,23 +536,28 @@ class RedisBackend(BytesBackend):
             (host, port) = target.hosts[0]
             common.update(host=host, port=port)
         if self.tls:
-            for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-                path = getattr(options, name)
-                if path is not None and not Path(path).is_file():
-                    raise self._fail(
-                        f"{name} {path!r} is not a readable file", "Give the path of a PEM file"
-                    )
-            common.update(
-                connection_class=lib.ssl_connection,
-                ssl_ca_certs=options.ssl_ca_certs,
-                ssl_certfile=options.ssl_certfile,
-                ssl_keyfile=options.ssl_keyfile,
-                ssl_cert_reqs=options.ssl_cert_reqs,
-                ssl_check_hostname=options.ssl_check_hostname,
-            )
+            common.update(connection_class=lib.ssl_connection, **self._ssl_settings())
         pool = lib.connection_pool(max_connections=options.max_connections, **common)
         client = lib.client.from_pool(pool)
         return client, client
+
+    def _ssl_settings(self) -> dict[str, Any]:
+        """The ``ssl_*`` connection arguments of a TLS scheme, its PEM files checked now so a
+        wrong path fails at creation, not as an unreachable server later."""
+        options = self.options
+        for name in _TLS_OPTIONS:
+            path = getattr(options, name)
+            if path is not None and not Path(path).is_file():
+                raise self._fail(
+                    f"{name} {path!r} is not a readable file", "Give the path of a PEM file"
+                )
+        return {
+            "ssl_ca_certs": options.ssl_ca_certs,
+            "ssl_certfile": options.ssl_certfile,
+            "ssl_keyfile": options.ssl_keyfile,
+            "ssl_cert_reqs": options.ssl_cert_reqs,
+            "ssl_check_hostname": options.ssl_check_hostname,
+        }
 
     # -- running operations ----------------------------------------------------------------------
 
@@ -557,6 +629,8 @@ class RedisBackend(BytesBackend):
                 f"{where} timed out ({reason}): the server is slow or unreachable. Check it, or "
                 "raise the 'timeout' option."
             )
+        if type(error).__name__ in ("MasterNotFoundError", "SlaveNotFoundError"):
+            return BackendUnavailable(self._no_master_message(where, type(error).__name__))
         unavailable = (
             errors.ConnectionError,
             OSError,
@@ -574,6 +648,27 @@ class RedisBackend(BytesBackend):
         if isinstance(error, self._lib.base_error):
             return BackendError(f"{where} failed in {self._lib.name} ({reason}).")
         return error
+
+    def _no_master_message(self, where: str, error_name: str) -> str:
+        """Why no sentinel named a server, without the library's message: that lists every
+        sentinel client's repr and says nothing of the usual cause, TLS on one side only (the
+        whole error stays the ``__cause__``)."""
+        if self.tls:
+            check = (
+                "their TLS set-up: ssl_ca_certs must hold the CA of their certificates, and "
+                "sentinels with tls-auth-clients need ssl_certfile and ssl_keyfile"
+            )
+        else:
+            check = (
+                "whether they listen on TLS only: then use "
+                f"{self._scheme_of(Mode.SENTINEL, tls=True)} with the ssl_* options"
+            )
+        return (
+            f"{where} failed ({error_name}): no sentinel named a server of service "
+            f"{self.target.service!r}. The sentinels are unreachable or failing over, do not "
+            f"watch that service, or refuse this client; check {check}. Operations succeed "
+            "again once a sentinel answers."
+        )
 
     def _check_size(self, key: str, size: int) -> None:
         if size > self.options.max_value_size:
@@ -650,7 +745,131 @@ class RedisBackend(BytesBackend):
         if refused is not None:
             raise refused
 
+    # -- direct reads --------------------------------------------------------------------------
+
+    def _make_direct_reads(self) -> DirectReads | None:
+        """kvplug's own ``GET`` connections, which read values straight into allocator memory
+        (see :mod:`kvplug_redis.direct`): to one server (plain, TLS, unix socket) or to the
+        master the sentinels name. Cluster (slots, redirections) and replica reads stay with
+        the client library, as does everything with ``direct_reads=False``."""
+        options = self.options
+        if not options.direct_reads or options.read_from_replicas or self.mode is Mode.CLUSTER:
+            return None
+        username, password = self._credentials()
+        setup: list[bytes] = []
+        if password is not None or username:
+            auth = (username, password or "") if username else (password or "",)
+            setup.append(pack(b"AUTH", *(part.encode() for part in auth)))
+        if self.target.db:
+            setup.append(pack(b"SELECT", b"%d" % self.target.db))
+        setup.append(pack(b"CLIENT", b"SETNAME", b"kvplug"))
+        return DirectReads(
+            locate=self._direct_endpoint,
+            errors=self._lib.exceptions,
+            allocator=lambda: self.allocator,
+            setup=setup,
+            auth_first=password is not None or bool(username),
+            ssl_context=self._ssl_context() if self.tls else None,
+            max_idle=options.max_connections,
+        )
+
+    async def _direct_endpoint(self) -> Endpoint:
+        """Where direct reads connect: the URL's server, or the master the sentinels name now
+        (asked again after a broken connection or a ``READONLY`` reply)."""
+        target = self.target
+        if self.mode is Mode.SENTINEL:
+            host, port = await self._sentinel.discover_master(target.service)
+            return Endpoint(host=str(host), port=int(port))
+        if target.socket_path is not None:
+            return Endpoint(path=target.socket_path)
+        host, port = target.hosts[0]
+        return Endpoint(host=host, port=port)
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """The ``ssl_*`` options as an :class:`ssl.SSLContext` for direct reads, checking the
+        server as the client library's TLS connections do."""
+        options = self.options
+        verify = {
+            "required": ssl.CERT_REQUIRED,
+            "optional": ssl.CERT_OPTIONAL,
+            "none": ssl.CERT_NONE,
+        }[options.ssl_cert_reqs]
+        try:
+            context = ssl.create_default_context(cafile=options.ssl_ca_certs)
+            context.check_hostname = options.ssl_check_hostname and verify != ssl.CERT_NONE
+            context.verify_mode = verify
+            if options.ssl_certfile is not None:
+                context.load_cert_chain(options.ssl_certfile, options.ssl_keyfile)
+        except (ssl.SSLError, OSError) as error:
+            raise self._fail(
+                f"the TLS files could not be loaded ({error})",
+                "Give PEM files: ssl_ca_certs a CA bundle, ssl_certfile and ssl_keyfile the "
+                "client certificate and its key",
+            ) from None
+        return context
+
+    async def _fetch(self, what: str, names: Sequence[str]) -> list[Fetched]:
+        """``GET`` each of ``names``: values read into allocator memory (direct reads) or
+        through one pipeline of the client library and decoded. Damaged values come back as
+        their :class:`~kvplug.errors.CorruptObject`, for :meth:`_settle`."""
+        direct = self.direct
+        if direct is not None:
+            fetched: list[Fetched] = await self._run(
+                what, lambda _client: direct.fetch(names), read=True
+            )
+            return fetched
+
+        def gets(pipe: Any) -> None:
+            for name in names:
+                pipe.get(name)
+
+        values = await self._run(what, lambda c: self._pipelined(c, gets), read=True)
+        results: list[Fetched] = []
+        try:
+            for value in values:
+                try:
+                    results.append(None if value is None else decode_frame(value, self.allocator))
+                except CorruptObject as error:
+                    results.append(error)
+        except BaseException:
+            _release(results)
+            raise
+        return results
+
+    async def _settle(
+        self, what: str, names: Sequence[str], fetched: Sequence[Fetched]
+    ) -> list[MemoryObj | None]:
+        """The objects of ``fetched``, damaged values counted, deleted and read as misses."""
+        results: list[MemoryObj | None] = []
+        damaged: list[str] = []
+        for name, item in zip(names, fetched, strict=True):
+            if isinstance(item, CorruptObject):
+                self.corrupt_objects += 1
+                damaged.append(name)
+                results.append(None)
+            else:
+                results.append(item)
+        if damaged:
+            try:
+                # On a cluster, redis-py splits a multi-key DEL by slot.
+                await self._run(f"{what} (removing damaged values)", lambda c: c.delete(*damaged))
+            except BaseException:
+                _release(results)
+                raise
+        return results
+
     # -- the byte operations ---------------------------------------------------------------------
+
+    async def get(self, key: CacheKey) -> MemoryObj | None:
+        """The chunk under ``key``, read straight into allocator memory when
+        :attr:`direct` reads are on, else as :class:`~kvplug.backend.BytesBackend` reads it
+        (``get_bytes``, then decoded); a damaged value is a miss, counted and deleted."""
+        if self.direct is None:
+            return await super().get(key)
+        self.ensure_open()
+        names = [self.key_string(key)]
+        (obj,) = await self._settle("get", names, await self._fetch("get", names))
+        return obj
 
     async def get_bytes(self, key: str) -> Buffer | None:
         value: bytes | None = await self._run("get", lambda c: c.get(key), read=True)
@@ -682,38 +901,14 @@ class RedisBackend(BytesBackend):
             return results
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        """One pipeline of ``GET`` s; damaged values are misses, counted and deleted."""
+        """One pipeline of ``GET`` s, each value read into its own object (straight into
+        allocator memory with :attr:`direct` reads); damaged values are misses, counted and
+        deleted."""
         self.ensure_open()
         if not keys:
             return []
         names = [self.key_string(key) for key in keys]
-
-        def gets(pipe: Any) -> None:
-            for name in names:
-                pipe.get(name)
-
-        values = await self._run("batched_get", lambda c: self._pipelined(c, gets), read=True)
-        results: list[MemoryObj | None] = []
-        damaged: list[str] = []
-        try:
-            for name, value in zip(names, values, strict=True):
-                try:
-                    results.append(None if value is None else decode_frame(value, self.allocator))
-                except CorruptObject:
-                    self.corrupt_objects += 1
-                    damaged.append(name)
-                    results.append(None)
-            if damaged:
-                # On a cluster, redis-py splits a multi-key DEL by slot.
-                await self._run(
-                    "batched_get (removing damaged values)", lambda c: c.delete(*damaged)
-                )
-        except BaseException:
-            for obj in results:
-                if obj is not None:
-                    obj.release()
-            raise
-        return results
+        return await self._settle("batched_get", names, await self._fetch("batched_get", names))
 
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Pipelines of ``SET`` s of about ``PIPELINE_BYTES`` each (one for a usual batch)."""
@@ -878,6 +1073,8 @@ class RedisBackend(BytesBackend):
         await self._close_clients()
 
     async def _close_clients(self) -> None:
+        if self.direct is not None:
+            self.direct.close()  # aborts reads in flight before their objects are released
         clients = {id(c): c for c in (self._writer, self._reader)}
         if self._sentinel is not None:
             clients.update((id(c), c) for c in self._sentinel.sentinels)

@@ -20,6 +20,7 @@ def kvplug_backends() -> list[BackendSpec]:
                 "unix",
                 "redis+sentinel",
                 "redis-sentinel",
+                "rediss+sentinel",
                 "redis+cluster",
             ),
             factory="kvplug_redis.backend:RedisBackend",

@@ -3,8 +3,8 @@
 
 * :class:`RedisServer`: one ``redis-server``, plain, TLS (certificates generated at start),
   with a unix socket, a password, ``maxmemory`` and a policy, or as a replica or cluster node.
-* :class:`SentinelGroup`: a master, a replica and three sentinels (quorum 2), with
-  :meth:`SentinelGroup.kill_master` for failover tests.
+* :class:`SentinelGroup`: a master, a replica and three sentinels (quorum 2), plain or all
+  TLS, with :meth:`SentinelGroup.kill_master` for failover tests.
 * :class:`RedisCluster`: three masters with the 16384 slots split between them.
 
 Each is a context manager, and :class:`RedisServer` and :class:`RedisCluster` implement the
@@ -186,6 +186,46 @@ def make_tls_files(directory: Path | str) -> TLSFiles:
     return files
 
 
+def tls_config_lines(
+    files: TLSFiles, port: int, *, auth_clients: bool, replication: bool = True
+) -> list[str]:
+    """Config lines for a TLS-only process (server or sentinel) on ``port``. With
+    ``replication`` its outgoing connections (a replica to its master, also after a failover
+    turns a master into a replica; a sentinel to the servers and to the other sentinels) use
+    TLS too, presenting the client certificate, which a peer with ``tls-auth-clients yes``
+    accepts (the server certificate is for server use only)."""
+    return [
+        "port 0",
+        f"tls-port {port}",
+        f"tls-cert-file {files.server_cert}",
+        f"tls-key-file {files.server_key}",
+        f"tls-client-cert-file {files.client_cert}",
+        f"tls-client-key-file {files.client_key}",
+        f"tls-ca-cert-file {files.ca_cert}",
+        f"tls-auth-clients {'yes' if auth_clients else 'no'}",
+        f"tls-replication {'yes' if replication else 'no'}",
+    ]
+
+
+def tls_client_settings(files: TLSFiles) -> dict[str, Any]:
+    """redis-py client arguments for a process set up with ``files`` (client certificate
+    included, so it also passes ``tls-auth-clients yes``)."""
+    return {
+        "ssl": True,
+        "ssl_ca_certs": str(files.ca_cert),
+        "ssl_certfile": str(files.client_cert),
+        "ssl_keyfile": str(files.client_key),
+    }
+
+
+def tls_query(files: TLSFiles, *, client_certificate: bool) -> str:
+    """The ``ssl_*`` query of a kvplug URL for a process set up with ``files``."""
+    query = f"ssl_ca_certs={files.ca_cert}"
+    if client_certificate:
+        query += f"&ssl_certfile={files.client_cert}&ssl_keyfile={files.client_key}"
+    return query
+
+
 class ServerProcess(abc.ABC):
     """One server process with a config file in its own working directory. Subclasses write
     the config (:meth:`config_lines`) and say how to reach the process (:meth:`client`)."""
@@ -343,8 +383,8 @@ class RedisServer(ServerProcess):
     """One ``redis-server`` (or ``valkey-server``) on 127.0.0.1.
 
     * ``tls``: TLS only (``port 0``, ``tls-port``), with a CA and certificates generated at
-      start in the working directory (:attr:`tls_files`); ``tls_auth_clients`` asks for a
-      client certificate too.
+      start in the working directory (:attr:`tls_files`), or those of ``tls_files`` to share
+      one CA with other processes; ``tls_auth_clients`` asks for a client certificate too.
     * ``unix_socket``: also listen on ``<workdir>/redis.sock``; :attr:`url` is then
       ``unix://...``.
     * ``maxmemory`` (``"4mb"``) and ``policy`` (``noeviction``, ``allkeys-lru``, ...).
@@ -363,6 +403,7 @@ class RedisServer(ServerProcess):
         binary: str = "redis-server",
         tls: bool = False,
         tls_auth_clients: bool = False,
+        tls_files: TLSFiles | None = None,
         unix_socket: bool = False,
         maxmemory: str | int | None = None,
         policy: str = "noeviction",
@@ -387,7 +428,9 @@ class RedisServer(ServerProcess):
         self.cluster_node_timeout_ms = cluster_node_timeout_ms
         self.bus_port = free_port() if cluster else None
         self.extra_config = dict(extra_config or {})
-        self.tls_files: TLSFiles | None = make_tls_files(self.workdir) if tls else None
+        self.tls_files: TLSFiles | None = None
+        if tls:
+            self.tls_files = tls_files or make_tls_files(self.workdir)
 
     @property
     def socket_path(self) -> Path:
@@ -409,16 +452,12 @@ class RedisServer(ServerProcess):
             "repl-diskless-sync-delay 0",
         ]
         if self.tls_files is not None:
-            files = self.tls_files
-            lines += [
-                "port 0",
-                f"tls-port {self.port}",
-                f"tls-cert-file {files.server_cert}",
-                f"tls-key-file {files.server_key}",
-                f"tls-ca-cert-file {files.ca_cert}",
-                f"tls-auth-clients {'yes' if self.tls_auth_clients else 'no'}",
-                f"tls-replication {'yes' if self.replica_of and self.replica_of.tls else 'no'}",
-            ]
+            lines += tls_config_lines(
+                self.tls_files,
+                self.port,
+                auth_clients=self.tls_auth_clients,
+                replication=self.replica_of is None or self.replica_of.tls,
+            )
         else:
             lines.append(f"port {self.port}")
         if self.unix_socket:
@@ -442,12 +481,7 @@ class RedisServer(ServerProcess):
     def client(self, **kwargs: Any) -> redis.Redis:
         settings: dict[str, Any] = {"password": self.password, **kwargs}
         if self.tls_files is not None:
-            settings.update(
-                ssl=True,
-                ssl_ca_certs=str(self.tls_files.ca_cert),
-                ssl_certfile=str(self.tls_files.client_cert),
-                ssl_keyfile=str(self.tls_files.client_key),
-            )
+            settings.update(tls_client_settings(self.tls_files))
         return redis.Redis(host=HOST, port=self.port, **settings)
 
     def ready(self) -> bool:
@@ -466,10 +500,7 @@ class RedisServer(ServerProcess):
         if self.unix_socket:
             return f"{self.unix_scheme}://{auth}{self.socket_path}"
         if self.tls_files is not None:
-            files = self.tls_files
-            query = f"ssl_ca_certs={files.ca_cert}"
-            if self.tls_auth_clients:
-                query += f"&ssl_certfile={files.client_cert}&ssl_keyfile={files.client_key}"
+            query = tls_query(self.tls_files, client_certificate=self.tls_auth_clients)
             return f"{self.tls_scheme}://{auth}{HOST}:{self.port}?{query}"
         return f"{self.scheme}://{auth}{HOST}:{self.port}"
 
@@ -483,7 +514,9 @@ class RedisServer(ServerProcess):
 
 
 class SentinelProcess(ServerProcess):
-    """One sentinel watching ``service`` on ``master``."""
+    """One sentinel watching ``service`` on ``master``. With ``tls_files`` it listens on TLS
+    only and speaks TLS to the servers and to the other sentinels, asking its clients for a
+    certificate (``tls-auth-clients yes``)."""
 
     def __init__(
         self,
@@ -494,6 +527,7 @@ class SentinelProcess(ServerProcess):
         quorum: int = 2,
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
+        tls_files: TLSFiles | None = None,
         startup_timeout: float = 10.0,
     ) -> None:
         super().__init__(binary, startup_timeout=startup_timeout)
@@ -502,12 +536,17 @@ class SentinelProcess(ServerProcess):
         self.quorum = quorum
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
+        self.tls_files = tls_files
 
     def config_lines(self) -> list[str]:
         service = self.service
+        if self.tls_files is not None:
+            listen = tls_config_lines(self.tls_files, self.port, auth_clients=True)
+        else:
+            listen = [f"port {self.port}"]
         lines = [
             f"bind {HOST}",
-            f"port {self.port}",
+            *listen,
             "daemonize no",
             f"dir {self.workdir}",
             'logfile ""',
@@ -526,6 +565,8 @@ class SentinelProcess(ServerProcess):
             super().write_config(path)
 
     def client(self, **kwargs: Any) -> redis.Redis:
+        if self.tls_files is not None:
+            kwargs = {**tls_client_settings(self.tls_files), **kwargs}
         return redis.Redis(host=HOST, port=self.port, **kwargs)
 
 
@@ -534,12 +575,19 @@ class SentinelGroup:
     ``down-after-milliseconds`` 1000), all on 127.0.0.1. :attr:`url` is
     ``redis+sentinel://127.0.0.1:s1,127.0.0.1:s2,127.0.0.1:s3/mymaster``.
 
+    With ``tls`` every process listens on TLS only and asks for a client certificate, the
+    servers replicate and the sentinels talk to the servers and to each other over TLS, all
+    with certificates of one CA generated at start (:attr:`tls_files`); :attr:`url` is then
+    ``rediss+sentinel://...?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``, and the
+    processes' ``client()`` s speak TLS.
+
     :meth:`kill_master` kills whichever server the sentinels call master now; they promote
     the replica. Start waits until the replica is in sync and every sentinel knows the
     replica and the two other sentinels, so a failover can happen at once.
     """
 
     scheme = "redis+sentinel"
+    tls_scheme = "rediss+sentinel"
     sentinel_class: type[SentinelProcess] = SentinelProcess
     """The class that runs each sentinel; kvplug-valkey's adds ``--sentinel`` to the argv."""
 
@@ -554,13 +602,23 @@ class SentinelGroup:
         quorum: int = 2,
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
+        tls: bool = False,
         startup_timeout: float = 20.0,
     ) -> None:
         self.service = service
         self.password = password
         self.startup_timeout = startup_timeout
-        self.master = RedisServer(binary=binary, password=password)
-        self.replica = RedisServer(binary=binary, password=password, replica_of=self.master)
+        self.master = RedisServer(binary=binary, password=password, tls=tls, tls_auth_clients=tls)
+        self.tls_files = self.master.tls_files
+        """The one CA and certificates of every process (the master's), None without TLS."""
+        self.replica = RedisServer(
+            binary=binary,
+            password=password,
+            replica_of=self.master,
+            tls=tls,
+            tls_auth_clients=tls,
+            tls_files=self.tls_files,
+        )
         self.sentinels = [
             self.sentinel_class(
                 self.master,
@@ -569,6 +627,7 @@ class SentinelGroup:
                 quorum=quorum,
                 down_after_ms=down_after_ms,
                 failover_timeout_ms=failover_timeout_ms,
+                tls_files=self.tls_files,
             )
             for _ in range(sentinels)
         ]
@@ -581,6 +640,9 @@ class SentinelGroup:
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
         hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
+        if self.tls_files is not None:
+            query = tls_query(self.tls_files, client_certificate=True)
+            return f"{self.tls_scheme}://{auth}{hosts}/{self.service}?{query}"
         return f"{self.scheme}://{auth}{hosts}/{self.service}"
 
     def start(self) -> None:
@@ -797,4 +859,7 @@ __all__ = [
     "TLSFiles",
     "free_port",
     "make_tls_files",
+    "tls_client_settings",
+    "tls_config_lines",
+    "tls_query",
 ]

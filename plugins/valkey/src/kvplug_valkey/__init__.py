@@ -1,5 +1,6 @@
 """kvplug-valkey: the Valkey tier, ``valkey://host:6379``, ``valkeys://`` (TLS),
-``valkey+sentinel://h1:26379,h2:26379/mymaster`` and ``valkey+cluster://h1:7000,h2:7001``.
+``valkey+sentinel://h1:26379,h2:26379/mymaster`` (``valkeys+sentinel://`` over TLS) and
+``valkey+cluster://h1:7000,h2:7001``.
 
 See :class:`kvplug_valkey.backend.ValkeyBackend`: kvplug-redis' backend on valkey-py's client.
 :mod:`kvplug_valkey.testing` finds a valkey-server and starts real servers for tests. The

@@ -6,6 +6,9 @@ URL forms (options go in the query or in code/config, which win)::
     valkeys://host:6380?ssl_ca_certs=/etc/ca.pem         the same over TLS
     valkey+sentinel://[user[:password]@]h1:26379,h2:26379/mymaster
                                                          a Sentinel-managed master
+    valkeys+sentinel://h1:26379,h2:26379/mymaster?ssl_ca_certs=/etc/ca.pem
+                                                         the same, TLS to the sentinels and
+                                                         to the servers they name
     valkey+cluster://[user[:password]@]h1:7000,h2:7001   a Valkey Cluster
 
 Valkey speaks Redis' protocol and valkey-py is a fork of redis-py with the same API, so this
@@ -72,8 +75,10 @@ class ValkeyBackend(RedisBackend):
         "valkey": Mode.STANDALONE,
         "valkeys": Mode.TLS,
         "valkey+sentinel": Mode.SENTINEL,
+        "valkeys+sentinel": Mode.SENTINEL,
         "valkey+cluster": Mode.CLUSTER,
     }
+    tls_schemes: ClassVar[frozenset[str]] = frozenset({"valkeys", "valkeys+sentinel"})
     env_prefix: ClassVar[str] = "VALKEY"
     """Environment variables: ``VALKEY_USERNAME``, ``VALKEY_PASSWORD``,
     ``VALKEY_SENTINEL_PASSWORD``, ``VALKEY_SERVICE_NAME``."""

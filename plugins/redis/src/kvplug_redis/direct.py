@@ -1,0 +1,651 @@
+"""Direct reads: ``GET`` replies received straight into allocator memory.
+
+redis-py (and valkey-py) hand a value over as a ``bytes`` object after copying it several
+times (socket, stream buffer, parser buffer, the final object); kvplug then verifies it and
+copies the payload once more into the :class:`~kvplug.memory.MemoryObj` it returns. For a
+32 MiB chunk those copies cost as much as the network. A client library cannot read into a
+caller's buffer, so for ``GET`` kvplug keeps connections of its own and reads the RESP2 reply
+itself with an :class:`asyncio.BufferedProtocol`:
+
+1. the bulk-string length line and the frame header arrive in a small buffer of the
+   connection; the header is parsed with :func:`kvplug.frame.decode_header`;
+2. an object of the header's shape, dtype and format is allocated, and from then on the
+   protocol hands the transport views of *the object's memory*, so the kernel (or the TLS
+   layer, decrypting) writes the payload there, with no copy in between;
+3. the trailing CRLF is read, and the payload checksum is verified over the object's memory.
+
+Only the ``naive`` serde stores the object's memory as the payload; other serdes' payloads
+are received into a scratch buffer and decoded. A damaged frame is drained and reported, so
+the caller can count and delete it; a full allocator drains the value and reads as a miss, as
+:func:`kvplug.frame.decode_frame` does.
+
+**Memory safety.** While a reply is arriving, the transport may write into an object's memory
+at any read. An operation that ends early (cancelled, past its deadline, or the connection
+broke) therefore aborts the transport, which stops all reads at once, and detaches the
+protocol from the object *before* the object is released; such a connection is never pooled
+again, since its stream is at an unknown point.
+
+The pool (:class:`DirectReads`) keeps idle connections for reuse, logs in on each new one
+(``AUTH``, ``SELECT``, ``CLIENT SETNAME``), retries once on a fresh connection when one
+breaks (after a server restart every pooled connection is dead) and asks its ``locate``
+callable where the server is, again after a broken connection or a ``READONLY`` reply (a
+Sentinel failover moves the master).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import ssl
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+from kvplug.errors import BackendError, CorruptObject
+from kvplug.frame import MIN_HEADER_LEN, FrameHeader, decode_header, verify_payload
+from kvplug.memory import Allocator, MemoryObj, nbytes_of
+from kvplug.serde import get_serde
+
+HEAD_SIZE = 64 << 10
+"""Bytes of a connection's buffer for reply lines and frame headers (and discarded values)."""
+MAX_HEADER_LEN = 4096
+"""More header bytes than any frame has (the largest is 384); a longer claim is damage."""
+MAX_LINE = HEAD_SIZE // 2
+"""A reply line (an error message) longer than this is not Redis speaking."""
+RETRY_DELAY = (0.01, 0.1)
+"""Seconds before the one retry on a fresh connection, drawn at random in this range so that
+many operations broken by one restart do not reconnect at the same instant."""
+
+Fetched = MemoryObj | CorruptObject | None
+"""What one ``GET`` gave: the object, the damage found in the stored value (the caller counts
+and deletes it), or ``None`` (no such key, or the allocator is full)."""
+
+_HEADER_LEN_FIELD = struct.Struct("<I")
+_HEADER_LEN_OFFSET = 12
+
+
+class ConnectionLost(ConnectionError):
+    """The connection broke, or was aborted, before the reply was complete."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where to connect: a TCP host and port, or a unix socket path."""
+
+    host: str = ""
+    port: int = 0
+    path: str | None = None
+
+
+def pack(*args: bytes) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def reply_error(errors: ModuleType, line: str, *, auth: bool = False) -> Exception:
+    """An error reply (``WRONGTYPE ...``) as the client library's exception for it, so that
+    the backend translates it exactly as it translates the library's own."""
+    code = line.split(" ", 1)[0]
+    names = {
+        "NOAUTH": "AuthenticationError",
+        "WRONGPASS": "AuthenticationError",
+        "NOPERM": "NoPermissionError",
+        "LOADING": "BusyLoadingError",
+        "READONLY": "ReadOnlyError",
+        "MASTERDOWN": "MasterDownError",
+        "OOM": "OutOfMemoryError",
+    }
+    if line.startswith("ERR max number of clients reached"):
+        name = "ConnectionError"  # refused at connect: unavailable, not a credentials problem
+    elif auth:
+        name = "AuthenticationError"
+    else:
+        name = names.get(code, "ResponseError")
+    error_class: type[Exception] = getattr(errors, name, None) or errors.ResponseError
+    return error_class(line)
+
+
+class _Reply:
+    """One expected reply and what arrived for it. ``obj`` and ``scratch`` are filled while
+    the payload arrives; whoever takes ``obj`` out sets it to ``None``."""
+
+    __slots__ = ("damaged", "error", "header", "obj", "scratch", "status")
+
+    def __init__(self, *, status: bool = False) -> None:
+        self.status = status
+        """A ``+OK`` is expected (set-up commands), not a bulk string."""
+        self.error: str | None = None
+        self.header: FrameHeader | None = None
+        self.obj: MemoryObj | None = None
+        self.scratch: bytearray | None = None
+        self.damaged: CorruptObject | None = None
+
+    def release(self) -> None:
+        obj, self.obj = self.obj, None
+        if obj is not None:
+            obj.release()
+
+
+class _Phase:
+    """Where :class:`_ReplyReader` is in the stream: at a reply line, in a value's frame header,
+    its payload (received) or the rest of it (discarded), before its CRLF; or detached."""
+
+    LINE = 0
+    HEADER = 1
+    PAYLOAD = 2
+    DRAIN = 3
+    CRLF = 4
+    DEAD = 5
+
+
+class _ReplyReader(asyncio.BufferedProtocol):
+    """Receives the replies of one connection, in order, as they are expected (:meth:`expect`).
+
+    Reply lines and frame headers go into ``_head``; a value's payload goes into its object's
+    memory (or a scratch buffer), a value to be skipped into ``_head`` again and again. After
+    :meth:`detach` nothing is written anywhere but ``_head``.
+    """
+
+    def __init__(self, allocator: Allocator) -> None:
+        self._allocator = allocator
+        self._head = bytearray(HEAD_SIZE)
+        self._start = 0
+        self._end = 0
+        self._phase = _Phase.LINE
+        self._replies: collections.deque[_Reply] = collections.deque()
+        self._done: asyncio.Future[None] | None = None
+        self._value_len = 0
+        self._left = 0
+        self._sink: memoryview | None = None
+        self._sink_pos = 0
+        self._into_head = True
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+
+    # -- what the connection asks ----------------------------------------------------------
+
+    def expect(self, replies: Sequence[_Reply]) -> asyncio.Future[None]:
+        """A future that is done when all ``replies`` have arrived, or failed when the
+        connection breaks first."""
+        self._done = asyncio.get_running_loop().create_future()
+        if self.lost is not None:
+            self._done.set_exception(self._lost_error())
+        elif not replies:
+            self._done.set_result(None)
+        else:
+            self._replies.extend(replies)
+        return self._done
+
+    def detach(self) -> None:
+        """Never write into an object's memory again (the connection is being aborted)."""
+        self._sink = None
+        self._phase = _Phase.DEAD
+        self._replies.clear()
+
+    # -- asyncio's side ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.lost is None:
+            self.lost = exc or ConnectionLost("the server closed the connection")
+        self.detach()
+        self._fail(self._lost_error())
+
+    def eof_received(self) -> bool:
+        return False
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._phase == _Phase.DEAD:
+            self._start = self._end = 0  # whatever still arrives is dropped
+        if self._start == self._end:
+            self._start = self._end = 0
+            if self._phase == _Phase.PAYLOAD and self._sink is not None:
+                self._into_head = False
+                return self._sink[self._sink_pos : self._sink_pos + self._left]
+            if self._phase == _Phase.DRAIN:
+                self._into_head = False
+                return memoryview(self._head)[: min(self._left, HEAD_SIZE)]
+        elif self._end == HEAD_SIZE:
+            held = self._end - self._start
+            self._head[:held] = self._head[self._start : self._end]
+            self._start, self._end = 0, held
+        self._into_head = True
+        return memoryview(self._head)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._into_head:
+                self._end += nbytes
+                self._advance()
+                return
+            self._left -= nbytes
+            if self._phase == _Phase.PAYLOAD:
+                self._sink_pos += nbytes
+            if not self._left:
+                self._sink = None
+                self._phase = _Phase.CRLF
+        except Exception as error:  # a bug must not leave the caller waiting forever
+            self._broken(f"{type(error).__name__}: {error}")
+
+    # -- parsing -------------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        head = self._head
+        while True:
+            held = self._end - self._start
+            phase = self._phase
+            if phase == _Phase.LINE:
+                if not held:
+                    return
+                if not self._replies:
+                    self._broken("data arrived that no command asked for")
+                    return
+                cr = head.find(b"\r\n", self._start, self._end)
+                if cr < 0:
+                    if held > MAX_LINE:
+                        self._broken(f"a reply line longer than {MAX_LINE} bytes")
+                    return
+                line = bytes(head[self._start : cr])
+                self._start = cr + 2
+                self._on_line(line)
+            elif phase == _Phase.HEADER:
+                wanted = self._header_bytes()
+                if held < wanted:
+                    return
+                self._on_header(wanted)
+            elif phase in (_Phase.PAYLOAD, _Phase.DRAIN):
+                if not held:
+                    return
+                take = min(held, self._left)
+                if self._sink is not None:
+                    end = self._sink_pos + take
+                    chunk = memoryview(head)[self._start : self._start + take]
+                    self._sink[self._sink_pos : end] = chunk
+                    self._sink_pos = end
+                self._start += take
+                self._left -= take
+                if not self._left:
+                    self._sink = None
+                    self._phase = _Phase.CRLF
+            elif phase == _Phase.CRLF:
+                if held < 2:
+                    return
+                if head[self._start : self._start + 2] != b"\r\n":
+                    self._broken("a bulk string without its CRLF")
+                    return
+                self._start += 2
+                self._complete()
+            else:
+                return
+
+    def _on_line(self, line: bytes) -> None:
+        reply = self._replies[0]
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            reply.error = rest.decode("utf-8", "replace")
+            self._complete()
+        elif kind == b"+" and reply.status:
+            self._complete()
+        elif kind == b"$" and not reply.status and rest.lstrip(b"-").isdigit():
+            length = int(rest)
+            if length < 0:
+                self._complete()  # $-1: no such key
+                return
+            self._value_len = length
+            self._phase = _Phase.HEADER
+        else:
+            self._broken(f"an unexpected reply {line[:40]!r}")
+
+    def _header_bytes(self) -> int:
+        """How many bytes of the value the header needs: at least the fixed part, then what
+        its header-length field says, never more than the value."""
+        length = self._value_len
+        if length < MIN_HEADER_LEN or self._end - self._start < MIN_HEADER_LEN:
+            return min(length, MIN_HEADER_LEN)
+        (claimed,) = _HEADER_LEN_FIELD.unpack_from(self._head, self._start + _HEADER_LEN_OFFSET)
+        return min(length, max(MIN_HEADER_LEN, min(int(claimed), MAX_HEADER_LEN)))
+
+    def _on_header(self, available: int) -> None:
+        reply = self._replies[0]
+        length = self._value_len
+        try:
+            header = decode_header(memoryview(self._head)[self._start : self._start + available])
+            if header.frame_len != length:
+                raise CorruptObject(
+                    f"frame is {length} bytes, its header says {header.frame_len} (truncated "
+                    "or torn)."
+                )
+            if header.serde == "naive" and header.payload_len != nbytes_of(
+                header.shape, header.dtype
+            ):
+                raise CorruptObject(
+                    f"naive payload has {header.payload_len} bytes but shape {header.shape} "
+                    f"{header.dtype} needs {nbytes_of(header.shape, header.dtype)}."
+                )
+        except CorruptObject as error:
+            reply.damaged = error
+            self._take_value(length, None)
+            return
+        self._start += header.header_len
+        reply.header = header
+        sink: memoryview | None = None
+        if header.serde == "naive":
+            obj = self._allocator.allocate(header.shape, header.dtype, header.fmt)
+            if obj is None:
+                self._take_value(header.payload_len, None)  # full: drained, read as a miss
+                return
+            if obj.device.type == "cpu":
+                reply.obj = obj
+                sink = obj.memoryview()
+            else:
+                obj.release()  # memory the socket cannot write: decoded by the serde later
+        if sink is None:
+            reply.scratch = bytearray(header.payload_len)
+            sink = memoryview(reply.scratch)
+        self._take_value(header.payload_len, sink)
+
+    def _take_value(self, length: int, sink: memoryview | None) -> None:
+        """Receive the next ``length`` bytes into ``sink``, or discard them."""
+        self._left = length
+        self._sink = sink if length else None
+        self._sink_pos = 0
+        if not length:
+            self._phase = _Phase.CRLF
+        else:
+            self._phase = _Phase.PAYLOAD if sink is not None else _Phase.DRAIN
+
+    def _complete(self) -> None:
+        self._replies.popleft()
+        self._phase = _Phase.LINE
+        if not self._replies and self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def _lost_error(self) -> BaseException:
+        error = ConnectionLost(f"the connection broke: {self.lost}")
+        error.__cause__ = self.lost
+        return error
+
+    def _fail(self, error: BaseException) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(error)
+
+    def _broken(self, what: str) -> None:
+        """The stream cannot be trusted any more: stop reading and fail the request."""
+        self.detach()
+        if self.transport is not None:
+            self.transport.abort()
+        self.lost = BackendError(
+            f"the server sent {what}; it does not speak the Redis protocol as kvplug expects, "
+            "or the stream was damaged. The connection was dropped."
+        )
+        self._fail(self.lost)
+
+
+class _Connection:
+    """One of the pool's connections; used by one operation at a time."""
+
+    def __init__(self, transport: asyncio.Transport, reader: _ReplyReader, generation: int) -> None:
+        self.transport = transport
+        self.reader = reader
+        self.generation = generation
+        self.loop = asyncio.get_running_loop()
+
+    @property
+    def usable(self) -> bool:
+        return self.reader.lost is None and not self.transport.is_closing()
+
+    async def request(self, data: bytes, replies: Sequence[_Reply]) -> None:
+        """Send ``data`` and wait for ``replies``. Anything that ends this early (the deadline,
+        a cancellation, a broken connection) aborts the connection and releases the objects
+        the replies were being read into, in that order."""
+        try:
+            done = self.reader.expect(replies)
+            self.transport.write(data)
+            await done
+        except BaseException:
+            self.abort()
+            for reply in replies:
+                reply.release()
+            raise
+
+    def abort(self) -> None:
+        self.reader.detach()
+        self.transport.abort()
+
+
+class DirectReads:
+    """A pool of connections that serve ``GET`` s through :class:`_ReplyReader`.
+
+    ``locate`` says where the server is (asked again after a broken connection or a
+    ``READONLY`` reply); ``setup`` are the commands each new connection sends first (the
+    first is ``AUTH`` when ``auth_first``); ``errors`` is the client library's exceptions
+    module, whose classes error replies become; ``allocator`` gives the allocator at the time
+    of each read. At most ``max_idle`` connections wait for reuse; the caller bounds how many
+    operations run at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        locate: Callable[[], Awaitable[Endpoint]],
+        errors: ModuleType,
+        allocator: Callable[[], Allocator],
+        setup: Sequence[bytes] = (),
+        auth_first: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+        max_idle: int = 16,
+    ) -> None:
+        self._locate = locate
+        self._errors = errors
+        self._allocator = allocator
+        self._setup = b"".join(setup)
+        self._setup_count = len(setup)
+        self._auth_first = auth_first
+        self._ssl = ssl_context
+        self._max_idle = max_idle
+        self._endpoint: Endpoint | None = None
+        self._locating = asyncio.Lock()
+        self._generation = 0
+        self._idle: list[_Connection] = []
+        self._live: set[_Connection] = set()
+        self._closed = False
+        self.connects = 0
+        """Connections opened so far."""
+        self.gets = 0
+        """``GET`` replies read so far."""
+
+    async def fetch(self, names: Sequence[str]) -> list[Fetched]:
+        """``GET`` each of ``names``, pipelined on one connection, each reply received into
+        its own object. A broken connection is retried once, on a new one; error replies
+        raise the first of them (as the library's exception) once every reply is read."""
+        data = b"".join(pack(b"GET", name.encode()) for name in names)
+        try:
+            return await self._fetch_once(data, len(names))
+        except OSError:
+            self._forget()
+            if self._closed:
+                raise
+        await asyncio.sleep(random.uniform(*RETRY_DELAY))
+        try:
+            return await self._fetch_once(data, len(names))
+        except OSError:
+            self._forget()
+            raise
+
+    async def _fetch_once(self, data: bytes, count: int) -> list[Fetched]:
+        conn = await self._acquire()
+        replies = [_Reply() for _ in range(count)]
+        try:
+            await conn.request(data, replies)
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._release(conn)
+        self.gets += count
+        return self._results(replies)
+
+    def _results(self, replies: list[_Reply]) -> list[Fetched]:
+        results: list[Fetched] = []
+        error: Exception | None = None
+        try:
+            for reply in replies:
+                if reply.error is not None:
+                    error = error or reply_error(self._errors, reply.error)
+                    results.append(None)
+                else:
+                    results.append(self._finish(reply))
+            if error is not None:
+                if isinstance(error, self._errors.ReadOnlyError):
+                    self._forget()  # a replica now: the master moved
+                raise error
+        except BaseException:
+            for result in results:
+                if isinstance(result, MemoryObj):
+                    result.release()
+            for reply in replies:
+                reply.release()
+            raise
+        return results
+
+    def _finish(self, reply: _Reply) -> Fetched:
+        """The object of a complete reply, its payload verified (and decoded, for a serde
+        other than ``naive``)."""
+        header = reply.header
+        if reply.damaged is not None:
+            return reply.damaged
+        if header is None:
+            return None
+        obj, reply.obj = reply.obj, None
+        if obj is not None:
+            try:
+                verify_payload(header, obj.memoryview()[: header.payload_len])
+            except BaseException as error:
+                obj.release()
+                if isinstance(error, CorruptObject):
+                    return error
+                raise
+            return obj
+        if reply.scratch is None:
+            return None  # the allocator was full
+        payload = memoryview(reply.scratch)
+        reply.scratch = None
+        try:
+            verify_payload(header, payload)
+        except CorruptObject as error:
+            return error
+        obj = self._allocator().allocate(header.shape, header.dtype, header.fmt)
+        if obj is None:
+            return None
+        try:
+            get_serde(header.serde).decode(payload, obj)
+        except BaseException as error:
+            obj.release()
+            if isinstance(error, CorruptObject):
+                return error
+            raise
+        return obj
+
+    # -- the pool ----------------------------------------------------------------------------
+
+    async def _acquire(self) -> _Connection:
+        if self._closed:
+            raise ConnectionLost("the backend is closed")
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable and conn.loop is loop and conn.generation == self._generation:
+                return conn
+            self._drop(conn)
+        generation = self._generation
+        async with self._locating:  # one question to the sentinels, not one per operation
+            if self._endpoint is None:
+                endpoint = await self._locate()
+                if generation == self._generation:
+                    self._endpoint = endpoint
+            else:
+                endpoint = self._endpoint
+        return await self._connect(endpoint, generation)
+
+    async def _connect(self, endpoint: Endpoint, generation: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        reader = _ReplyReader(self._allocator())
+        if endpoint.path is not None:
+            transport, _ = await loop.create_unix_connection(lambda: reader, endpoint.path)
+        else:
+            transport, _ = await loop.create_connection(
+                lambda: reader,
+                endpoint.host,
+                endpoint.port,
+                ssl=self._ssl,
+                server_hostname=endpoint.host if self._ssl is not None else None,
+            )
+        conn = _Connection(transport, reader, generation)
+        self._live.add(conn)
+        self.connects += 1
+        if self._closed:
+            self._drop(conn)
+            raise ConnectionLost("the backend was closed while connecting")
+        if self._setup_count:
+            replies = [_Reply(status=True) for _ in range(self._setup_count)]
+            try:
+                await conn.request(self._setup, replies)
+            except BaseException:
+                self._drop(conn)
+                raise
+            refused = next((r for r in replies if r.error is not None), None)
+            if refused is not None:
+                self._drop(conn)
+                auth = self._auth_first and refused is replies[0]
+                raise reply_error(self._errors, refused.error or "", auth=auth)
+        return conn
+
+    def _release(self, conn: _Connection) -> None:
+        if (
+            self._closed
+            or not conn.usable
+            or conn.generation != self._generation
+            or len(self._idle) >= self._max_idle
+        ):
+            self._drop(conn)
+        else:
+            self._idle.append(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        self._live.discard(conn)
+        if not conn.loop.is_closed():
+            conn.abort()
+
+    def _forget(self) -> None:
+        """Ask ``locate`` again on the next connect, and let no older connection be reused:
+        after a restart they are dead, after a failover they lead to a replica."""
+        self._endpoint = None
+        self._generation += 1
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._drop(conn)
+
+    def close(self) -> None:
+        """Abort every connection, idle or in use (an operation on one ends with
+        :class:`ConnectionLost`); later fetches raise it too. Idempotent."""
+        self._closed = True
+        self._idle = []
+        for conn in list(self._live):
+            self._drop(conn)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now, idle or in use."""
+        return len(self._live)
+
+
+__all__ = ["ConnectionLost", "DirectReads", "Endpoint", "Fetched", "pack", "reply_error"]
