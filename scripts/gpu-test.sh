@@ -2,7 +2,8 @@
 # Runs the whole test suite on a machine with a CUDA GPU and its own torch, where the CUDA-only
 # tests run instead of being skipped. Installs this repository's distributions (editable) into
 # the current Python environment; with no network there, pass a folder of wheels for the
-# missing dependencies as WHEELS_DIR (it is installed first, offline).
+# missing dependencies as WHEELS_DIR (it is installed first, offline). Then runs the CUDA copy
+# kernel under compute-sanitizer's memcheck (scripts/sanitize_kernel.py); fails if either fails.
 #   WHEELS_DIR=.whl bash scripts/gpu-test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +24,27 @@ import torch
 assert torch.cuda.is_available(), "scripts/gpu-test.sh needs a CUDA GPU"
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
 PYEOF
-"$PY" -m pytest -p no:cacheprovider -q -rs "$@"
+status=0
+"$PY" -m pytest -p no:cacheprovider -q -rs "$@" || status=$?
+
+# The copy kernel under compute-sanitizer's memcheck, with torch's caching allocator off so that
+# every tensor is its own CUDA allocation and an access past its end is reported.
+sanitizer=$(command -v compute-sanitizer || true)
+if [ -z "$sanitizer" ]; then
+  torch_cuda_home=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")')
+  for home in "${CUDA_HOME:-}" "$torch_cuda_home" /usr/local/cuda; do
+    if [ -n "$home" ] && [ -x "$home/bin/compute-sanitizer" ]; then
+      sanitizer=$home/bin/compute-sanitizer
+      break
+    fi
+  done
+fi
+if [ -z "$sanitizer" ]; then
+  echo "compute-sanitizer not found (PATH, CUDA_HOME, torch's CUDA_HOME, /usr/local/cuda):" \
+    "install the CUDA toolkit's compute-sanitizer to check the copy kernel" >&2
+  exit 1
+fi
+echo "memcheck of the copy kernel with $sanitizer"
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --error-exitcode 1 \
+  "$PY" scripts/sanitize_kernel.py || status=$?
+exit "$status"
