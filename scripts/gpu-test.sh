@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on a machine with a CUDA GPU and its own torch, where the CUDA-only
-# tests run instead of being skipped. Installs this repository's distributions (editable) into
-# the current Python environment; with no network there, pass a folder of wheels for the
-# missing dependencies as WHEELS_DIR (it is installed first, offline). Then runs the CUDA copy
-# kernel under compute-sanitizer's memcheck (scripts/sanitize_kernel.py); fails if either fails.
+# Runs the GPU tests (or the tests named) on a machine with a CUDA GPU and its own torch, where
+# the CUDA-only tests run instead of being skipped. Installs this repository's distributions
+# (editable) into the current Python environment; with no network there, pass a folder of
+# wheels for the missing dependencies as WHEELS_DIR (it is installed first, offline). Then runs
+# the CUDA copy kernel under compute-sanitizer's memcheck (scripts/sanitize_kernel.py); fails if either fails.
 #   WHEELS_DIR=.whl bash scripts/gpu-test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,14 @@ import torch
 assert torch.cuda.is_available(), "scripts/gpu-test.sh needs a CUDA GPU"
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
 PYEOF
+# By default the tests that use the GPU: the CUDA memory tests, the copy kernel against the torch
+# implementation, the GPU ops, and the GDS tier (its CUDA tests need cufile-python and
+# libcufile.so, see docs/gds.md). Name other tests, or `tests` for the whole suite, which also
+# needs redis-server, valkey-server and the Redis client wheels there.
+if [ $# -eq 0 ]; then
+  set -- tests/test_memory_cuda.py tests/test_gpu_kernel_cuda.py tests/test_gpu_ops.py \
+    core/src/kvplug/gpu tests/test_gds_cuda.py tests/test_gds_backend.py tests/test_gds_contract.py
+fi
 status=0
 "$PY" -m pytest -p no:cacheprovider -q -rs "$@" || status=$?
 

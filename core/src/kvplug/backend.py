@@ -213,6 +213,11 @@ class Backend(abc.ABC):
     async def open(self) -> None:
         """Connect or prepare; called once before the first operation. Default: nothing."""
 
+    def describe(self) -> dict[str, str]:
+        """What ``kvplug check`` prints about this backend once it is open, beyond its URL and
+        capabilities (for example how data moves: ``{"mode": "compat"}``). Default: nothing."""
+        return {}
+
     # -- required ---------------------------------------------------------------------------
 
     @abc.abstractmethod

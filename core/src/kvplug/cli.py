@@ -134,11 +134,12 @@ async def _timed(samples: dict[str, list[float]], name: str, op: Awaitable[T]) -
 
 async def _check(
     url: str, options: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype, rounds: int
-) -> tuple[dict[str, list[float]], Any]:
+) -> tuple[dict[str, list[float]], Any, dict[str, str]]:
     allocator = FreeListAllocator(max(2 * nbytes_of(shape, dtype) + (1 << 20), 1 << 22))
     backend = create_backend(url, allocator=allocator, **options)
     samples: dict[str, list[float]] = {}
     await _timed(samples, "open", backend.open())
+    details = backend.describe()
     generator = torch.Generator().manual_seed(0)
     try:
         for round_index in range(rounds):
@@ -171,7 +172,7 @@ async def _check(
             raise KvplugError(f"{url}: get() of a key never stored did not miss")
     finally:
         await _timed(samples, "close", backend.close())
-    return samples, backend.capabilities
+    return samples, backend.capabilities, details
 
 
 @main.command("check")
@@ -214,7 +215,9 @@ def check_command(
             tier = load_config(config_path).tiers[0]
             url, options = tier.url, dict(tier.options)
         options.update(_parse_options(option_pairs))
-        samples, capabilities = asyncio.run(_check(url, options, shape, KV_DTYPES[dtype], rounds))
+        samples, capabilities, details = asyncio.run(
+            _check(url, options, shape, KV_DTYPES[dtype], rounds)
+        )
     except KvplugError as error:
         click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
@@ -229,6 +232,8 @@ def check_command(
         )
     console.print(table)
     console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
+    for name, value in details.items():
+        console.print(f"{name}: {value}", markup=False, highlight=False)
     console.print("[green]OK[/green]")
 
 

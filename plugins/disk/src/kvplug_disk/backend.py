@@ -435,15 +435,15 @@ def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
     if not raw:
         raise InvalidBackendURL(
             f"{url} names no directory. Write an absolute path after three slashes, "
-            "file:///var/cache/kvplug, several separated by commas, "
-            "file:///nvme0/kv,/nvme1/kv, or give the option paths."
+            f"{url.scheme}:///var/cache/kvplug, several separated by commas, "
+            f"{url.scheme}:///nvme0/kv,/nvme1/kv, or give the option paths."
         )
     paths: list[str] = []
     for path in raw:
         if not path or not os.path.isabs(path):
             raise InvalidBackendURL(
                 f"{url}: directory {path!r} is not an absolute path. Write absolute paths, "
-                "separated by commas: file:///nvme0/kv,/nvme1/kv"
+                f"separated by commas: {url.scheme}:///nvme0/kv,/nvme1/kv"
             )
         normal = os.path.normpath(path)
         if normal not in paths:
@@ -620,8 +620,9 @@ class DiskBackend(Backend):
         super().__init__(url, allocator=allocator, **options)
         if self.url.hosts or self.url.username or self.url.password:
             raise InvalidBackendURL(
-                f"{self.url} names a host or user, but file:// is a local directory. Write the "
-                "absolute path after three slashes: file:///var/cache/kvplug"
+                f"{self.url} names a host or user, but {self.url.scheme}:// takes local "
+                "directories. Write the absolute path after three slashes: "
+                f"{self.url.scheme}:///var/cache/kvplug"
             )
         self.paths: tuple[str, ...] = _directory_paths(self.url, self.options.paths)
         """The configured directories, in sharding order."""
@@ -724,8 +725,13 @@ class DiskBackend(Backend):
                     )
                 directories.append(Directory(path, problem is None, problem))
             self.directories = directories
+            self._prepared()
             self._rebuild()
             self._opened = True
+
+    def _prepared(self) -> None:
+        """Called by open once the directories exist and were probed, before the index is
+        rebuilt: the place for a subclass (``gds://``) to check more. Default: nothing."""
 
     def _rebuild(self) -> None:
         stats = dict.fromkeys(
@@ -1231,7 +1237,8 @@ class DiskBackend(Backend):
             raise CorruptObject(f"file holds key {header.key_text!r}, not {key_text!r}.")
         if not entry.describes(header):
             return header
-        verify_payload(header.frame, transfer.host)
+        if header.payload_checksummed:  # else written from GPU memory by gds://: length only
+            verify_payload(header.frame, transfer.host)
         return None
 
     def _read_once(
@@ -1334,8 +1341,9 @@ class DiskBackend(Backend):
         key_bytes = len(key_text.encode("utf-8"))
         if key_bytes > MAX_KEY_BYTES:
             raise InvalidKey(
-                f"key {key_text[:80]!r}... is {key_bytes} bytes long in UTF-8; file:// keeps "
-                f"each key in its file's {BLOCK}-byte header block, which holds at most "
+                f"key {key_text[:80]!r}... is {key_bytes} bytes long in UTF-8; "
+                f"{self.url.scheme}:// keeps each key in its file's {BLOCK}-byte header block, "
+                "which holds at most "
                 f"{MAX_KEY_BYTES}. Use a shorter model name or fewer tags."
             )
         length = file_length(obj.nbytes)

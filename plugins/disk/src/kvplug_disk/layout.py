@@ -11,11 +11,17 @@ An object file (all integers little-endian)::
       0             kvplug frame header (kvplug.frame.encode_header), H bytes: magic, version,
                     format, dtype, shape, serde ("naive"), payload length, xxh3-64 checksum of
                     the payload, and its own xxh32 header checksum
-      H             b"KVPD", u16 layout version (1), u16 zero, u32 key length L
+      H             b"KVPD", u16 layout version (1), u16 flags, u32 key length L
       H + 12        the key's string form (CacheKey.to_string), UTF-8, L bytes
       H + 12 + L    zero padding
       4088          u64 xxh3-64 of bytes 0..4088 of the block (everything above)
     offset 4096   payload: payload-length bytes, zero-padded to a multiple of BLOCK
+
+Flags: bit 0, :data:`FLAG_NO_PAYLOAD_CHECKSUM`, says the frame header's payload checksum was
+not computed (it is zero): the writer held the payload in GPU memory (``gds://``), where an
+xxh3 over host bytes would cost a copy to the host. Readers then check the header block and
+the exact payload length but not the payload bytes. ``file://`` never sets it; unknown flag bits
+make the block unreadable, so an older reader never misreads a newer file.
 
 Every file length is a multiple of BLOCK and the payload starts on a block boundary, so a
 file is written and read with O_DIRECT straight from and into 4096-aligned allocator memory.
@@ -62,6 +68,9 @@ LAYOUT_VERSION = 1
 SERDE = "naive"
 """Payloads are the object's bytes as they are: no transform, so reads go straight to memory."""
 SUFFIX = ".kv"
+FLAG_NO_PAYLOAD_CHECKSUM = 1
+"""Header flag: the payload checksum was not computed (payload written from GPU memory)."""
+_KNOWN_FLAGS = FLAG_NO_PAYLOAD_CHECKSUM
 
 _KEY_RECORD = struct.Struct("<4sHHI")
 _BLOCK_CHECKSUM = struct.Struct("<Q")
@@ -116,15 +125,23 @@ class ObjectHeader:
 
     frame: FrameHeader
     key_text: str
+    flags: int = 0
 
     @property
     def file_length(self) -> int:
         return file_length(self.frame.payload_len)
 
+    @property
+    def payload_checksummed(self) -> bool:
+        """Whether the frame header's payload checksum is real (see the module docstring)."""
+        return not self.flags & FLAG_NO_PAYLOAD_CHECKSUM
 
-def encode_block(frame_header: bytes, key_text: str) -> bytes:
+
+def encode_block(frame_header: bytes, key_text: str, flags: int = 0) -> bytes:
     """The BLOCK-byte header block for ``frame_header`` (from
-    :func:`kvplug.frame.encode_header`) and the key string ``key_text``."""
+    :func:`kvplug.frame.encode_header`), the key string ``key_text`` and ``flags``."""
+    if flags & ~_KNOWN_FLAGS:
+        raise ValueError(f"unknown header flags {flags:#x}")
     key_bytes = key_text.encode("utf-8")
     end = len(frame_header) + _KEY_RECORD.size + len(key_bytes)
     if end > CHECKSUM_AT:
@@ -134,7 +151,7 @@ def encode_block(frame_header: bytes, key_text: str) -> bytes:
         )
     block = bytearray(BLOCK)
     block[: len(frame_header)] = frame_header
-    _KEY_RECORD.pack_into(block, len(frame_header), MAGIC, LAYOUT_VERSION, 0, len(key_bytes))
+    _KEY_RECORD.pack_into(block, len(frame_header), MAGIC, LAYOUT_VERSION, flags, len(key_bytes))
     start = len(frame_header) + _KEY_RECORD.size
     block[start:end] = key_bytes
     _BLOCK_CHECKSUM.pack_into(block, CHECKSUM_AT, xxhash.xxh3_64_intdigest(block[:CHECKSUM_AT]))
@@ -143,7 +160,7 @@ def encode_block(frame_header: bytes, key_text: str) -> bytes:
 
 def decode_block(data: bytes | bytearray | memoryview) -> ObjectHeader:
     """Verify a header block completely (block checksum, frame header and its checksum, layout
-    magic and version, key length, UTF-8 key, zero padding, serde) and return what it says.
+    magic, version and flags, key length, UTF-8 key, zero padding, serde) and return what it says.
 
     Raises :class:`~kvplug.errors.CorruptObject` naming the first problem found.
     """
@@ -159,11 +176,11 @@ def decode_block(data: bytes | bytearray | memoryview) -> ObjectHeader:
         raise CorruptObject(
             f"object stored with serde {frame.serde!r}; this layout uses {SERDE!r}."
         )
-    magic, version, reserved, key_len = _KEY_RECORD.unpack_from(view, frame.header_len)
-    if magic != MAGIC or version != LAYOUT_VERSION or reserved:
+    magic, version, flags, key_len = _KEY_RECORD.unpack_from(view, frame.header_len)
+    if magic != MAGIC or version != LAYOUT_VERSION or flags & ~_KNOWN_FLAGS:
         raise CorruptObject(
-            f"not a kvplug disk object: key record {bytes(magic)!r} version {version}, "
-            f"expected {MAGIC!r} version {LAYOUT_VERSION}."
+            f"not a kvplug disk object: key record {bytes(magic)!r} version {version} flags "
+            f"{flags:#x}, expected {MAGIC!r} version {LAYOUT_VERSION} with known flags."
         )
     start = frame.header_len + _KEY_RECORD.size
     end = start + key_len
@@ -175,11 +192,12 @@ def decode_block(data: bytes | bytearray | memoryview) -> ObjectHeader:
         key_text = bytes(view[start:end]).decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptObject("the key in the header block is not UTF-8.") from None
-    return ObjectHeader(frame, key_text)
+    return ObjectHeader(frame, key_text, flags)
 
 
 __all__ = [
     "BLOCK",
+    "FLAG_NO_PAYLOAD_CHECKSUM",
     "MAX_KEY_BYTES",
     "OBJECT_NAME",
     "SUBDIR_NAME",
