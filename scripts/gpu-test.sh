@@ -3,7 +3,8 @@
 # the CUDA-only tests run instead of being skipped. Installs this repository's distributions
 # (editable) into the current Python environment; with no network there, pass a folder of
 # wheels for the missing dependencies as WHEELS_DIR (it is installed first, offline). Then runs
-# the CUDA copy kernel under compute-sanitizer's memcheck (scripts/sanitize_kernel.py); fails if either fails.
+# the CUDA copy kernel under compute-sanitizer's memcheck (scripts/sanitize_kernel.py); fails
+# if either fails.
 #   WHEELS_DIR=.whl bash scripts/gpu-test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
