@@ -129,15 +129,7 @@ def gather(
         [8.0, 504.0]
         >>> obj.release()
     """
-    slots = _slice_slots(slot_mapping, start, end, cache, validate)
-    chunk = _chunk_tensor(out, cache, slots.numel(), "gather's out")
-    kernel = _pick_kernel(impl, cache, chunk)
-    if slots.numel() == 0:
-        return
-    if kernel is None:
-        torch_gather(cache, slots, chunk, synchronize=synchronize)
-    else:
-        _launch(kernel, cache, slots, chunk, to_chunk=True, synchronize=synchronize)
+    _move(cache, slot_mapping, out, "gather's out", start, end, impl, synchronize, validate, True)
 
 
 def scatter(
@@ -170,15 +162,34 @@ def scatter(
         >>> k[0].sum(dim=(1, 2)).tolist()
         [8.0, 0.0, 0.0, 0.0, 8.0, 0.0]
     """
+    _move(
+        cache, slot_mapping, src, "scatter's chunk", start, end, impl, synchronize, validate, False
+    )
+
+
+def _move(
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    chunk_or_obj: MemoryObj | torch.Tensor,
+    what: str,
+    start: int,
+    end: int | None,
+    impl: Impl,
+    synchronize: bool,
+    validate: bool,
+    to_chunk: bool,
+) -> None:
     slots = _slice_slots(slot_mapping, start, end, cache, validate)
-    chunk = _chunk_tensor(src, cache, slots.numel(), "scatter's chunk")
+    chunk = _chunk_tensor(chunk_or_obj, cache, slots.numel(), what)
     kernel = _pick_kernel(impl, cache, chunk)
     if slots.numel() == 0:
         return
-    if kernel is None:
-        torch_scatter(chunk, cache, slots, synchronize=synchronize)
+    if kernel is not None:
+        _launch(kernel, cache, slots, chunk, to_chunk=to_chunk, synchronize=synchronize)
+    elif to_chunk:
+        torch_gather(cache, slots, chunk, synchronize=synchronize)
     else:
-        _launch(kernel, cache, slots, chunk, to_chunk=False, synchronize=synchronize)
+        torch_scatter(chunk, cache, slots, synchronize=synchronize)
 
 
 def _slice_slots(

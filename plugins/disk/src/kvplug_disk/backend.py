@@ -1241,14 +1241,20 @@ class DiskBackend(Backend):
             verify_payload(header.frame, transfer.host)
         return None
 
-    def _read_once(
-        self, key: CacheKey, key_text: str, entry: _Entry
-    ) -> MemoryObj | ObjectHeader | None:
+    def _allocate_for(self, key: CacheKey, entry: _Entry) -> MemoryObj | None:
+        """An object to read ``entry`` into; None (counted) when the allocator is full."""
         obj = self.allocator.allocate(entry.shape, entry.dtype, entry.fmt)
         if obj is None:
             with self._lock:
                 self.allocation_failures += 1
             logger.debug("%s: allocator full; a hit on %s reads as a miss", self.url, key)
+        return obj
+
+    def _read_once(
+        self, key: CacheKey, key_text: str, entry: _Entry
+    ) -> MemoryObj | ObjectHeader | None:
+        obj = self._allocate_for(key, entry)
+        if obj is None:
             return None
         keep = False
         transfer: _Transfer | None = None

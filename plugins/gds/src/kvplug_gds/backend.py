@@ -763,11 +763,8 @@ class GdsBackend(DiskBackend):
         self, key: CacheKey, key_text: str, entry: _Entry, path: str
     ) -> MemoryObj | ObjectHeader | None:
         """Read ``entry``'s object from ``path`` (its file, or a link to it)."""
-        obj = self.allocator.allocate(entry.shape, entry.dtype, entry.fmt)
+        obj = self._allocate_for(key, entry)
         if obj is None:
-            with self._lock:
-                self.allocation_failures += 1
-            logger.debug("%s: allocator full; a hit on %s reads as a miss", self.url, key)
             return None
         keep = False
         staging: MemoryObj | None = None
