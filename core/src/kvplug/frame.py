@@ -199,14 +199,20 @@ def decode_frame(data: Buffer, allocator: Allocator) -> MemoryObj | None:
         raise CorruptObject(
             f"frame is {view.nbytes} bytes, its header says {header.frame_len} (truncated or torn)."
         )
-    payload = view[header.header_len :]
-    verify_payload(header, payload)
+    return decode_payload(header, view[header.header_len :], allocator)
+
+
+def decode_payload(header: FrameHeader, payload: Buffer, allocator: Allocator) -> MemoryObj | None:
+    """A new object from the payload that ``header`` describes, verified first; ``None`` when
+    ``allocator`` is full. Raises :class:`CorruptObject` when the payload does not match."""
+    view = memoryview(payload).cast("B")
+    verify_payload(header, view)
     serde = get_serde(header.serde)
     obj = allocator.allocate(header.shape, header.dtype, header.fmt)
     if obj is None:
         return None
     try:
-        serde.decode(payload, obj)
+        serde.decode(view, obj)
     except BaseException:
         obj.release()
         raise
@@ -220,6 +226,7 @@ __all__ = [
     "FrameHeader",
     "decode_frame",
     "decode_header",
+    "decode_payload",
     "encode_frame",
     "encode_header",
     "payload_checksum",

@@ -101,6 +101,9 @@ class PagedKVCache:
     """Elements between the starts of two consecutive slots' rows."""
     plane_addresses: tuple[tuple[int, ...], ...] = field(init=False)
     """``[kv_planes][num_layers]`` byte addresses of slot 0 (what :meth:`plane_pointers` holds)."""
+    address_bits: int = field(init=False)
+    """:attr:`row_bytes`, :attr:`slot_stride_bytes` and every plane address OR-ed together:
+    its lowest set bit is the widest aligned access into any row (computed once, not per copy)."""
     _rows: tuple[tuple[torch.Tensor, ...], ...] = field(init=False, repr=False)
     _pointer_tensor: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
 
@@ -277,6 +280,10 @@ class PagedKVCache:
                 "into one would overwrite the other. Pass each layer's own tensor."
             )
         object.__setattr__(self, "plane_addresses", tuple(tuple(p) for p in addresses))
+        bits = self.row_bytes | self.slot_stride_bytes
+        for address in flat:
+            bits |= address
+        object.__setattr__(self, "address_bits", bits)
 
     def _build_rows(self) -> None:
         rows: list[tuple[torch.Tensor, ...]] = []

@@ -328,10 +328,7 @@ def _auto_kernel() -> ModuleType | None:
 
 def _vec_bytes(cache: PagedKVCache, chunk: torch.Tensor) -> int:
     """Widest access (a power of two up to 16 bytes) that keeps every kernel access aligned."""
-    bits = cache.row_bytes | cache.slot_stride_bytes | chunk.data_ptr()
-    for plane in cache.plane_addresses:
-        for address in plane:
-            bits |= address
+    bits = cache.address_bits | chunk.data_ptr()
     return min(MAX_VEC_BYTES, bits & -bits) if bits else MAX_VEC_BYTES
 
 

@@ -71,7 +71,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.backend import Backend, BackendOptions, Buffer, Capabilities
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -536,13 +536,18 @@ def _load_header(path: str) -> tuple[ObjectHeader, float]:
         data = os.pread(fd, BLOCK, 0)
     finally:
         os.close(fd)
-    header = decode_block(data)
-    if info.st_size != header.file_length:
+    return _checked_header(data, info.st_size), info.st_mtime
+
+
+def _checked_header(block: Buffer, file_size: int) -> ObjectHeader:
+    """The verified header ``block`` of a file of ``file_size`` bytes, which must be the
+    length the header gives; CorruptObject when damaged, truncated or torn."""
+    header = decode_block(block)
+    if file_size != header.file_length:
         raise CorruptObject(
-            f"file is {info.st_size} bytes, its header says {header.file_length} "
-            "(truncated or torn)."
+            f"file is {file_size} bytes, its header says {header.file_length} (truncated or torn)."
         )
-    return header, info.st_mtime
+    return header
 
 
 def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:

@@ -65,6 +65,7 @@ from kvplug_disk.backend import (
     Directory,
     DiskBackend,
     DiskOptions,
+    _checked_header,
     _Entry,
     _fsync_dir,
     _header_buffer,
@@ -82,7 +83,6 @@ from kvplug_disk.layout import (
     SUFFIX,
     TEMP_NAME,
     ObjectHeader,
-    decode_block,
     digest,
     encode_block,
     padded,
@@ -725,12 +725,7 @@ class GdsBackend(DiskBackend):
         size = os.fstat(fd).st_size
         buffer = _header_buffer()
         count = _read_all(fd, [memoryview(buffer)], 0)
-        header = decode_block(memoryview(buffer)[:count])
-        if size != header.file_length:
-            raise CorruptObject(
-                f"file is {size} bytes, its header says {header.file_length} (truncated or torn)."
-            )
-        return header
+        return _checked_header(memoryview(buffer)[:count], size)
 
     def _read_once(
         self, key: CacheKey, key_text: str, entry: _Entry

@@ -74,7 +74,7 @@ from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
-from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack
+from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack, release_objects
 
 T = TypeVar("T")
 
@@ -231,13 +231,6 @@ class Target:
 def escape_glob(text: str) -> str:
     """``text`` as a literal in a Redis glob pattern (``SCAN MATCH``)."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _release(results: Sequence[object]) -> None:
-    """Release the objects among ``results`` (a failed get gives back what it read)."""
-    for result in results:
-        if isinstance(result, MemoryObj):
-            result.release()
 
 
 class RedisBackend(BytesBackend):
@@ -832,7 +825,7 @@ class RedisBackend(BytesBackend):
                 except CorruptObject as error:
                     results.append(error)
         except BaseException:
-            _release(results)
+            release_objects(results)
             raise
         return results
 
@@ -854,7 +847,7 @@ class RedisBackend(BytesBackend):
                 # On a cluster, redis-py splits a multi-key DEL by slot.
                 await self._run(f"{what} (removing damaged values)", lambda c: c.delete(*damaged))
             except BaseException:
-                _release(results)
+                release_objects(results)
                 raise
         return results
 

@@ -44,9 +44,14 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from kvplug.errors import BackendError, CorruptObject
-from kvplug.frame import MIN_HEADER_LEN, FrameHeader, decode_header, verify_payload
+from kvplug.frame import (
+    MIN_HEADER_LEN,
+    FrameHeader,
+    decode_header,
+    decode_payload,
+    verify_payload,
+)
 from kvplug.memory import Allocator, MemoryObj, nbytes_of
-from kvplug.serde import get_serde
 
 HEAD_SIZE = 64 << 10
 """Bytes of a connection's buffer for reply lines and frame headers (and discarded values)."""
@@ -64,6 +69,13 @@ and deletes it), or ``None`` (no such key, or the allocator is full)."""
 
 _HEADER_LEN_FIELD = struct.Struct("<I")
 _HEADER_LEN_OFFSET = 12
+
+
+def release_objects(results: Sequence[object]) -> None:
+    """Release the objects among ``results`` (a failed read gives back what it had read)."""
+    for result in results:
+        if isinstance(result, MemoryObj):
+            result.release()
 
 
 class ConnectionLost(ConnectionError):
@@ -509,9 +521,7 @@ class DirectReads:
                     self._forget()  # a replica now: the master moved
                 raise error
         except BaseException:
-            for result in results:
-                if isinstance(result, MemoryObj):
-                    result.release()
+            release_objects(results)
             for reply in replies:
                 reply.release()
             raise
@@ -540,20 +550,9 @@ class DirectReads:
         payload = memoryview(reply.scratch)
         reply.scratch = None
         try:
-            verify_payload(header, payload)
+            return decode_payload(header, payload, self._allocator())
         except CorruptObject as error:
             return error
-        obj = self._allocator().allocate(header.shape, header.dtype, header.fmt)
-        if obj is None:
-            return None
-        try:
-            get_serde(header.serde).decode(payload, obj)
-        except BaseException as error:
-            obj.release()
-            if isinstance(error, CorruptObject):
-                return error
-            raise
-        return obj
 
     # -- the pool ----------------------------------------------------------------------------
 
@@ -648,4 +647,12 @@ class DirectReads:
         return len(self._live)
 
 
-__all__ = ["ConnectionLost", "DirectReads", "Endpoint", "Fetched", "pack", "reply_error"]
+__all__ = [
+    "ConnectionLost",
+    "DirectReads",
+    "Endpoint",
+    "Fetched",
+    "pack",
+    "release_objects",
+    "reply_error",
+]
