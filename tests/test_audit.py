@@ -520,3 +520,23 @@ def test_passwords_of_the_inner_url_never_reach_the_log(
         backend = run(main())
     assert "hunter2" not in caplog.text and "hunter2" not in repr(backend)
     assert "kvtest-secret://admin:***@db.example:7000" in caplog.text
+
+
+def test_remembered_checksums_stay_within_max_tracked_keys() -> None:
+    async def main() -> None:
+        backend = await open_audit("audit://?max_tracked_keys=50::cpu://?max_size=4MiB")
+        for i in range(400):
+            await backend.put(key(i), filled(i % 256, 256))
+        assert backend.tracked_keys == 50
+        assert backend.untracked_keys == 350
+        # The most recent keys are still verified: tampering with one is caught...
+        stored = await backend.inner.get(key(399))
+        assert stored is not None
+        stored.raw[0] = 7
+        stored.release()
+        assert await backend.get(key(399)) is None and backend.corrupt_objects == 1
+        # ...and a forgotten one reads as an unverified hit, like keys put before the wrapper.
+        assert await value_of(backend, 0) == 0
+        await backend.close()
+
+    run(main())

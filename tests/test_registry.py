@@ -10,6 +10,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from kvplug import (
     UnknownScheme,
 )
 from kvplug.registry import PluginWarning, create_backend, reset_registry
+from kvplug_blackhole.backend import BlackholeBackend
 
 DISTS = Path(__file__).parent / "dists"
 KEY = CacheKey("vllm", "registry-test", 1, 0, 7)
@@ -226,3 +228,32 @@ def test_cli_lists_an_installed_plugin_end_to_end(sites) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "OK" in checked.stdout
+
+
+class FailsToOpen(BlackholeBackend):
+    """Takes a resource in open() and then fails, as a client that connected and then could
+    not log in would."""
+
+    instances: ClassVar[list[FailsToOpen]] = []
+    resource_held = False
+
+    async def open(self) -> None:
+        FailsToOpen.instances.append(self)
+        self.resource_held = True
+        raise kvplug.BackendUnavailable("the server refused the log-in")
+
+    async def close(self) -> None:
+        self.resource_held = False
+        await super().close()
+
+
+def test_a_backend_whose_open_fails_is_closed_before_the_error_reaches_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvplug.registry, "_registry", kvplug.registry.Registry())
+    kvplug.register_backend(BackendSpec("fails", ("fails-to-open",), f"{__name__}:FailsToOpen"))
+    FailsToOpen.instances.clear()
+    with pytest.raises(kvplug.BackendUnavailable, match="refused the log-in"):
+        asyncio.run(kvplug.open_backend("fails-to-open://"))
+    (backend,) = FailsToOpen.instances
+    assert backend.closed and not backend.resource_held

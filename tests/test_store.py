@@ -279,3 +279,92 @@ def test_open_from_config_allocates_in_the_cpu_tier_for_zero_copy_puts() -> None
             await store.get(key(1))
 
     asyncio.run(main())
+
+
+class BrokenCloseTier(DictTier):
+    """A tier whose close fails after releasing what it can."""
+
+    async def close(self) -> None:
+        await super().close()
+        raise BackendUnavailable("could not say goodbye to the server")
+
+
+def test_close_closes_every_tier_even_when_one_fails_and_then_says_which() -> None:
+    async def main() -> None:
+        allocator = FreeListAllocator(16 << 20, pin=False)
+        tiers = [DictTier(allocator=allocator), BrokenCloseTier(allocator=allocator)]
+        tiers.append(DictTier(allocator=allocator))
+        store = Store(tiers, allocator=allocator)
+        with pytest.raises(kvplug.BackendError, match="1 of 3 tiers failed to close") as error:
+            await store.close()
+        assert "goodbye" in str(error.value) and "1:dict://" in str(error.value)
+        assert all(tier.closed for tier in tiers)
+
+    asyncio.run(main())
+
+
+class BuggyTier(DictTier):
+    """A tier with a programming error, not a storage failure."""
+
+    bug = True
+
+    async def get_bytes(self, key: str) -> Buffer | None:
+        if self.bug:
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+        return await super().get_bytes(key)
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        if self.bug:
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+        await super().put_bytes(key, parts)
+
+
+def test_a_bug_in_a_tier_reaches_the_caller_instead_of_being_called_a_failing_tier() -> None:
+    async def main() -> None:
+        allocator = FreeListAllocator(16 << 20, pin=False)
+        store = Store([BuggyTier(allocator=allocator)], allocator=allocator)
+        with pytest.raises(TypeError, match="unsupported operand"):
+            await store.get(key(1))
+        assert store.health()[0].healthy
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_bug_in_a_queued_put_is_logged_and_the_queue_keeps_draining(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        allocator = FreeListAllocator(16 << 20, pin=False)
+        buggy = BuggyTier(allocator=allocator)
+        store = Store([DictTier(allocator=allocator), buggy], allocator=allocator)
+        obj = filled(allocator, 1.0)
+        await store.put(key(1), obj)
+        await asyncio.wait_for(store.flush(), 10)
+        buggy.bug = False
+        await store.put(key(2), obj)
+        obj.release()
+        await asyncio.wait_for(store.flush(), 10)
+        assert list(buggy.values) == [str(key(2))]
+        assert store.stats()[store.tier_names[1]]["dropped_puts"] == 1
+        await store.close()
+        assert allocator.stats().used == 0
+
+    with caplog.at_level("ERROR", logger="kvplug.store"):
+        asyncio.run(main())
+    assert "unexpected error on a queued put" in caplog.text and "TypeError" in caplog.text
+
+
+def test_an_os_error_of_a_tier_is_isolated_like_any_storage_failure() -> None:
+    class DiskFullTier(DictTier):
+        async def get_bytes(self, key: str) -> Buffer | None:
+            raise OSError(5, "Input/output error")
+
+    async def main() -> None:
+        allocator = FreeListAllocator(16 << 20, pin=False)
+        store = Store([DiskFullTier(allocator=allocator)], allocator=allocator)
+        assert await store.get(key(1)) is None
+        assert not store.health()[0].healthy
+        await store.close()
+
+    asyncio.run(main())

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
 
+import kvplug
 from kvplug import (
     BackendClosed,
+    BackendSpec,
+    BackendTimeout,
     CacheKey,
     CapacityExceeded,
     FreeListAllocator,
@@ -21,6 +26,7 @@ from kvplug import (
 )
 from kvplug import errors as kvplug_errors
 from kvplug.sync import SyncClient
+from kvplug_blackhole.backend import BlackholeBackend
 
 
 def key(n: int) -> CacheKey:
@@ -167,3 +173,33 @@ def test_a_client_over_a_tiered_store_from_config(tmp_path) -> None:
         assert client.prefetch([key(1)]).result(10) == 0
         with pytest.raises(kvplug_errors.NotSupported, match="tiered Store"):
             client.pin(key(1))
+
+
+class SlowToOpen(BlackholeBackend):
+    """Holds a resource and then never finishes opening (a server that accepts and stalls)."""
+
+    instances: ClassVar[list[SlowToOpen]] = []
+    resource_held = False
+
+    async def open(self) -> None:
+        SlowToOpen.instances.append(self)
+        self.resource_held = True
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        self.resource_held = False
+        await super().close()
+
+
+def test_an_open_that_runs_past_open_timeout_is_cancelled_and_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvplug.registry, "_registry", kvplug.registry.Registry())
+    kvplug.register_backend(BackendSpec("slow", ("slow-to-open",), f"{__name__}:SlowToOpen"))
+    SlowToOpen.instances.clear()
+    threads_before = threading.active_count()
+    with pytest.raises(BackendTimeout, match=r"open_timeout=0\.2"):
+        SyncClient("slow-to-open://", open_timeout=0.2)
+    (backend,) = SlowToOpen.instances
+    assert backend.closed and not backend.resource_held
+    assert threading.active_count() == threads_before  # the IO thread is gone too

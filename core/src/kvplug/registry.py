@@ -28,6 +28,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import logging
 import os
 import threading
 import warnings
@@ -44,6 +45,8 @@ from kvplug.errors import PluginConflict, PluginLoadError, UnknownScheme
 from kvplug.hookspecs import PROJECT, BackendSpec
 from kvplug.memory import Allocator
 from kvplug.url import BackendURL, split_chain
+
+logger = logging.getLogger("kvplug.registry")
 
 ENTRY_POINT_GROUP = "kvplug"
 RUNTIME_DISTRIBUTION = "<registered at runtime>"
@@ -335,7 +338,21 @@ async def open_backend(
     default). Options override the URL's query parameters.
     """
     backend = create_backend(url, allocator=allocator, **options)
-    await backend.open()
+    try:
+        await backend.open()
+    except BaseException:
+        # What open() made before it failed (connections, threads, files) is released here:
+        # the caller never gets the backend, so nobody else could close it.
+        try:
+            await backend.close()
+        except Exception as close_error:
+            logger.warning(
+                "closing %s after its open() failed also failed: %s: %s",
+                backend.url,
+                type(close_error).__name__,
+                close_error,
+            )
+        raise
     return backend
 
 

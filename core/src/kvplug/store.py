@@ -52,7 +52,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvplug.backend import Backend
 from kvplug.config import Config, load_config
-from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, NotSupported
+from kvplug.errors import (
+    BackendClosed,
+    BackendError,
+    CapacityExceeded,
+    ConfigError,
+    NotSupported,
+)
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, AllocatorStats, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.registry import open_backend
@@ -163,6 +169,18 @@ class StoreMetrics:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
+async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str, Exception]]:
+    """Close every backend even when some fail; the failures, each logged, by name."""
+    failures = []
+    for name, backend in backends:
+        try:
+            await backend.close()
+        except Exception as error:
+            logger.error("closing tier %s failed: %s: %s", name, type(error).__name__, error)
+            failures.append((name, error))
+    return failures
+
+
 class Store:
     """Ordered tiers of backends behind one get/put/lookup interface. Build it with
     :meth:`open`; use it from one event loop (engine threads use a ``SyncClient`` pattern or
@@ -232,8 +250,7 @@ class Store:
                     )
                 backends.append(backend)
         except BaseException:
-            for backend in backends:
-                await backend.close()
+            await _close_each([(str(backend.url), backend) for backend in backends])
             raise
         assert allocator is not None  # config.tiers is never empty
         return cls(
@@ -303,7 +320,7 @@ class Store:
             result = await operation
         except (BackendClosed, NotSupported, CapacityExceeded):
             raise  # the caller's or the data's problem, not a failing tier
-        except Exception as error:
+        except (BackendError, OSError) as error:
             self._failed(tier, op, error)
             return False, None
         finally:
@@ -341,6 +358,12 @@ class Store:
                     self.metrics.bytes_written.labels(tier.name).inc(obj.nbytes)
             except (CapacityExceeded, BackendClosed, NotSupported):
                 self.metrics.dropped.labels(tier.name).inc()
+            except Exception:
+                # A bug in the tier (not a store failure): nobody awaits this put to see it, so
+                # it is logged in full and counted; the worker keeps draining the queue.
+                logger.exception("tier %s raised an unexpected error on a queued put", tier.name)
+                self.metrics.dropped.labels(tier.name).inc()
+                self.metrics.errors.labels(tier.name, "put").inc()
             finally:
                 obj.release()
                 tier.in_flight -= 1
@@ -549,8 +572,13 @@ class Store:
                 _, obj = tier.queue.get_nowait()
                 obj.release()
                 self.metrics.dropped.labels(tier.name).inc()
-        for tier in self._tiers:
-            await tier.backend.close()
+        failures = await _close_each([(tier.name, tier.backend) for tier in self._tiers])
+        if failures:
+            raise BackendError(
+                f"{len(failures)} of {len(self._tiers)} tiers failed to close (the others are "
+                f"closed): {'; '.join(f'{n}: {type(e).__name__}: {e}' for n, e in failures)}. "
+                "Their resources may stay in use until the process exits."
+            ) from failures[0][1]
 
     async def __aenter__(self) -> Store:
         return self

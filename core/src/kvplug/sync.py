@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 
 from kvplug.backend import Backend
 from kvplug.config import Config
-from kvplug.errors import BackendClosed, KvplugError, NotSupported
+from kvplug.errors import BackendClosed, BackendTimeout, KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.registry import open_backend
 from kvplug.store import Store
-from kvplug.url import BackendURL
+from kvplug.url import BackendURL, mask_passwords
 
 T = TypeVar("T")
 
@@ -71,17 +71,31 @@ class SyncClient:
         self._thread.start()
         if isinstance(backend, Backend):
             self.backend = backend
-        else:
-            opening: concurrent.futures.Future[Backend | Store] = self._submit(
-                Store.open(backend, allocator=allocator, **options)
-                if isinstance(backend, Config)
-                else open_backend(backend, allocator=allocator, **options)
-            )
+            return
+        target = mask_passwords(str(backend)) if not isinstance(backend, Config) else "the tiers"
+        opening: Coroutine[Any, Any, Backend | Store] = (
+            Store.open(backend, allocator=allocator, **options)
+            if isinstance(backend, Config)
+            else open_backend(backend, allocator=allocator, **options)
+        )
+
+        async def open_within_deadline() -> Backend | Store:
+            # wait_for cancels an open that runs late and waits for it to unwind, and an open
+            # that unwinds closes what it had opened, so nothing is left behind on this loop.
             try:
-                self.backend = opening.result(open_timeout)
-            except BaseException:
-                self._stop_loop()
-                raise
+                return await asyncio.wait_for(opening, open_timeout)
+            except TimeoutError:
+                raise BackendTimeout(
+                    f"opening {target} took longer than open_timeout={open_timeout} s; the "
+                    "open was cancelled and what it had opened was closed. Check that the "
+                    "store is reachable, or raise open_timeout."
+                ) from None
+
+        try:
+            self.backend = self._submit(open_within_deadline()).result()
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _check(self) -> None:
         if os.getpid() != self._pid:

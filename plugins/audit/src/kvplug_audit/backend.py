@@ -19,6 +19,9 @@ Options:
 * ``seed``: seed of the fault generator, for reproducible runs.
 * ``log_level`` (default ``INFO``): level of the per-operation lines on logger
   ``kvplug.audit``.
+* ``max_tracked_keys`` (default 100000): how many keys' checksums are remembered. Beyond it the
+  least recently used idle key is forgotten (counted in :attr:`AuditBackend.untracked_keys`)
+  and its next hit reads as unverified, so memory stays bounded however many keys pass.
 
 Each operation logs one line, for example::
 
@@ -45,10 +48,12 @@ Example::
 from __future__ import annotations
 
 import difflib
+import itertools
 import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -90,6 +95,9 @@ class AuditOptions(BackendOptions):
     )
     seed: int | None = Field(None, description="seed of the fault generator")
     log_level: str = Field("INFO", description="level of the per-operation log lines")
+    max_tracked_keys: int = Field(
+        100_000, ge=1, description="keys whose checksums are remembered (least recent dropped)"
+    )
 
     @field_validator("fail_ops", mode="before")
     @classmethod
@@ -179,9 +187,11 @@ class AuditBackend(Backend):
         self._inner_text = str(inner.url)
         self._rng = random.Random(self.options.seed)
         self._lock = threading.Lock()
-        self._expected: dict[CacheKey, _Expected] = {}
+        self._expected: OrderedDict[CacheKey, _Expected] = OrderedDict()
         self._counts: dict[str, dict[str, int]] = {}
         self.corrupt_objects = 0
+        self.untracked_keys = 0
+        """Keys forgotten to keep within ``max_tracked_keys``."""
 
     @property
     def allocator(self) -> Allocator:
@@ -192,6 +202,12 @@ class AuditBackend(Backend):
         """Operation -> outcome -> count, e.g. ``{"get": {"hit": 3, "miss": 1}}``."""
         with self._lock:
             return {op: dict(outcomes) for op, outcomes in self._counts.items()}
+
+    @property
+    def tracked_keys(self) -> int:
+        """Keys whose checksums are remembered now (at most ``max_tracked_keys`` when idle)."""
+        with self._lock:
+            return len(self._expected)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.url)!r} :: {self._inner_text!r})"
@@ -253,9 +269,29 @@ class AuditBackend(Backend):
 
     # -- checksum bookkeeping (see the class docstring) -------------------------------------
 
+    def _track(self, key: CacheKey) -> _Expected:
+        """The entry of ``key``, made the most recent; called with the lock held. Idle entries
+        (no read or write in flight) are dropped, oldest first, beyond ``max_tracked_keys``."""
+        state = self._expected.get(key)
+        if state is not None:
+            self._expected.move_to_end(key)
+            return state
+        state = self._expected[key] = _Expected()
+        excess = len(self._expected) - self.options.max_tracked_keys
+        if excess > 0:
+            idle = (
+                old_key
+                for old_key, old_state in self._expected.items()
+                if old_key != key and old_state.readers == 0 and old_state.writers == 0
+            )
+            for old_key in list(itertools.islice(idle, excess)):
+                del self._expected[old_key]
+                self.untracked_keys += 1
+        return state
+
     def _begin_put(self, key: CacheKey, checksum: int) -> None:
         with self._lock:
-            state = self._expected.setdefault(key, _Expected())
+            state = self._track(key)
             state.writers += 1
             state.puts += 1
             if state.writers > 1:
@@ -275,7 +311,7 @@ class AuditBackend(Backend):
     def _begin_get(self, key: CacheKey) -> int:
         """Count a read of ``key`` as in flight; returns the put count to pass to _end_get."""
         with self._lock:
-            state = self._expected.setdefault(key, _Expected())
+            state = self._track(key)
             state.readers += 1
             return state.puts
 
