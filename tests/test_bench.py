@@ -11,6 +11,7 @@ import kvplug
 from kvplug import CacheKey, MemoryObj
 from kvplug.cli import main
 from kvplug.registry import reset_registry
+from kvplug.units import host_memory
 from kvplug_cpu.backend import CpuBackend
 
 SMALL = ["--shape", "2,2,16,64", "--count", "3"]
@@ -70,3 +71,28 @@ def test_bench_fails_when_a_tier_returns_wrong_bytes(
         reset_registry()
     assert code == 1
     assert "3 chunk(s) read back with wrong bytes" in output
+
+
+@pytest.mark.parametrize(
+    "gib",
+    [
+        pytest.param(1 << 32, id="beyond-the-address-space"),
+        pytest.param(
+            16 * host_memory().total >> 30,
+            id="16-times-the-machine",
+            marks=pytest.mark.skipif(
+                Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+                reason="this kernel grants any reservation (vm.overcommit_memory=1)",
+            ),
+        ),
+    ],
+)
+def test_bench_with_more_cpu_memory_than_the_machine_has_says_so_without_a_traceback(
+    tmp_path: Path, gib: int
+) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {gib}\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 1
+    assert "bench failed: cpu:// max_size (max_local_cpu_size in an LMCache config)" in output
+    assert "Traceback" not in output

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvplug.cli import main
@@ -80,3 +82,20 @@ def test_config_prints_lmcache_keys_as_tiers_with_passwords_masked(tmp_path) -> 
     assert "redis://app:***@cache-1:6379" in output and "hunter2" not in output
     code, output = invoke("config", "--config", str(tmp_path / "missing.yaml"))
     assert code == 1 and "missing.yaml" in output
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tiers: " + "[" * 5000 + "]" * 5000,
+        "extra_config:\n  x: " + "{a: " * 5000 + "1" + "}" * 5000,
+        "extra_config:\n  x: " + "[" * 40 + "]" * 40,
+    ],
+    ids=["5000-level-list", "5000-level-mapping", "40-level-list"],
+)
+def test_a_deeply_nested_config_is_a_config_error_line(tmp_path: Path, text: str) -> None:
+    config = tmp_path / "deep.yaml"
+    config.write_text(text + "\n")
+    code, output = invoke("config", "--config", str(config))
+    assert code == 1
+    assert output.startswith("config error: ") and "nest more than 32 levels" in output

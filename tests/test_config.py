@@ -451,12 +451,21 @@ def test_bad_sizes_are_errors_naming_key_and_value(value: Any) -> None:
     assert "GiB" in message
 
 
-@pytest.mark.parametrize("value", [10**400, 1e300, "1e300", -(10**400)])
-def test_absurdly_large_or_small_sizes_are_errors_or_exact(value: Any) -> None:
-    if value == 10**400:
-        assert Config.from_dict({"max_local_cpu_size": value}).max_local_cpu_size == value * GiB
-    else:
-        assert "max_local_cpu_size" in _error(Config.from_dict, {"max_local_cpu_size": value})
+@pytest.mark.parametrize("value", [10**400, 1e300, "1e300", float("inf"), "99999999TiB"])
+def test_sizes_beyond_any_address_space_are_errors_saying_so(value: Any) -> None:
+    message = _error(Config.from_dict, {"max_local_cpu_size": value})
+    assert "max_local_cpu_size" in message and "larger than any machine" in message
+
+
+@pytest.mark.parametrize("value", [-(10**400), float("nan"), "-1"])
+def test_negative_or_nan_sizes_are_errors(value: Any) -> None:
+    assert "max_local_cpu_size" in _error(Config.from_dict, {"max_local_cpu_size": value})
+
+
+@pytest.mark.parametrize("value", ["5,5GiB", "5.GiB", "1.5.5GiB", "512,5MiB", ".5GiB", "5 GiB 2"])
+def test_malformed_size_strings_are_refused_not_read_as_their_first_digits(value: str) -> None:
+    message = _error(Config.from_dict, {"max_local_disk_size": value, "local_disk": "/tmp/d"})
+    assert "max_local_disk_size" in message and repr(value) in message
 
 
 def test_huge_timeout_number_is_an_error_not_a_crash() -> None:

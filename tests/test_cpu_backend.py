@@ -128,10 +128,20 @@ def test_unknown_option_suggests_the_right_name() -> None:
         run(open_cpu("cpu://?max_szie=1MiB"))
 
 
-@pytest.mark.parametrize("size", ["lots", "-5", "100", "true"])
+@pytest.mark.parametrize(
+    "size", ["lots", "-5", "100", "true", "512,5MiB", "5.GiB", "99999999TiB", "1.5.5GiB"]
+)
 def test_bad_max_size_is_a_config_error(size: str) -> None:
     with pytest.raises(ConfigError, match="max_size"):
         run(open_cpu(f"cpu://?max_size={size}"))
+
+
+def test_a_max_size_the_machine_cannot_reserve_names_the_option_and_the_machine() -> None:
+    with pytest.raises(ConfigError) as error:
+        run(open_cpu("cpu://?max_size=4EiB"))
+    message = str(error.value)
+    assert message.startswith("cpu:// max_size (max_local_cpu_size in an LMCache config) is")
+    assert "in total" in message and "Lower it" in message
 
 
 def test_bad_eviction_name_names_the_valid_policies() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from kvplug.memory import (
     dtype_code,
     nbytes_of,
 )
-from kvplug.units import parse_gib, parse_size
+from kvplug.units import host_memory, parse_gib, parse_size
 
 PAGE = DEFAULT_ALIGNMENT
 U8 = torch.uint8
@@ -774,6 +775,10 @@ def test_nbytes_and_phy_size(allocator: FreeListAllocator) -> None:
         ("1KiB", 1024),
         ("2TiB", 2 << 40),
         ("10b", 10),
+        ("0.5KiB", 512),
+        (" 1.25 MiB ", 1_310_720),
+        (4096.0, 4096),
+        (str((1 << 63) - 1), (1 << 63) - 1),
     ],
 )
 def test_parse_size_accepts(value: object, expected: int) -> None:
@@ -798,11 +803,52 @@ def test_parse_size_accepts(value: object, expected: int) -> None:
         1.5,
         float("nan"),
         float("inf"),
+        "5,5GiB",
+        "5.GiB",
+        "1.5.5GiB",
+        "512,5MiB",
+        "1_000",
+        "1.5B",
+        "0.1KiB",
+        "5 GiB GiB",
+        "5GiB2",
+        "1kbit",
+        "8EiB",
+        str(1 << 63),
+        "99999999TiB",
     ],
 )
 def test_parse_size_rejects(value: object) -> None:
     with pytest.raises(ConfigError, match="max_local_cpu_size"):
         parse_size(value, what="max_local_cpu_size")
+
+
+def test_a_size_error_says_why() -> None:
+    with pytest.raises(ConfigError, match=r"'5,5' is not a number \(use '\.' for a fraction"):
+        parse_size("5,5GiB")
+    with pytest.raises(ConfigError, match="larger than any machine can address"):
+        parse_size("99999999TiB")
+    with pytest.raises(ConfigError, match="not a whole number of bytes"):
+        parse_size("1.5B")
+
+
+def test_an_allocator_larger_than_the_address_space_names_its_setting() -> None:
+    with pytest.raises(ConfigError) as error:
+        FreeListAllocator(1 << 62, pin=False, sized_by="cpu:// max_size")
+    message = str(error.value)
+    assert message.startswith("cpu:// max_size is 4.0EiB, more host memory than this machine")
+    assert "in total" in message and "available now" in message and "Lower it" in message
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="this kernel grants any reservation (vm.overcommit_memory=1), so only the "
+    "address-space limit can be tested here",
+)
+def test_an_allocator_larger_than_the_machine_names_its_setting_and_the_machine() -> None:
+    too_much = 16 * host_memory().total
+    with pytest.raises(ConfigError, match=r"KVPLUG_HOST_BUFFER_SIZE is .* in total"):
+        FreeListAllocator(too_much, pin=False, sized_by="KVPLUG_HOST_BUFFER_SIZE")
 
 
 @pytest.mark.parametrize(

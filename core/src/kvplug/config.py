@@ -38,7 +38,7 @@ import yaml
 
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.eviction import POLICIES
-from kvplug.units import GiB, parse_size
+from kvplug.units import GiB, InvalidSize, parse_size
 from kvplug.url import BackendURL, mask_passwords, split_chain
 
 MiB = 1 << 20
@@ -497,7 +497,39 @@ _UniqueKeyLoader.add_constructor(
 )
 
 
+MAX_NESTING = 32
+"""How deep config values may nest; far beyond any real configuration."""
+
+
+def _nesting_depth(data: object) -> int:
+    """How deep ``data``'s mappings and lists nest, found without recursion (each container
+    is walked once, so YAML aliases that share one list many times cost nothing extra)."""
+    deepest = 0
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, Mapping):
+            children: Iterable[object] = value.values()
+        elif isinstance(value, list | tuple):
+            children = value
+        else:
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_NESTING:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _parse_yaml(text: str, where: str) -> Mapping[str, Any]:
+    too_deep = ConfigError(
+        f"cannot read {where}: its values nest more than {MAX_NESTING} levels deep, which no "
+        "kvplug or LMCache setting needs. Flatten the nested lists and mappings."
+    )
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
@@ -507,6 +539,10 @@ def _parse_yaml(text: str, where: str) -> Mapping[str, Any]:
         raise ConfigError(
             f"cannot read {where}: invalid YAML{at}: {problem}. Fix the YAML there."
         ) from None
+    except RecursionError:
+        raise too_deep from None
+    if _nesting_depth(data) > MAX_NESTING:
+        raise too_deep
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -591,18 +627,17 @@ def _as_number(value: Any) -> float | None:
 def _size(value: Any, key: str, source: str, unit: int, unit_name: str) -> int:
     example = f"a number of {unit_name} such as 5, or a size such as '512MiB' or '5GiB'"
     number = _as_number(value)
-    if number is None and isinstance(value, str):
-        try:
-            return parse_size(value.strip(), what=key)
-        except ConfigError:
-            raise _bad(key, source, example, value, "Fix the value.") from None
-    if number is None:
-        raise _bad(key, source, example, value, "Fix the value.")
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value * unit  # exact, however large
-    if not math.isfinite(number * unit) or number < 0:
-        raise _bad(key, source, f"a size >= 0 ({example})", value, "Use a finite size >= 0.")
-    return int(number * unit)
+    try:
+        if number is None:
+            return parse_size(value.strip() if isinstance(value, str) else value, what=key)
+        if number < 0 or math.isnan(number):
+            raise _bad(key, source, f"a size >= 0 ({example})", value, "Use a size >= 0.")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return parse_size(value * unit, what=key)
+        scaled = number * unit
+        return parse_size(int(scaled) if math.isfinite(scaled) else scaled, what=key)
+    except InvalidSize as error:
+        raise _bad(key, source, example, value, f"Fix the value: {error.reason}.") from None
 
 
 def _to_gib(value: Any, key: str, source: str) -> int:

@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 
 from kvplug.errors import ConfigError, RefCountError
+from kvplug.units import format_size, host_memory, parse_size
 
 DEFAULT_ALIGNMENT = 4096
 
@@ -376,22 +377,33 @@ class FreeListAllocator(Allocator):
         alignment: int = DEFAULT_ALIGNMENT,
         device: str | torch.device = "cpu",
         pin: bool | None = None,
+        sized_by: str = "the allocator's capacity",
     ) -> None:
+        """``sized_by`` names the setting that chose ``capacity`` (for example ``"cpu://
+        max_size"``), so that an error about it says what to change."""
         if capacity <= 0:
-            raise ConfigError(f"allocator capacity must be positive, got {capacity} bytes.")
+            raise ConfigError(f"{sized_by} must be positive, got {capacity} bytes.")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ConfigError(f"alignment must be a power of two, got {alignment}.")
         device = torch.device(device)
         capacity -= capacity % alignment
         if capacity == 0:
-            raise ConfigError(f"allocator capacity must be at least the alignment ({alignment}).")
-        if device.type == "cpu":
-            pinned = torch.cuda.is_available() if pin is None else pin
-            self.buffer = _aligned_host_buffer(capacity, alignment, pinned)
-        else:
-            base = torch.empty(capacity + alignment, dtype=torch.uint8, device=device)
-            skip = -base.data_ptr() % alignment
-            self.buffer = base[skip : skip + capacity]
+            raise ConfigError(f"{sized_by} must be at least the alignment ({alignment} bytes).")
+        try:
+            if device.type == "cpu":
+                pinned = torch.cuda.is_available() if pin is None else pin
+                self.buffer = _aligned_host_buffer(capacity, alignment, pinned)
+            else:
+                base = torch.empty(capacity + alignment, dtype=torch.uint8, device=device)
+                skip = -base.data_ptr() % alignment
+                self.buffer = base[skip : skip + capacity]
+        except (OverflowError, OSError, MemoryError, RuntimeError) as error:
+            where = "host memory" if device.type == "cpu" else f"memory on {device}"
+            raise ConfigError(
+                f"{sized_by} is {format_size(capacity)}, more {where} than this machine can "
+                f"reserve ({type(error).__name__}: {error}); it has {host_memory()}. Lower "
+                "it to fit in the memory left beside the engine."
+            ) from None
         self.capacity = capacity
         self.alignment = alignment
         self._lock = threading.Lock()
@@ -501,13 +513,13 @@ def shared_host_allocator() -> FreeListAllocator:
         if _shared_host_allocator is None:
             import os
 
-            from kvplug.units import parse_size
-
             size = parse_size(
                 os.environ.get("KVPLUG_HOST_BUFFER_SIZE", SHARED_HOST_BUFFER_SIZE),
                 what="KVPLUG_HOST_BUFFER_SIZE",
             )
-            _shared_host_allocator = FreeListAllocator(size)
+            _shared_host_allocator = FreeListAllocator(
+                size, sized_by="KVPLUG_HOST_BUFFER_SIZE (the shared host buffer)"
+            )
         return _shared_host_allocator
 
 

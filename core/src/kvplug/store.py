@@ -246,7 +246,11 @@ class Store:
                     allocator = (
                         _TierAllocator(backend, backend.allocator)
                         if isinstance(backend, AllocatingTier)
-                        else FreeListAllocator(DEFAULT_BUFFER_SIZE)
+                        else FreeListAllocator(
+                            DEFAULT_BUFFER_SIZE,
+                            sized_by="the Store's host buffer (pass Store.open a smaller "
+                            "allocator=)",
+                        )
                     )
                 backends.append(backend)
         except BaseException:

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,10 +44,11 @@ from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidB
 from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.keys import CacheKey
 from kvplug.memory import DEFAULT_ALIGNMENT, Allocator, FreeListAllocator, MemoryFormat, MemoryObj
-from kvplug.units import GiB, parse_size
+from kvplug.units import GiB, format_size, host_memory, parse_size
 from kvplug.url import BackendURL
 
 DEFAULT_MAX_SIZE = 5 * GiB
+logger = logging.getLogger("kvplug.cpu")
 
 
 class CpuOptions(BackendOptions):
@@ -148,12 +150,23 @@ class CpuBackend(Backend):
         if self._allocator is None:
             with self._allocator_lock:
                 if self._allocator is None:
-                    self._allocator = FreeListAllocator(self.max_size)
+                    self._allocator = FreeListAllocator(
+                        self.max_size,
+                        sized_by="cpu:// max_size (max_local_cpu_size in an LMCache config)",
+                    )
         return self._allocator
 
     async def open(self) -> None:
         """Create the tier's own allocator now rather than on the first put."""
         _ = self.allocator
+        memory = host_memory()
+        if self.owns_allocator and self.max_size > memory.total:
+            logger.warning(
+                "cpu:// max_size is %s, more than this machine's memory (%s): the process will "
+                "run out of memory before the tier is full. Lower max_size.",
+                format_size(self.max_size),
+                memory,
+            )
 
     # -- counters ---------------------------------------------------------------------------
 
