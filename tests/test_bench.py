@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import kvplug
@@ -13,6 +15,7 @@ from kvplug.cli import main
 from kvplug.registry import reset_registry
 from kvplug.units import host_memory
 from kvplug_cpu.backend import CpuBackend
+from kvplug_redis.testing import RedisServer
 
 SMALL = ["--shape", "2,2,16,64", "--count", "3"]
 
@@ -96,3 +99,65 @@ def test_bench_with_more_cpu_memory_than_the_machine_has_says_so_without_a_trace
     assert code == 1
     assert "bench failed: cpu:// max_size (max_local_cpu_size in an LMCache config)" in output
     assert "Traceback" not in output
+
+
+def test_bench_fails_loudly_when_a_tier_accepts_chunks_but_returns_none(tmp_path: Path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers:\n  - cpu://\n  - blackhole://\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 1
+    assert "FAIL tier 1:blackhole:// accepted 3 of 3 chunks and returned 0" in output
+    assert "verified" not in output
+
+
+def test_bench_of_only_a_blackhole_fails(tmp_path: Path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers: [blackhole://]\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 1 and "FAIL tier 0:blackhole://" in output
+
+
+def test_bench_names_a_tier_that_refuses_every_put_with_counts_and_the_last_error(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers:\n  - cpu://\n  - {url: 'cpu://', max_size: 4KiB}\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 1
+    flat = " ".join(output.split())
+    assert "FAIL tier 1:cpu:// accepted 0 of 3 chunks and returned 0 (3 puts dropped" in flat
+    assert "last problem: CapacityExceeded: cannot store an object of 8192 bytes" in flat
+    # The refusing tier's put row is shown, not left out, and shows no made-up speed.
+    assert "nan" not in output
+
+
+def test_bench_removes_what_it_wrote_and_never_touches_an_engines_chunks(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    engine_key = CacheKey("vllm", "kvplug-bench", 1, 0, 0)  # what older runs wrote under
+
+    async def keys_on_disk(put: bool = False) -> list[CacheKey]:
+        backend = await kvplug.open_backend(f"file://{disk}")
+        if put:
+            await backend.put(engine_key, MemoryObj.from_tensor(torch.ones(64)))
+        keys = [key async for key in backend.list_keys()]
+        await backend.close()
+        return keys
+
+    assert asyncio.run(keys_on_disk(put=True)) == [engine_key]
+    config = tmp_path / "kvplug.yaml"
+    config.write_text(f"tiers:\n  - cpu://\n  - file://{disk}\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 0, output
+    assert asyncio.run(keys_on_disk()) == [engine_key]
+
+
+@pytest.mark.redis
+def test_bench_against_redis_leaves_no_chunk_behind(tmp_path: Path) -> None:
+    with RedisServer() as server, server.client() as client:
+        client.set("an-engine-key", b"kept")
+        config = tmp_path / "kvplug.yaml"
+        config.write_text(f"tiers:\n  - cpu://\n  - {server.url}\n")
+        code, output = invoke("bench", "--config", str(config), *SMALL)
+        assert code == 0, output
+        assert "verified 6 reads bit-exact" in output
+        assert client.keys("*") == [b"an-engine-key"]

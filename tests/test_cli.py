@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
+from kvplug import cli
 from kvplug.cli import main
+from kvplug.registry import available_schemes, plugins
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -46,6 +49,35 @@ def test_check_without_url_uses_the_configured_first_tier(tmp_path) -> None:
     code, output = invoke("check", "--config", str(config))
     assert code == 1
     assert "blackhole://: contains() is False right after put()" in output
+
+
+def test_check_by_default_round_trips_a_full_model_shaped_chunk_as_well() -> None:
+    code, output = invoke("check", "cpu://?max_size=8MiB", "--rounds", "1")
+    assert code == 1
+    flat = " ".join(output.split())
+    assert "put of a 32.0MiB object (shape [2, 32, 256, 1024] torch.float16) failed" in flat
+    assert "CapacityExceeded" in flat and "OK" not in output
+
+
+def test_check_with_a_config_checks_every_tier_with_its_own_options(tmp_path: Path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text(
+        f"tiers:\n  - cpu://\n  - {{url: 'file://{tmp_path}/disk', max_size: 1MiB}}\n"
+        "  - blackhole://\n"
+    )
+    code, output = invoke("check", "--config", str(config), "--rounds", "1")
+    assert code == 1
+    flat = " ".join(output.split())
+    assert "OK tier 0 cpu://" in flat
+    assert f"check failed: tier 1 file://{tmp_path}/disk: put of a 32.0MiB object" in flat
+    assert "check failed: tier 2 blackhole://" in flat
+    assert "check failed for 2 of 3 target(s)" in flat
+
+
+def test_check_of_small_objects_only_when_asked() -> None:
+    code, output = invoke("check", "cpu://?max_size=8MiB", "--shape", "2,4,256,128")
+    assert code == 0, output
+    assert "put 512.0KiB" in output and "32.0MiB" not in output
 
 
 def test_check_default_is_the_embedded_cpu_tier() -> None:
@@ -99,3 +131,18 @@ def test_a_deeply_nested_config_is_a_config_error_line(tmp_path: Path, text: str
     code, output = invoke("config", "--config", str(config))
     assert code == 1
     assert output.startswith("config error: ") and "nest more than 32 levels" in output
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_plugins_table_never_cuts_a_scheme_or_a_distribution_name(
+    monkeypatch: pytest.MonkeyPatch, width: int
+) -> None:
+    monkeypatch.setattr(cli, "console", Console(width=width))
+    code, output = invoke("plugins")
+    assert code == 0
+    cells = {cell.strip() for line in output.splitlines() for cell in line.split("│")}
+    for scheme in available_schemes():
+        assert f"{scheme}://" in cells, f"{scheme}:// is cut short at {width} columns"
+    for info in plugins():
+        assert info.distribution in cells
+    assert "…" not in output

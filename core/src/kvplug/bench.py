@@ -7,8 +7,10 @@ local-disk tier (``file://``) in a temporary directory, so it needs no server.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +25,9 @@ from kvplug.store import Store
 
 DEFAULT_SHAPE = (2, 32, 256, 1024)
 DEFAULT_COUNT = 32
+FLUSH_TIMEOUT = 60.0
+BENCH_FMT = "kvplug-bench"
+"""The keys' ``fmt``: no engine writes it, so a run never touches an engine's chunks."""
 
 Progress = Callable[[str, int, int], None]
 """Called as ``(phase, done, total)``."""
@@ -57,11 +62,46 @@ class BenchRow:
 
 
 @dataclass
+class TierOutcome:
+    """What one tier did with the chunks the bench gave it."""
+
+    tier: str
+    given: int
+    stored: int = 0
+    returned: int = 0
+    dropped: int = 0
+    errors: int = 0
+    last_problem: str | None = None
+    """The last error or the reason of the last dropped put."""
+    removed: int | None = None
+    """Chunks removed again after the run; ``None`` when the tier cannot delete."""
+
+    def shortfall(self) -> str | None:
+        """Why this tier did not store and return every chunk it was given, or ``None``."""
+        if self.stored == self.given and self.returned == self.given:
+            return None
+        counts = (
+            f"accepted {self.stored} of {self.given} chunks and returned {self.returned}"
+            f" ({self.dropped} puts dropped, {self.errors} errors)"
+        )
+        last = f"; last problem: {self.last_problem}" if self.last_problem else ""
+        return f"tier {self.tier} {counts}{last}"
+
+
+@dataclass
 class BenchResult:
     rows: list[BenchRow]
     chunk_bytes: int
     verified: int
     mismatches: int
+    tiers: list[TierOutcome] = field(default_factory=list)
+    namespace: str = ""
+    """The keys' ``fmt@model`` prefix: this run's own, removed again at the end."""
+
+    @property
+    def shortfalls(self) -> list[str]:
+        """One line per tier that stored or returned fewer chunks than it was given."""
+        return [line for line in (tier.shortfall() for tier in self.tiers) if line]
 
 
 def default_bench_config(directory: str, chunk_bytes: int, count: int) -> Config:
@@ -99,8 +139,13 @@ async def run_bench(
         row.nbytes += nbytes
 
     store = await Store.open(config, on_latency=record)
+    for name in store.tier_names:
+        for operation in ("put", "get"):
+            rows[(operation, name)] = BenchRow(operation, name)
     chunk_bytes = nbytes_of(shape, dtype)
-    keys = [CacheKey("vllm", "kvplug-bench", 1, 0, n) for n in range(count)]
+    run_name = f"run-{uuid.uuid4().hex[:12]}"
+    keys = [CacheKey(BENCH_FMT, run_name, 1, 0, n) for n in range(count)]
+    outcomes = [TierOutcome(name, count) for name in store.tier_names]
     checksums: dict[CacheKey, int] = {}
     verified = mismatches = 0
     try:
@@ -121,10 +166,15 @@ async def run_bench(
             report("put", done + 1, count)
         await store.flush()
         for index, (name, backend) in enumerate(zip(store.tier_names, store.tiers, strict=True)):
-            row = rows.setdefault(("get", name), BenchRow("get", name))
+            row = rows[("get", name)]
             for done, key in enumerate(keys):
                 start = time.perf_counter()
-                got = await backend.get(key)
+                try:
+                    got = await backend.get(key)
+                except (KvplugError, OSError) as error:
+                    outcomes[index].errors += 1
+                    outcomes[index].last_problem = f"get: {type(error).__name__}: {error}"
+                    got = None
                 elapsed = time.perf_counter() - start
                 if got is None:
                     row.misses += 1
@@ -138,13 +188,48 @@ async def run_bench(
                     got.release()
                 report(f"get tier {index}", done + 1, count)
     finally:
-        await store.close()
-    for name, backend in zip(store.tier_names, store.tiers, strict=True):
-        for row in rows.values():
-            if row.tier == name:
-                row.zero_copy = backend.capabilities.zero_copy
+        try:
+            with contextlib.suppress(TimeoutError):
+                await store.flush(FLUSH_TIMEOUT)  # a put still queued would land after removal
+            await _remove_from_every_tier(store, keys, outcomes, report)
+        finally:
+            await store.close()
+    stats = store.stats()
+    for outcome, health, backend in zip(outcomes, store.health(), store.tiers, strict=True):
+        outcome.stored = rows[("put", outcome.tier)].count
+        outcome.returned = rows[("get", outcome.tier)].count
+        outcome.dropped = int(stats[outcome.tier]["dropped_puts"])
+        outcome.errors += int(stats[outcome.tier]["errors"])
+        outcome.last_problem = outcome.last_problem or health.last_error or health.last_dropped
+        for operation in ("put", "get"):
+            rows[(operation, outcome.tier)].zero_copy = backend.capabilities.zero_copy
     ordered = sorted(rows.values(), key=lambda r: (r.operation != "put", r.tier))
-    return BenchResult(ordered, chunk_bytes, verified, mismatches)
+    return BenchResult(
+        ordered, chunk_bytes, verified, mismatches, outcomes, f"{BENCH_FMT}@{run_name}"
+    )
 
 
-__all__ = ["BenchResult", "BenchRow", "default_bench_config", "run_bench"]
+async def _remove_from_every_tier(
+    store: Store, keys: Sequence[CacheKey], outcomes: list[TierOutcome], report: Progress
+) -> None:
+    """Remove the run's chunks from every tier that can delete, so nothing is left behind."""
+    for index, (backend, outcome) in enumerate(zip(store.tiers, outcomes, strict=True)):
+        if not backend.capabilities.delete:
+            continue
+        outcome.removed = 0
+        for done, key in enumerate(keys):
+            try:
+                outcome.removed += bool(await backend.remove(key))
+            except (KvplugError, OSError) as error:
+                outcome.last_problem = f"remove: {type(error).__name__}: {error}"
+            report(f"clean tier {index}", done + 1, len(keys))
+
+
+__all__ = [
+    "BENCH_FMT",
+    "BenchResult",
+    "BenchRow",
+    "TierOutcome",
+    "default_bench_config",
+    "run_bench",
+]

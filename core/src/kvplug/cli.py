@@ -9,12 +9,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 import click
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import kvplug
@@ -29,10 +30,13 @@ from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
+from kvplug.units import format_size
 from kvplug.url import mask_passwords
 
 T = TypeVar("T")
 console = Console()
+CHECK_FMT = "kvplug-check"
+"""The keys' ``fmt`` in ``kvplug check``: no engine writes it."""
 
 
 @click.group()
@@ -67,19 +71,26 @@ def plugins_command(as_json: bool) -> None:
         ]
         click.echo(json.dumps(rows, indent=2))
         return
+    # Schemes are what a user copies from here: they are never cut or wrapped, one per line,
+    # and the description is what gives way in a narrow terminal.
+    longest_scheme = max(
+        (len(s) + 3 for i in infos for spec in i.specs for s in spec.schemes), default=8
+    )
+    longest_plugin = max(
+        (len(text) for i in infos for text in (i.name, i.distribution, i.version)), default=6
+    )
     table = Table(title="kvplug plugins")
-    for column in ("plugin", "distribution", "version", "schemes", "kind", "description"):
-        table.add_column(column)
+    table.add_column("schemes", no_wrap=True, min_width=longest_scheme, overflow="fold")
+    table.add_column("plugin", no_wrap=True, min_width=longest_plugin, overflow="fold")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("description", ratio=1, overflow="fold")
     for info in infos:
+        plugin = escape(f"{info.name}\n{info.distribution}\n{info.version}")
         if info.error:
-            table.add_row(
-                info.name, info.distribution, info.version, "-", "-", f"[red]{info.error}[/red]"
-            )
+            table.add_row("-", plugin, "-", f"[red]{escape(info.error)}[/red]")
         for spec in info.specs:
-            schemes = ", ".join(f"{s}://" for s in spec.schemes)
-            table.add_row(
-                info.name, info.distribution, info.version, schemes, spec.kind, spec.description
-            )
+            schemes = "\n".join(f"{s}://" for s in spec.schemes)
+            table.add_row(schemes, plugin, spec.kind, escape(spec.description), end_section=True)
     console.print(table)
     if not infos:
         console.print("No kvplug plugins are installed: pip install kvplug-cpu")
@@ -132,44 +143,67 @@ async def _timed(samples: dict[str, list[float]], name: str, op: Awaitable[T]) -
     return result
 
 
+CHECK_SHAPES = ((2, 1, 1, 128), (2, 4, 256, 128), DEFAULT_SHAPE)
+"""What ``kvplug check`` round-trips by default: a one-token object, a 512 KiB object and one
+full model-shaped chunk (``kvplug bench``'s), so a store that refuses real chunks fails."""
+
+
 async def _check(
-    url: str, options: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype, rounds: int
+    url: str,
+    options: dict[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    dtype: torch.dtype,
+    rounds: int,
 ) -> tuple[dict[str, list[float]], Any, dict[str, str]]:
-    allocator = FreeListAllocator(max(2 * nbytes_of(shape, dtype) + (1 << 20), 1 << 22))
+    largest = max(nbytes_of(shape, dtype) for shape in shapes)
+    allocator = FreeListAllocator(max(2 * largest + (1 << 20), 1 << 22))
     backend = create_backend(url, allocator=allocator, **options)
     samples: dict[str, list[float]] = {}
     await _timed(samples, "open", backend.open())
     details = backend.describe()
     generator = torch.Generator().manual_seed(0)
+    shown = mask_passwords(url)
     try:
-        for round_index in range(rounds):
-            key = CacheKey("kvplug-check", "check-model", 1, 0, round_index)
-            obj = allocator.allocate(shape, dtype, MemoryFormat.KV_2LTD)
-            if obj is None:
-                raise KvplugError("the check's own buffer is too small for the shape")
-            obj.raw.copy_(
-                torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=generator)
-            )
-            try:
-                await _timed(samples, "put", backend.put(key, obj))
-                if not await _timed(samples, "contains", backend.contains(key)):
-                    raise KvplugError(f"{url}: contains() is False right after put()")
-                got = await _timed(samples, "get", backend.get(key))
-                if got is None:
-                    raise KvplugError(f"{url}: get() missed right after put()")
+        for shape_index, shape in enumerate(shapes):
+            size = format_size(nbytes_of(shape, dtype))
+            what = f"a {size} object (shape {list(shape)} {dtype})"
+            for round_index in range(rounds):
+                key = CacheKey(CHECK_FMT, "check-model", 1, 0, shape_index * rounds + round_index)
+                obj = allocator.allocate(shape, dtype, MemoryFormat.KV_2LTD)
+                if obj is None:
+                    raise KvplugError("the check's own buffer is too small for the shape")
+                obj.raw.copy_(
+                    torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=generator)
+                )
                 try:
-                    if (got.shape, got.dtype) != (obj.shape, obj.dtype) or not torch.equal(
-                        got.raw, obj.raw
-                    ):
-                        raise KvplugError(f"{url}: get() returned different bytes than put()")
+                    try:
+                        await _timed(samples, f"put {size}", backend.put(key, obj))
+                    except KvplugError as error:
+                        raise KvplugError(
+                            f"{shown}: put of {what} failed: {type(error).__name__}: {error}"
+                        ) from error
+                    if not await _timed(samples, f"contains {size}", backend.contains(key)):
+                        raise KvplugError(
+                            f"{shown}: contains() is False right after put() of {what}"
+                        )
+                    got = await _timed(samples, f"get {size}", backend.get(key))
+                    if got is None:
+                        raise KvplugError(f"{shown}: get() missed right after put() of {what}")
+                    try:
+                        if (got.shape, got.dtype) != (obj.shape, obj.dtype) or not torch.equal(
+                            got.raw, obj.raw
+                        ):
+                            raise KvplugError(
+                                f"{shown}: get() returned different bytes than put() of {what}"
+                            )
+                    finally:
+                        got.release()
+                    with contextlib.suppress(NotSupported):
+                        await _timed(samples, f"remove {size}", backend.remove(key))
                 finally:
-                    got.release()
-                with contextlib.suppress(NotSupported):
-                    await _timed(samples, "remove", backend.remove(key))
-            finally:
-                obj.release()
-        if await backend.get(CacheKey("kvplug-check", "check-model", 1, 0, -1)) is not None:
-            raise KvplugError(f"{url}: get() of a key never stored did not miss")
+                    obj.release()
+        if await backend.get(CacheKey(CHECK_FMT, "check-model", 1, 0, -1)) is not None:
+            raise KvplugError(f"{shown}: get() of a key never stored did not miss")
     finally:
         await _timed(samples, "close", backend.close())
     return samples, backend.capabilities, details
@@ -181,60 +215,78 @@ async def _check(
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
-    help="Config file whose first tier is checked when no URL is given.",
+    help="Config file whose tiers are all checked, each with its options, when no URL is given.",
 )
 @click.option(
     "--shape",
-    default="2,4,256,128",
-    show_default=True,
-    callback=lambda c, p, v: _parse_shape(v),
-    help="Shape of the test object.",
+    "shapes",
+    multiple=True,
+    callback=lambda c, p, v: tuple(_parse_shape(text) for text in v) or CHECK_SHAPES,
+    help="Shape of a test object (repeatable). Default: a one-token object, a 512 KiB object "
+    "and one full chunk of 2,32,256,1024.",
 )
 @click.option("--dtype", type=click.Choice(sorted(KV_DTYPES)), default="float16", show_default=True)
-@click.option("--rounds", type=click.IntRange(1, 10_000), default=5, show_default=True)
+@click.option(
+    "--rounds", type=click.IntRange(1, 10_000), default=3, show_default=True, help="per shape"
+)
 @click.option(
     "-o",
     "--option",
     "option_pairs",
     multiple=True,
     metavar="NAME=VALUE",
-    help="Backend option (repeatable); wins over the URL's query.",
+    help="Backend option (repeatable); wins over the URL's query and the config's options.",
 )
 def check_command(
     url: str | None,
     config_path: str | None,
-    shape: tuple[int, ...],
+    shapes: tuple[tuple[int, ...], ...],
     dtype: str,
     rounds: int,
     option_pairs: tuple[str, ...],
 ) -> None:
-    """Open URL (or the configured first tier), round-trip objects, report latency."""
-    options: dict[str, Any] = {}
+    """Open URL (or every configured tier), round-trip objects bit-exact, report latency."""
     try:
+        extra = _parse_options(option_pairs)
         if url is None:
-            tier = load_config(config_path).tiers[0]
-            url, options = tier.url, dict(tier.options)
-        options.update(_parse_options(option_pairs))
-        samples, capabilities, details = asyncio.run(
-            _check(url, options, shape, KV_DTYPES[dtype], rounds)
-        )
+            targets = [
+                (f"tier {index} ", tier.url, {**tier.options, **extra})
+                for index, tier in enumerate(load_config(config_path).tiers)
+            ]
+        else:
+            targets = [("", url, extra)]
     except KvplugError as error:
         click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
-    size = nbytes_of(shape, KV_DTYPES[dtype])
-    title = f"kvplug check {mask_passwords(url)}: {rounds} round(s) of {size} bytes, bit-exact"
-    table = Table(title=title)
-    for column in ("operation", "calls", "p50 ms", "max ms"):
-        table.add_column(column, justify="right" if column != "operation" else "left")
-    for name, values in samples.items():
-        table.add_row(
-            name, str(len(values)), f"{statistics.median(values):.3f}", f"{max(values):.3f}"
+    failed = 0
+    for label, target, options in targets:
+        try:
+            samples, capabilities, details = asyncio.run(
+                _check(target, options, shapes, KV_DTYPES[dtype], rounds)
+            )
+        except KvplugError as error:
+            click.echo(f"check failed: {label}{error}", err=True)
+            failed += 1
+            continue
+        sizes = ", ".join(format_size(nbytes_of(shape, KV_DTYPES[dtype])) for shape in shapes)
+        table = Table(
+            title=f"kvplug check {label}{mask_passwords(target)}: {rounds} round(s) of {sizes}, "
+            "bit-exact"
         )
-    console.print(table)
-    console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
-    for name, value in details.items():
-        console.print(f"{name}: {value}", markup=False, highlight=False)
-    console.print("[green]OK[/green]")
+        for column in ("operation", "calls", "p50 ms", "max ms"):
+            table.add_column(column, justify="right" if column != "operation" else "left")
+        for name, values in samples.items():
+            table.add_row(
+                name, str(len(values)), f"{statistics.median(values):.3f}", f"{max(values):.3f}"
+            )
+        console.print(table)
+        console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
+        for name, value in details.items():
+            console.print(f"{name}: {value}", markup=False, highlight=False)
+        console.print(f"[green]OK[/green] {escape(label + mask_passwords(target))}")
+    if failed:
+        click.echo(f"check failed for {failed} of {len(targets)} target(s)", err=True)
+        sys.exit(1)
 
 
 @main.command("bench")
@@ -299,20 +351,37 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
         f"({chunk_bytes / 2**20:.1f} MiB each)"
     )
     for column in ("operation", "tier", "chunks", "GB/s", "p50 ms", "p99 ms", "misses"):
-        table.add_column(column, justify="left" if column in ("operation", "tier") else "right")
+        table.add_column(
+            column,
+            justify="left" if column in ("operation", "tier") else "right",
+            overflow="fold",  # a tier's URL is never cut short
+        )
     for row in result.rows:
+        measured = row.count > 0
         table.add_row(
             row.operation,
             row.tier,
             str(row.count),
-            "zero-copy" if row.zero_copy else f"{row.gb_per_s:.2f}",
-            f"{row.percentile_ms(0.5):.2f}",
-            f"{row.percentile_ms(0.99):.2f}",
+            "-" if not measured else "zero-copy" if row.zero_copy else f"{row.gb_per_s:.2f}",
+            f"{row.percentile_ms(0.5):.2f}" if measured else "-",
+            f"{row.percentile_ms(0.99):.2f}" if measured else "-",
             str(row.misses),
         )
     console.print(table)
+    for tier in result.tiers:
+        if tier.removed is None:
+            console.print(
+                f"tier {tier.tier} cannot delete: the chunks it stored stay under "
+                f"{result.namespace}@... until it evicts or expires them.",
+                markup=False,
+                highlight=False,
+            )
+    failures = result.shortfalls
     if result.mismatches:
-        console.print(f"[red]{result.mismatches} chunk(s) read back with wrong bytes[/red]")
+        failures.append(f"{result.mismatches} chunk(s) read back with wrong bytes")
+    for line in failures:
+        console.print(f"[red]FAIL[/red] {escape(line)}")
+    if failures:
         sys.exit(1)
     console.print(f"[green]verified[/green] {result.verified} reads bit-exact")
 

@@ -111,6 +111,8 @@ class TierHealth:
     consecutive_errors: int = 0
     retry_at: float = 0.0
     last_error: str | None = None
+    last_dropped: str | None = None
+    """Why the last put that did not reach this tier was dropped (full, queue full, ...)."""
 
 
 @dataclass
@@ -339,15 +341,19 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------------------
 
+    def _dropped(self, tier: _Tier, reason: str) -> None:
+        tier.health.last_dropped = reason
+        self.metrics.dropped.labels(tier.name).inc()
+
     def _enqueue(self, tier: _Tier, key: CacheKey, obj: MemoryObj) -> None:
         if not self._available(tier):
-            self.metrics.dropped.labels(tier.name).inc()
+            self._dropped(tier, f"the tier is skipped after failing ({tier.health.last_error})")
             return
         try:
             tier.queue.put_nowait((key, obj.retain()))
         except asyncio.QueueFull:
             obj.release()
-            self.metrics.dropped.labels(tier.name).inc()
+            self._dropped(tier, f"its queue was full ({tier.queue.maxsize} puts waiting)")
             return
         tier.idle.clear()
         self.metrics.queue_depth.labels(tier.name).set(tier.queue.qsize())
@@ -360,13 +366,13 @@ class Store:
                 ok, _ = await self._call(tier, "put", tier.backend.put(key, obj), obj.nbytes)
                 if ok:
                     self.metrics.bytes_written.labels(tier.name).inc(obj.nbytes)
-            except (CapacityExceeded, BackendClosed, NotSupported):
-                self.metrics.dropped.labels(tier.name).inc()
-            except Exception:
+            except (CapacityExceeded, BackendClosed, NotSupported) as error:
+                self._dropped(tier, f"{type(error).__name__}: {error}")
+            except Exception as error:
                 # A bug in the tier (not a store failure): nobody awaits this put to see it, so
                 # it is logged in full and counted; the worker keeps draining the queue.
                 logger.exception("tier %s raised an unexpected error on a queued put", tier.name)
-                self.metrics.dropped.labels(tier.name).inc()
+                self._dropped(tier, f"{type(error).__name__}: {error}")
                 self.metrics.errors.labels(tier.name, "put").inc()
             finally:
                 obj.release()
@@ -384,13 +390,13 @@ class Store:
         if self._available(first):
             try:
                 ok, _ = await self._call(first, "put", first.backend.put(key, obj), obj.nbytes)
-            except CapacityExceeded:
+            except CapacityExceeded as error:
                 ok = False
-                self.metrics.dropped.labels(first.name).inc()
+                self._dropped(first, f"CapacityExceeded: {error}")
             if ok:
                 self.metrics.bytes_written.labels(first.name).inc(obj.nbytes)
         else:
-            self.metrics.dropped.labels(first.name).inc()
+            self._dropped(first, f"the tier is skipped after failing ({first.health.last_error})")
         for tier in lower:
             self._enqueue(tier, key, obj)
 
@@ -575,7 +581,7 @@ class Store:
             while not tier.queue.empty():
                 _, obj = tier.queue.get_nowait()
                 obj.release()
-                self.metrics.dropped.labels(tier.name).inc()
+                self._dropped(tier, f"the store closed before it was written ({timeout} s)")
         failures = await _close_each([(tier.name, tier.backend) for tier in self._tiers])
         if failures:
             raise BackendError(
