@@ -673,7 +673,7 @@ def test_kvplug_check_reports_the_mode(tmp_path: Path) -> None:
     from kvplug.cli import _check
 
     _, capabilities, details = run(
-        _check(f"gds://{tmp_path}", {"file_io": PosixStandIn()}, (2, 4, 16, 8), torch.float16, 2)
+        _check(f"gds://{tmp_path}", {"file_io": PosixStandIn()}, [(2, 4, 16, 8)], torch.float16, 2)
     )
     assert capabilities.device_memory
     assert details["mode"] == "posix-stand-in" and str(tmp_path) in details["directories"]
