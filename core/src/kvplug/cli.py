@@ -29,7 +29,7 @@ from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
-from kvplug.url import mask_passwords
+from kvplug.secrets import mask_data, mask_url
 
 T = TypeVar("T")
 console = Console()
@@ -93,7 +93,7 @@ def plugins_command(as_json: bool) -> None:
     help="Config file (default: KVPLUG_CONFIG_FILE, else built-in defaults).",
 )
 def config_command(config_path: str | None) -> None:
-    """Print the resolved configuration in the explicit tiers form (passwords masked)."""
+    """Print the resolved configuration in the explicit tiers form (secrets masked)."""
     import yaml
 
     try:
@@ -101,8 +101,7 @@ def config_command(config_path: str | None) -> None:
     except KvplugError as error:
         click.echo(f"config error: {error}", err=True)
         sys.exit(1)
-    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
-    click.echo(mask_passwords(text), nl=False)
+    click.echo(yaml.safe_dump(mask_data(config.to_dict()), sort_keys=False), nl=False)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -137,6 +136,7 @@ async def _check(
 ) -> tuple[dict[str, list[float]], Any, dict[str, str]]:
     allocator = FreeListAllocator(max(2 * nbytes_of(shape, dtype) + (1 << 20), 1 << 22))
     backend = create_backend(url, allocator=allocator, **options)
+    shown = mask_url(url)
     samples: dict[str, list[float]] = {}
     await _timed(samples, "open", backend.open())
     details = backend.describe()
@@ -153,15 +153,15 @@ async def _check(
             try:
                 await _timed(samples, "put", backend.put(key, obj))
                 if not await _timed(samples, "contains", backend.contains(key)):
-                    raise KvplugError(f"{url}: contains() is False right after put()")
+                    raise KvplugError(f"{shown}: contains() is False right after put()")
                 got = await _timed(samples, "get", backend.get(key))
                 if got is None:
-                    raise KvplugError(f"{url}: get() missed right after put()")
+                    raise KvplugError(f"{shown}: get() missed right after put()")
                 try:
                     if (got.shape, got.dtype) != (obj.shape, obj.dtype) or not torch.equal(
                         got.raw, obj.raw
                     ):
-                        raise KvplugError(f"{url}: get() returned different bytes than put()")
+                        raise KvplugError(f"{shown}: get() returned different bytes than put()")
                 finally:
                     got.release()
                 with contextlib.suppress(NotSupported):
@@ -169,7 +169,7 @@ async def _check(
             finally:
                 obj.release()
         if await backend.get(CacheKey("kvplug-check", "check-model", 1, 0, -1)) is not None:
-            raise KvplugError(f"{url}: get() of a key never stored did not miss")
+            raise KvplugError(f"{shown}: get() of a key never stored did not miss")
     finally:
         await _timed(samples, "close", backend.close())
     return samples, backend.capabilities, details
@@ -222,7 +222,7 @@ def check_command(
         click.echo(f"check failed: {error}", err=True)
         sys.exit(1)
     size = nbytes_of(shape, KV_DTYPES[dtype])
-    title = f"kvplug check {mask_passwords(url)}: {rounds} round(s) of {size} bytes, bit-exact"
+    title = f"kvplug check {mask_url(url)}: {rounds} round(s) of {size} bytes, bit-exact"
     table = Table(title=title)
     for column in ("operation", "calls", "p50 ms", "max ms"):
         table.add_column(column, justify="right" if column != "operation" else "left")

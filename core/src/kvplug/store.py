@@ -56,7 +56,6 @@ from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, NotSuppo
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, AllocatorStats, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.registry import open_backend
-from kvplug.url import mask_passwords
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.store")
@@ -201,7 +200,7 @@ class Store:
 
     @staticmethod
     def _tier_name(index: int, backend: Backend) -> str:
-        return f"{index}:{mask_passwords(str(backend.url))}"
+        return f"{index}:{backend.url}"  # str(BackendURL) masks its secrets
 
     @classmethod
     async def open(
@@ -252,7 +251,7 @@ class Store:
 
     @property
     def tier_names(self) -> list[str]:
-        """``index:url`` of each tier (password masked), as metrics and stats label them."""
+        """``index:url`` of each tier (secrets masked), as metrics and stats label them."""
         return [tier.name for tier in self._tiers]
 
     def allocate(
