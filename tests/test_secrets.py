@@ -9,12 +9,14 @@ drives every CLI command and Python failure path, with every log record captured
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets as stdlib_secrets
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,7 +34,8 @@ from kvplug.config import Config, TierConfig, load_config
 from kvplug.errors import InvalidBackendURL, UnknownOption
 from kvplug.registry import create_backend, open_backend, reset_registry
 from kvplug.store import Store
-from kvplug.url import BackendURL, split_chain
+from kvplug.sync import SyncClient
+from kvplug.url import BackendURL
 from kvplug_cpu.backend import CpuBackend, CpuOptions
 
 ROOT = Path(__file__).parents[1]
@@ -294,3 +297,293 @@ def test_query_secrets_never_reach_tier_names_metrics_health_or_audit_lines(
     everything = "\n".join(texts) + caplog.text
     assert "op=put" in caplog.text and "token=***" in everything
     assert token not in everything and api_key not in everything
+
+
+# --------------------------------------------------------------------------- acceptance
+#
+# One secret of each kind is planted everywhere a user can put one; every CLI command and every
+# failure path of the Python API runs; everything printed, raised, warned and logged (at DEBUG,
+# every logger) is collected, and no part of any secret may appear in it.
+
+SERVER_PASSWORD = new_secret("srv")
+"""The real server's password: the good paths use it."""
+WRONG_PASSWORD = new_secret("bad")
+NUMBER = str(100_000_000_000 + stdlib_secrets.randbelow(899_999_999_999))
+"""A secret that is not a string: a YAML number."""
+TOKEN = new_secret("tok")
+PLANTED = (SERVER_PASSWORD, WRONG_PASSWORD, NUMBER, TOKEN)
+
+
+def _pieces(secret: str) -> set[str]:
+    """Every 8-character window of ``secret``: a partial leak is a leak."""
+    return {secret[i : i + 8] for i in range(len(secret) - 7)}
+
+
+LEAK_PIECES = set().union(*(_pieces(secret) for secret in PLANTED))
+
+
+class Collected:
+    """Everything the acceptance run printed, raised or warned, by where it came from."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[str, str]] = []
+
+    def add(self, where: str, text: str) -> None:
+        self.texts.append((where, text))
+
+    def raised(self, where: str, action: Any) -> BaseException | None:
+        """Run ``action``; collect the str and repr of what it raises and of the exceptions
+        a traceback of it shows (its cause, or its context unless suppressed)."""
+        try:
+            action()
+        except Exception as error:
+            current: BaseException | None = error
+            while current is not None:
+                self.add(where, f"{current}\n{current!r}")
+                shown_context = None if current.__suppress_context__ else current.__context__
+                current = current.__cause__ or shown_context
+            return error
+        return None
+
+    def cli(self, where: str, *args: str, env: dict[str, str] | None = None) -> int:
+        result = CliRunner().invoke(main, list(args), env=env)
+        self.add(f"{where}: kvplug {' '.join(args)}", result.output)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            self.raised(where, lambda: (_ for _ in ()).throw(result.exception))
+        return result.exit_code
+
+    def leaks(self) -> list[str]:
+        return [
+            f"{where}: {piece!r} in {text[:2000]!r}"
+            for where, text in self.texts
+            for piece in LEAK_PIECES
+            if piece in text
+        ]
+
+
+def _malformed(secret: str) -> list[str]:
+    left, right = secret[:12], secret[12:]
+    return [
+        f"redis://app:{left}{special}{right}@127.0.0.1:{closed_port()}"
+        for special in ("/", "?", "#", "/?#", "::", "://", "@")
+    ] + [f"redis//app:{secret}@127.0.0.1:1", f"redis:app:{secret}@h:1", f"REDIS://app:{secret}@h"]
+
+
+@pytest.fixture(scope="module")
+def guarded_server() -> Iterator[Any]:
+    from kvplug_redis.testing import RedisServer
+
+    with RedisServer(password=SERVER_PASSWORD) as server:
+        yield server
+
+
+def _cli_scenarios(out: Collected, tmp_path: Path, server: Any) -> None:
+    good = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{server.port}"
+    unreachable = f"redis://app:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=2"
+    small = ["--shape", "2,2,16,64"]
+    env = {
+        "KVPLUG_TIERS": f"cpu://?max_size=64MiB;{good}",
+        "KVPLUG_EXTRA_CONFIG": json_text({"redis_password": WRONG_PASSWORD, "token": NUMBER}),
+        "REDIS_PASSWORD": SERVER_PASSWORD,
+    }
+    config = tmp_path / "secret.yaml"
+    config.write_text(
+        "tiers:\n"
+        f"  - url: tokencpu://?token={TOKEN}&max_size=64MiB\n"
+        f"    api_key: {WRONG_PASSWORD}\n"
+        f"  - url: redis://127.0.0.1:{server.port}\n"
+        f"    password: {SERVER_PASSWORD}\n"
+        "extra_config:\n"
+        f"  secret_key: {NUMBER}\n"
+        f"  credentials: [{WRONG_PASSWORD}]\n"
+    )
+    sentinel = tmp_path / "sentinel.yaml"
+    sentinel.write_text(
+        f"tiers:\n  - url: redis+sentinel://127.0.0.1:{closed_port()}/mymaster?timeout=1\n"
+        f"    sentinel_password: {NUMBER}\n"
+    )
+    numeric = tmp_path / "numeric.yaml"
+    numeric.write_text(
+        f"tiers:\n  - url: redis://127.0.0.1:{server.port}\n    password: {NUMBER}\n"
+    )
+    unreachable_config = tmp_path / "unreachable.yaml"
+    unreachable_config.write_text(f"tiers:\n  - cpu://\n  - '{unreachable}'\n")
+    bad_configs = {
+        "malformed": "tiers:\n" + "".join(f"  - '{url}'\n" for url in _malformed(TOKEN)[:1]),
+        "bad item": f"tiers:\n  - {{url: 5, password: {TOKEN}}}\n",
+        "bad yaml": f"tiers:\n  - url: cpu://\n    password: {TOKEN}\n   - x: [\n",
+        "duplicate": f"tiers:\n  - url: cpu://\n    password: {TOKEN}\n    password: {TOKEN}\n",
+        "mixed forms": f"remote_url: 'redis://:{TOKEN}@h:1'\ntiers: [cpu://]\n",
+        "bad remote": f"remote_url: 'redis://:{TOKEN}@h:notaport'\n",
+        "audit": f"remote_url: 'audit://h:1?token={TOKEN}'\n",
+    }
+
+    out.cli("plugins", "plugins", env=env)
+    out.cli("plugins", "plugins", "--json", env=env)
+    out.cli("config from env", "config", env=env)
+    out.cli("config file", "config", "--config", str(config))
+    out.cli("config numeric", "config", "--config", str(numeric))
+    out.cli("config sentinel", "config", "--config", str(sentinel))
+    out.cli("check sentinel", "check", "--config", str(sentinel), *small)
+    out.cli("config env beside tiers", "config", env={"KVPLUG_REMOTE_URL": unreachable, **env})
+    for name, text in bad_configs.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.yaml"
+        path.write_text(text)
+        assert out.cli(f"config {name}", "config", "--config", str(path)) == 1
+        assert out.cli(f"check {name}", "check", "--config", str(path)) == 1
+
+    assert out.cli("check good", "check", good, *small, "--rounds", "1") == 0
+    assert (
+        out.cli("check env password", "check", f"redis://127.0.0.1:{server.port}", *small, env=env)
+        == 0
+    )
+    out.cli(
+        "check option password",
+        "check",
+        f"redis://127.0.0.1:{server.port}",
+        "-o",
+        f"password={SERVER_PASSWORD}",
+        *small,
+    )
+    out.cli("check config", "check", "--config", str(config), *small)
+    out.cli("check numeric", "check", "--config", str(numeric), *small)
+    out.cli("check unreachable", "check", unreachable, *small)
+    out.cli(
+        "check wrong password",
+        "check",
+        f"redis://:{WRONG_PASSWORD}@127.0.0.1:{server.port}",
+        *small,
+    )
+    out.cli("check bad option", "check", good, "-o", "db=x", "-o", f"sentinel_password={TOKEN}")
+    out.cli("check query token", "check", f"{good}?token={TOKEN}")
+    out.cli("check query password", "check", f"redis://127.0.0.1:{server.port}?password={TOKEN}")
+    out.cli("check audit", "check", f"audit::{good}", *small, "--rounds", "1")
+    for url in _malformed(TOKEN):
+        assert out.cli("check malformed", "check", url) == 1
+    assert out.cli("bench config", "bench", "--config", str(config), *small, "--count", "2") == 0
+    out.cli(
+        "bench unreachable", "bench", "--config", str(unreachable_config), *small, "--count", "2"
+    )
+    out.cli("bench numeric", "bench", "--config", str(numeric), *small, "--count", "2")
+
+
+@contextlib.contextmanager
+def warnings_recorded() -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _contract_scenarios(out: Collected, server: Any) -> None:
+    good = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{server.port}"
+    selected = ["-k", "never_stored or many_threads", "--timeout", "10"]
+    out.add("contract good", _kvplug_contract(good, *selected))
+    out.add(
+        "contract bad option",
+        _kvplug_contract(good, "-o", "db=x", "-o", f"sentinel_password={TOKEN}", *selected),
+    )
+    out.add(
+        "contract unreachable",
+        _kvplug_contract(
+            f"redis://:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=1", *selected
+        ),
+    )
+    out.add("contract malformed", _kvplug_contract(_malformed(TOKEN)[0], *selected))
+
+
+def _python_scenarios(out: Collected, server: Any) -> None:
+    good = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{server.port}"
+    unreachable = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=1"
+    for url in _malformed(TOKEN):
+        out.raised("parse", lambda url=url: BackendURL.parse(url))
+        out.raised("config", lambda url=url: Config.from_dict({"tiers": [url]}))
+        out.raised("open", lambda url=url: asyncio.run(open_backend(url)))
+    out.raised("bad option", lambda: create_backend(good, password=int(NUMBER)))
+    out.raised("bad option", lambda: create_backend(good, sentinel_password=[TOKEN]))
+    out.raised("query password", lambda: create_backend(f"{good}?password={TOKEN}"))
+    out.raised(
+        "wrong password",
+        lambda: asyncio.run(_round_trip(f"redis://:{WRONG_PASSWORD}@127.0.0.1:{server.port}")),
+    )
+    out.raised("unreachable", lambda: asyncio.run(_round_trip(unreachable)))
+    config = Config.from_dict(
+        {
+            "tiers": [
+                f"tokencpu://?max_size=64MiB&secret={TOKEN}",
+                {"url": f"audit::{good}", "db": 1},
+                {"url": unreachable, "password": TOKEN},
+            ],
+            "extra_config": {"secret_key": TOKEN},
+        }
+    )
+    out.add("config repr", f"{config!r} {config.tiers!r} {[str(t) for t in config.tiers]}")
+    out.add("store", asyncio.run(_store_texts(config)))
+    misplaced = Config.from_dict({"tiers": [{"url": unreachable, "sentinel_password": TOKEN}]})
+    out.raised("store misplaced option", lambda: asyncio.run(Store.open(misplaced)))
+    client = SyncClient(unreachable)
+    out.raised("sync client", lambda: client.get(CacheKey("vllm", "m", 1, 0, 1)).result(30))
+    out.add("sync client repr", repr(client))
+    client.close()
+
+
+async def _round_trip(url: str) -> None:
+    backend = await open_backend(url)
+    try:
+        await backend.get(CacheKey("vllm", "m", 1, 0, 1))
+    finally:
+        await backend.close()
+
+
+async def _store_texts(config: Config) -> str:
+    store = await Store.open(config)
+    key = CacheKey("vllm", "llama", 1, 0, 7)
+    obj = store.allocate((2, 2, 16, 64), torch.float16)
+    assert obj is not None
+    await store.put(key, obj)
+    obj.release()
+    await store.flush(timeout=30)
+    hit = await store.get(key)
+    if hit is not None:
+        hit.release()
+    texts = [
+        repr(store.tier_names),
+        store.prometheus_text(),
+        repr(store.stats()),
+        repr(store.health()),
+        repr(store.tiers),
+    ]
+    await store.close()
+    return "\n".join(texts)
+
+
+@pytest.mark.redis
+def test_planted_secrets_never_appear_in_any_output_log_or_error(
+    guarded_server: Any,
+    tokencpu: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    out = Collected()
+    with caplog.at_level(logging.DEBUG), warnings_recorded() as warned:
+        _cli_scenarios(out, tmp_path, guarded_server)
+        _python_scenarios(out, guarded_server)
+        _contract_scenarios(out, guarded_server)
+    out.add("warnings", "\n".join(str(w.message) for w in warned))
+    out.add("log text", caplog.text)
+    for record in caplog.records:
+        out.add(f"log record {record.name}", f"{record.getMessage()}\n{record.exc_text or ''}")
+    captured = capfd.readouterr()
+    out.add("process stdout", captured.out)
+    out.add("process stderr", captured.err)
+    # The scenarios did run: the good paths passed and the failure paths said why.
+    everything = "\n".join(text for _, text in out.texts)
+    assert "OK" in everything and "PASS" in everything and "FAIL" in everything
+    assert "***" in everything and "op=get" in caplog.text and "verified" in everything
+    assert not out.leaks(), "\n".join(out.leaks()[:5])
