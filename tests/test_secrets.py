@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -33,6 +34,14 @@ from kvplug.cli import main
 from kvplug.config import Config, TierConfig, load_config
 from kvplug.errors import InvalidBackendURL, UnknownOption
 from kvplug.registry import create_backend, open_backend, reset_registry
+from kvplug.secrets import (
+    SECRET_FILTER,
+    install_log_filter,
+    is_secret_name,
+    mask_data,
+    mask_text,
+    mask_url,
+)
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug.url import BackendURL
@@ -297,6 +306,194 @@ def test_query_secrets_never_reach_tier_names_metrics_health_or_audit_lines(
     everything = "\n".join(texts) + caplog.text
     assert "op=put" in caplog.text and "token=***" in everything
     assert token not in everything and api_key not in everything
+
+
+def test_vendor_run_of_the_suite_with_long_tracebacks_and_locals_hides_secrets(
+    tmp_path: Path,
+) -> None:
+    password, option = new_secret("m"), new_secret("n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k != CONTRACT_URL_ENV}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "kvplug_contracts",
+            "-p",
+            "no:cacheprovider",
+            "--kvplug-url",
+            f"redis://app:{password}@127.0.0.1:{closed_port()}",
+            "--kvplug-option",
+            "db=x",
+            "--kvplug-option",
+            f"password={option}",
+            "--tb=long",
+            "--showlocals",
+            "-rA",
+            "-k",
+            "many_threads or never_stored_returns",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "kvplug_options = " in output, output
+    assert password not in output and option not in output
+    assert "'password': '***'" in output
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("password", True),
+        ("PASSWORD", True),
+        ("sentinel_password", True),
+        ("sentinelPassword", True),
+        ("ssl_keyfile_password", True),
+        ("passwd", True),
+        ("pwd", True),
+        ("token", True),
+        ("auth_token", True),
+        ("accessToken", True),
+        ("secret", True),
+        ("client_secret", True),
+        ("key", True),
+        ("api_key", True),
+        ("apikey", True),
+        ("X-Api-Key", True),
+        ("access_key", True),
+        ("secret_access_key", True),
+        ("private_key", True),
+        ("auth", True),
+        ("Authorization", True),
+        ("credential", True),
+        ("credentials", True),
+        ("x-amz-credential", True),
+        ("sig", True),
+        ("pass%77ord", True),
+        ("key_prefix", False),
+        ("max_tokens", False),
+        ("tokenizer", False),
+        ("ssl_keyfile", False),
+        ("username", False),
+        ("sentinel_username", False),
+        ("db", False),
+        ("max_size", False),
+        ("serde", False),
+        ("", False),
+    ],
+)
+def test_is_secret_name(name: str, secret: bool) -> None:
+    assert is_secret_name(name) is secret
+
+
+def test_non_string_names_are_not_secret() -> None:
+    assert not is_secret_name(3) and not is_secret_name(None)
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        ("redis://app:pw@h:1", "redis://app:***@h:1"),
+        ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+        ("redis://app@h:1", "redis://app@h:1"),
+        ("redis://us@er:pw@h:1", "redis://us@er:***@h:1"),
+        ("redis://app:p@ss@h:1", "redis://app:***@h:1"),
+        ("redis://app:pa/ss@h:1", "redis://app:***@h:1"),
+        ("redis://app:pa?ss@h:1", "redis://app:***@h:1"),
+        ("redis://app:pa#ss@h:1", "redis://app:***@h:1"),
+        ("redis://app:pa://ss@h:1", "redis://app:***@h:1"),
+        ("redis://app:pa::ss@h:1", "redis://app:***@h:1"),
+        ("redis//app:pass@h:1", "redis//app:***@h:1"),
+        ("app:pass@h:1", "app:***@h:1"),
+        ("redis://h:1?db=2&token=abc&ttl=3", "redis://h:1?db=2&token=***&ttl=3"),
+        ("redis://h:1?token=a&b&c=d", "redis://h:1?token=***&c=d"),
+        ("redis://h:1?token=a#b", "redis://h:1?token=***"),
+        ("audit::redis://u:pw@h:1::x", "audit::redis://u:***@h:1::x"),
+        ("audit://?verify=true::redis://u:pw@h:1", "audit://?verify=true::redis://u:***@h:1"),
+        ("audit://?x=1::file:///data/kv@node", "audit://?x=1::file:///data/kv@node"),
+        ("audit://?token=t1::redis://h?api_key=k2", "audit://?token=***::redis://h?api_key=***"),
+        ("redis://[::1]:6379", "redis://[::1]:6379"),
+        ("redis://u:pw@[::1]:6379", "redis://u:***@[::1]:6379"),
+        ("cpu://", "cpu://"),
+        ("not a url", "not a url"),
+    ],
+)
+def test_mask_url(text: str, masked: str) -> None:
+    assert mask_url(text) == masked
+
+
+def test_mask_data_masks_secret_keys_at_any_depth_and_urls_in_values() -> None:
+    data = {
+        "tiers": [{"url": "redis://:pw1@h:1?token=t1", "password": 829371645, "db": 2}],
+        "extra_config": {"nested": {"access_key": ["k1"], "on": True}, "auth": None},
+    }
+    assert mask_data(data) == {
+        "tiers": [{"url": "redis://:***@h:1?token=***", "password": "***", "db": 2}],
+        "extra_config": {"nested": {"access_key": "***", "on": True}, "auth": None},
+    }
+    assert mask_data(SecretStr("abc")) == "***"
+
+
+def test_mask_text_masks_urls_assignments_and_mapping_items_in_free_text() -> None:
+    text = (
+        "open redis://app:pw1@h:1 failed; password=829371645 "
+        "{'sentinel_password': 'pw3', \"api_key\": \"pw4\"} op=get key=vllm@llama@1@0@7"
+    )
+    masked = mask_text(text)
+    for secret in ("pw1", "829371645", "pw3", "pw4"):
+        assert secret not in masked
+    assert "redis://app:***@h:1" in masked and "password=***" in masked
+    assert "key=vllm@llama@1@0@7" in masked  # a cache key in an audit line is not a secret
+
+
+def test_remembered_secrets_are_hidden_wherever_they_turn_up() -> None:
+    secret = new_secret("o")
+    BackendURL.parse(f"redis://app:{secret}%40x@h:1")
+    assert mask_text(f"AUTH failed for {secret}@x!") == "AUTH failed for ***!"
+    assert mask_text(f"sent {quote(secret + '@x', safe='')}") == "sent ***"
+
+
+def test_short_secrets_are_not_searched_for_in_free_text() -> None:
+    BackendURL.parse("redis://app:ab@h:1")
+    assert mask_text("about a cab") == "about a cab"
+
+
+def test_log_filter_masks_records_of_every_kvplug_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    child = logging.getLogger("kvplug.test_secrets.child")
+    install_log_filter()
+    assert SECRET_FILTER in child.filters and SECRET_FILTER in logging.getLogger("kvplug").filters
+    secret = new_secret("p")
+    with caplog.at_level(logging.DEBUG):
+        child.debug("connecting to %s", f"redis://app:{secret}@h:1")
+        child.info("options %r", {"password": secret})
+        try:
+            raise ValueError(f"redis://app:{secret}@h:1 refused")
+        except ValueError:
+            child.exception("failed")
+    assert len(caplog.records) == 3
+    assert secret not in caplog.text and "redis://app:***@h:1" in caplog.text
+    assert "ValueError" in caplog.text
+
+
+def test_a_plugin_logger_gets_the_filter_when_its_backend_is_constructed(
+    tokencpu: str,
+) -> None:
+    plugin_logger = logging.getLogger("kvplug_tokencpu_test")
+    assert SECRET_FILTER not in plugin_logger.filters
+    create_backend(f"{tokencpu}://")
+    assert SECRET_FILTER in plugin_logger.filters
 
 
 # --------------------------------------------------------------------------- acceptance

@@ -97,34 +97,31 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.pluginmanager.register(ClauseSummary(config), "kvplug-clause-summary")
     # Learn the secrets of the backend under test before any report could show them.
-    url = _configured_url(config)
-    if url:
-        mask_url(url)
-    remember_in(
-        {
-            name: value
-            for name, _, value in (
-                pair.partition("=") for pair in config.getoption("--kvplug-option")
-            )
-        }
-    )
+    pairs = (pair.partition("=") for pair in config.getoption("--kvplug-option"))
+    remember_in({"url": _configured_url(config), **{name: value for name, _, value in pairs}})
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Mask secrets in every test report: a failure's traceback shows the values of the
     fixtures it received (the URL, the options), and captured output may hold them too."""
-    outcome = yield
-    hide_secrets(outcome.get_result())
+    report = yield
+    hide_secrets(report)
+    return report
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None]:
-    outcome = yield
-    hide_secrets(outcome.get_result())
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    hide_secrets(report)
+    return report
 
 
-def hide_secrets(report: pytest.BaseReport) -> None:
+def hide_secrets(report: pytest.TestReport | pytest.CollectReport) -> None:
     """Mask secrets (:func:`kvplug.secrets.mask_text`) in ``report`` in place: its failure
     representation, captured sections and known-failure reason."""
     longrepr = report.longrepr
@@ -133,13 +130,13 @@ def hide_secrets(report: pytest.BaseReport) -> None:
     elif isinstance(longrepr, str):
         report.longrepr = mask_text(longrepr)
     elif longrepr is not None:
-        _mask_fields(longrepr, set())
+        _masked(longrepr, set())
         text = report.longreprtext
         if mask_text(text) != text:  # a representation this walk does not know
             report.longrepr = mask_text(text)
     report.sections = [(title, mask_text(content)) for title, content in report.sections]
-    if isinstance(getattr(report, "wasxfail", None), str):
-        report.wasxfail = mask_text(report.wasxfail)  # type: ignore[attr-defined]
+    if isinstance(report, pytest.TestReport) and isinstance(getattr(report, "wasxfail", None), str):
+        report.wasxfail = mask_text(report.wasxfail)
 
 
 def _masked(value: Any, seen: set[int]) -> Any:

@@ -38,8 +38,8 @@ import yaml
 
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.eviction import POLICIES
-from kvplug.units import GiB, parse_size
 from kvplug.secrets import mask_data, mask_repr, mask_url, remember_in
+from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL, split_chain
 
 MiB = 1 << 20

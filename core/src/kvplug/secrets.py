@@ -86,40 +86,50 @@ def is_secret_name(name: object) -> bool:
 # -- remembered secrets -------------------------------------------------------------------
 
 _remembered: dict[str, None] = {}
+_longest_first: list[str] = []
 _remembered_lock = threading.Lock()
 
 
-def _secret_text(value: object) -> str | None:
+def _secret_texts(value: object) -> Iterable[str]:
+    """The strings a secret value may be printed as: itself, or each item it holds."""
     if value is None or isinstance(value, bool):
-        return None
+        return
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            yield from _secret_texts(item)
+        return
     reveal = getattr(value, "get_secret_value", None)
     if callable(reveal):
         value = reveal()
-    return value if isinstance(value, str) else str(value)
+    yield value if isinstance(value, str) else str(value)
 
 
 def remember(*values: object) -> None:
-    """Learn secret values (as given and %-encoded), so that :func:`mask_text` and the log
-    filter hide them wherever they turn up. Values shorter than
+    """Learn secret values (as given and %-encoded; the items of a list or mapping), so that
+    :func:`mask_text` and the log filter hide them wherever they turn up. Values shorter than
     :data:`MIN_REMEMBERED_LENGTH` are ignored; the oldest are forgotten past
     :data:`MAX_REMEMBERED`."""
+    global _longest_first
     for value in values:
-        text = _secret_text(value)
-        if text is None:
-            continue
-        with _remembered_lock:
-            for form in {text, quote(text, safe="")}:
-                if len(form) >= MIN_REMEMBERED_LENGTH:
+        for text in _secret_texts(value):
+            forms = {
+                form for form in (text, quote(text, safe="")) if len(form) >= MIN_REMEMBERED_LENGTH
+            }
+            if not forms:
+                continue
+            with _remembered_lock:
+                for form in forms:
                     _remembered.pop(form, None)
                     _remembered[form] = None
-            while len(_remembered) > MAX_REMEMBERED:
-                del _remembered[next(iter(_remembered))]
+                while len(_remembered) > MAX_REMEMBERED:
+                    del _remembered[next(iter(_remembered))]
+                _longest_first = sorted(_remembered, key=len, reverse=True)
 
 
 def _hide_remembered(text: str) -> str:
-    with _remembered_lock:
-        known = sorted(_remembered, key=len, reverse=True)
-    for secret in known:
+    for secret in _longest_first:
         if secret in text:
             text = text.replace(secret, MASK)
     return text
@@ -236,9 +246,10 @@ def mask_url(text: str) -> str:
     """``text``, one URL or a ``::`` chain of them, with its passwords and secret-named query
     values shown as ``***``.
 
-    It needs no valid URL: where an ``@`` stands after a ``/``, ``?`` or ``#`` (a password
-    that holds one of them), everything from the ``:`` after the user name to the last ``@``
-    is masked, which may hide more than the password but never less.
+    It needs no valid URL: where an ``@`` stands after a ``/``, ``?`` or ``#``, or a ``://``
+    where no scheme can end (a password that holds one of them), everything from the ``:``
+    after the user name to the last ``@`` is masked, which may hide more than the password
+    but never less.
     """
     spans, _ = url_secret_spans(text)
     return _apply(text, spans)
@@ -296,14 +307,14 @@ def mask_text(text: str) -> str:
     text = _URL_IN_TEXT.sub(lambda m: mask_url(m.group(0)), text)
 
     def assignment(match: re.Match[str]) -> str:
-        if not _secret_in_text(match.group(1)) or match.group(2) == MASK:
+        if not _secret_in_text(match.group(1)) or match.group(2).startswith(MASK):
             return match.group(0)
         remember(match.group(2).strip("'\""))
         return f"{match.group(1)}={MASK}"
 
     def item(match: re.Match[str]) -> str:
         quote_mark, name, colon, value = match.groups()
-        if not _secret_in_text(name) or value.strip("'\"") == MASK:
+        if not _secret_in_text(name) or value.strip("'\"").startswith(MASK):
             return match.group(0)
         remember(value.strip("'\""))
         return f"{quote_mark}{name}{quote_mark}{colon}'{MASK}'"
