@@ -195,6 +195,15 @@ def test_kvplug_contract_never_prints_the_url_password_or_secret_options() -> No
     assert "redis://app:***@127.0.0.1" in output
 
 
+def test_an_option_without_equals_sign_is_not_echoed() -> None:
+    secret = new_secret("q")
+    for pair in (f"password:{secret}", f"={secret}", secret):
+        code, output = invoke("check", "cpu://", "-o", pair)
+        assert code == 2 and "NAME=VALUE" in output and secret not in output
+        output = _kvplug_contract("cpu://", "-o", pair, "-k", "never_stored_returns")
+        assert "NAME=VALUE" in output and secret not in output, output
+
+
 # --------------------------------------------------------------------------- item 16
 
 
@@ -623,6 +632,16 @@ def _cli_scenarios(out: Collected, tmp_path: Path, server: Any) -> None:
     out.cli("config sentinel", "config", "--config", str(sentinel))
     out.cli("check sentinel", "check", "--config", str(sentinel), *small)
     out.cli("config env beside tiers", "config", env={"KVPLUG_REMOTE_URL": unreachable, **env})
+    bad_envs = {
+        "malformed remote": {"KVPLUG_REMOTE_URL": _malformed(TOKEN)[0]},
+        "malformed tiers": {"KVPLUG_TIERS": f"cpu://;{_malformed(TOKEN)[1]}"},
+        "unknown variable": {"KVPLUG_PASSWORD": TOKEN},
+        "bad json": {"KVPLUG_EXTRA_CONFIG": f'{{"password": "{TOKEN}"'},
+        "bad value": {"KVPLUG_CHUNK_SIZE": TOKEN},
+    }
+    for name, variables in bad_envs.items():
+        assert out.cli(f"config env {name}", "config", env=variables) == 1
+        assert out.cli(f"check env {name}", "check", env=variables) == 1
     for name, text in bad_configs.items():
         path = tmp_path / f"{name.replace(' ', '-')}.yaml"
         path.write_text(text)

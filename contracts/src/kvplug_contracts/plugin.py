@@ -174,7 +174,10 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise pytest.UsageError(f"--kvplug-option {pair!r} is not NAME=VALUE")
+            raise pytest.UsageError(
+                "a --kvplug-option is not NAME=VALUE (not shown: it may hold a secret); "
+                "write e.g. --kvplug-option max_size=1GiB"
+            )
         options[name] = value
     return options
 

@@ -119,7 +119,10 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise click.BadParameter(f"{pair!r} is not name=value")
+            raise click.BadParameter(
+                "an option is not NAME=VALUE (not shown: it may hold a secret); "
+                "write e.g. -o max_size=1GiB"
+            )
         options[name] = value
     return options
 
