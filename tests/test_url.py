@@ -242,6 +242,30 @@ def test_chain_error_never_shows_the_password() -> None:
         assert SECRET not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"redis://user:1/{SECRET}@h:6379",  # once read as host 'user', port 1, path '/...@h:6379'
+        f"redis://user:1?x={SECRET}@h:6379",  # once read as a query x='...@h:6379'
+        f"redis://user:{SECRET}@h:1/db@x",
+        f"redis://user:a://{SECRET}@h:1",
+    ],
+)
+def test_url_whose_password_end_is_ambiguous_is_refused_without_showing_it(text: str) -> None:
+    with pytest.raises(InvalidBackendURL) as info:
+        BackendURL.parse(text)
+    assert SECRET not in str(info.value) and "ambiguous" in str(info.value)
+    assert "%2F" in str(info.value)
+
+
+def test_secret_named_query_values_are_masked_but_reach_the_client() -> None:
+    url = BackendURL.parse(f"acme://h:1?api_key={SECRET}&shard=2")
+    assert str(url) == "acme://h:1?api_key=***&shard=2"
+    assert url.options["api_key"] == SECRET
+    assert url.secret_url() == f"acme://h:1?api_key={SECRET}&shard=2"
+    assert str(url.with_options(token=SECRET)) == "acme://h:1?api_key=***&shard=2&token=***"
+
+
 # --------------------------------------------------------------------------- hostile input
 
 

@@ -51,7 +51,7 @@ def contract_command(
     """Run the backend conformance suite against URL and summarise it by clause."""
     import pytest
 
-    from kvplug.url import mask_passwords
+    from kvplug.secrets import mask_url
     from kvplug_contracts.plugin import clause_verdict, describe_backend
 
     with tempfile.TemporaryDirectory(prefix="kvplug-contract-") as workdir:
@@ -98,7 +98,7 @@ def contract_command(
     counts = {v: list(verdicts.values()).count(v) for v in ("pass", "known", "n/a")}
     verdict = f"FAIL (clauses {', '.join(failed)})" if failed or code else "PASS"
     click.echo(
-        f"kvplug contract {mask_passwords(url)}: {verdict}; of {len(rows)} clauses "
+        f"kvplug contract {mask_url(url)}: {verdict}; of {len(rows)} clauses "
         f"{counts['pass']} kept, {counts['known']} with declared known failures, "
         f"{counts['n/a']} not applicable to this backend's capabilities or fixtures"
     )

@@ -18,11 +18,12 @@ Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a c
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ import pytest
 import kvplug
 from kvplug import Backend, BytesBackend, FreeListAllocator
 from kvplug.registry import plugins, registry
-from kvplug.url import BackendURL, mask_passwords, split_chain
+from kvplug.secrets import mask_text, mask_url, remember_in
+from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.support import (
     CLAUSES,
     DEFAULT_TIMEOUT,
@@ -94,6 +96,75 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "kvplug_clause(*numbers): the backend-contract clauses a test checks"
     )
     config.pluginmanager.register(ClauseSummary(config), "kvplug-clause-summary")
+    # Learn the secrets of the backend under test before any report could show them.
+    pairs = (pair.partition("=") for pair in config.getoption("--kvplug-option"))
+    remember_in({"url": _configured_url(config), **{name: value for name, _, value in pairs}})
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Mask secrets in the report of every contract test (and of every test of a run given a
+    backend URL): a failure's traceback shows the values of the fixtures it received (the URL,
+    the options), and captured output may hold them too."""
+    report = yield
+    if item.get_closest_marker("kvplug_clause") is not None or _configured_url(item.config):
+        hide_secrets(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    if _configured_url(collector.config):
+        hide_secrets(report)
+    return report
+
+
+def hide_secrets(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Mask secrets (:func:`kvplug.secrets.mask_text`) in ``report`` in place: its failure
+    representation, captured sections and known-failure reason."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
+        report.longrepr = (longrepr[0], longrepr[1], mask_text(longrepr[2]))
+    elif isinstance(longrepr, str):
+        report.longrepr = mask_text(longrepr)
+    elif longrepr is not None:
+        _masked(longrepr, set())
+        text = report.longreprtext
+        if mask_text(text) != text:  # a representation this walk does not know
+            report.longrepr = mask_text(text)
+    report.sections = [(title, mask_text(content)) for title, content in report.sections]
+    if isinstance(report, pytest.TestReport) and isinstance(getattr(report, "wasxfail", None), str):
+        report.wasxfail = mask_text(report.wasxfail)
+
+
+def _masked(value: Any, seen: set[int]) -> Any:
+    if isinstance(value, str):
+        return mask_text(value)
+    if isinstance(value, list):
+        value[:] = [_masked(item, seen) for item in value]
+    elif isinstance(value, tuple):
+        return tuple(_masked(item, seen) for item in value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        _mask_fields(value, seen)
+    return value
+
+
+def _mask_fields(obj: Any, seen: set[int]) -> None:
+    """Mask every string inside pytest's failure representation (dataclasses of strings,
+    lists and tuples), keeping its structure so that it prints as usual."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        masked = _masked(value, seen)
+        if masked is not value:
+            object.__setattr__(obj, field.name, masked)
 
 
 def _configured_url(config: pytest.Config) -> str | None:
@@ -106,14 +177,17 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise pytest.UsageError(f"--kvplug-option {pair!r} is not NAME=VALUE")
+            raise pytest.UsageError(
+                "a --kvplug-option is not NAME=VALUE (not shown: it may hold a secret); "
+                "write e.g. --kvplug-option max_size=1GiB"
+            )
         options[name] = value
     return options
 
 
 def describe_backend(url: str) -> list[str]:
     """Header lines: each part of the URL chain with its plugin, version and capabilities."""
-    lines = [f"kvplug contract suite {kvplug.__version__}: {mask_passwords(url)}"]
+    lines = [f"kvplug contract suite {kvplug.__version__}: {mask_url(url)}"]
     try:
         parts = split_chain(url)
         infos = plugins()

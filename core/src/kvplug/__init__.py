@@ -40,9 +40,12 @@ from kvplug.registry import (
     plugins,
     register_backend,
 )
+from kvplug.secrets import install_log_filter
 from kvplug.url import BackendURL
 
 __version__ = "0.1.0"
+
+install_log_filter()
 
 __all__ = [
     "Allocator",

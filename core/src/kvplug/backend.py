@@ -68,6 +68,7 @@ from kvplug.errors import (
 from kvplug.frame import decode_frame, encode_frame
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj, shared_host_allocator
+from kvplug.secrets import MASK, install_log_filter, is_secret_name, mask_repr, mask_text, remember
 from kvplug.serde import get_serde
 from kvplug.url import BackendURL
 
@@ -145,6 +146,7 @@ class Backend(abc.ABC):
         allocator: Allocator | None = None,
         **options: Any,
     ) -> None:
+        install_log_filter()  # also on the logger of the plugin module that defines this class
         self.url = BackendURL.parse(url)
         self._allocator = allocator
         self.options = self.parse_options(self.url, options)
@@ -156,6 +158,7 @@ class Backend(abc.ABC):
         """The URL's query merged with ``explicit`` (explicit wins), validated by
         :attr:`Options`; unknown or bad values raise with the valid names listed."""
         merged: dict[str, Any] = {**url.options, **explicit}
+        remember(*(value for name, value in merged.items() if is_secret_name(name)))
         known = sorted(cls.Options.model_fields)
         for name in merged:
             if name not in cls.Options.model_fields:
@@ -169,7 +172,8 @@ class Backend(abc.ABC):
             return cls.Options.model_validate(merged)
         except ValidationError as error:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}={e.get('input')!r}: {e['msg']}"
+                f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
+                + mask_text(e["msg"])
                 for e in error.errors()
             )
             raise UnknownOption(
@@ -316,6 +320,14 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.url)!r})"
+
+
+def _shown_input(location: tuple[int | str, ...], value: object) -> str:
+    """An option's rejected value as an error shows it: masked when any name on its path
+    looks secret, whatever its type."""
+    if any(is_secret_name(name) for name in location):
+        return MASK
+    return mask_repr(value)
 
 
 class BytesBackendOptions(BackendOptions):

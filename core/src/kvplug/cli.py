@@ -30,8 +30,8 @@ from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
+from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.units import format_size
-from kvplug.url import mask_passwords
 
 T = TypeVar("T")
 console = Console()
@@ -104,16 +104,15 @@ def plugins_command(as_json: bool) -> None:
     help="Config file (default: KVPLUG_CONFIG_FILE, else built-in defaults).",
 )
 def config_command(config_path: str | None) -> None:
-    """Print the resolved configuration in the explicit tiers form (passwords masked)."""
+    """Print the resolved configuration in the explicit tiers form (secrets masked)."""
     import yaml
 
     try:
         config = load_config(config_path)
     except KvplugError as error:
-        click.echo(f"config error: {error}", err=True)
+        click.echo(f"config error: {mask_text(str(error))}", err=True)
         sys.exit(1)
-    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
-    click.echo(mask_passwords(text), nl=False)
+    click.echo(yaml.safe_dump(mask_data(config.to_dict()), sort_keys=False), nl=False)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -131,7 +130,10 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise click.BadParameter(f"{pair!r} is not name=value")
+            raise click.BadParameter(
+                "an option is not NAME=VALUE (not shown: it may hold a secret); "
+                "write e.g. -o max_size=1GiB"
+            )
         options[name] = value
     return options
 
@@ -158,11 +160,11 @@ async def _check(
     largest = max(nbytes_of(shape, dtype) for shape in shapes)
     allocator = FreeListAllocator(max(2 * largest + (1 << 20), 1 << 22))
     backend = create_backend(url, allocator=allocator, **options)
+    shown = mask_url(url)
     samples: dict[str, list[float]] = {}
     await _timed(samples, "open", backend.open())
     details = backend.describe()
     generator = torch.Generator().manual_seed(0)
-    shown = mask_passwords(url)
     try:
         for shape_index, shape in enumerate(shapes):
             size = format_size(nbytes_of(shape, dtype))
@@ -256,7 +258,7 @@ def check_command(
         else:
             targets = [("", url, extra)]
     except KvplugError as error:
-        click.echo(f"check failed: {error}", err=True)
+        click.echo(f"check failed: {mask_text(str(error))}", err=True)
         sys.exit(1)
     failed = 0
     for label, target, options in targets:
@@ -265,13 +267,12 @@ def check_command(
                 _check(target, options, shapes, KV_DTYPES[dtype], rounds)
             )
         except KvplugError as error:
-            click.echo(f"check failed: {label}{error}", err=True)
+            click.echo(f"check failed: {label}{mask_text(str(error))}", err=True)
             failed += 1
             continue
         sizes = ", ".join(format_size(nbytes_of(shape, KV_DTYPES[dtype])) for shape in shapes)
         table = Table(
-            title=f"kvplug check {label}{mask_passwords(target)}: {rounds} round(s) of {sizes}, "
-            "bit-exact"
+            title=f"kvplug check {label}{mask_url(target)}: {rounds} round(s) of {sizes}, bit-exact"
         )
         for column in ("operation", "calls", "p50 ms", "max ms"):
             table.add_column(column, justify="right" if column != "operation" else "left")
@@ -283,7 +284,7 @@ def check_command(
         console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
         for name, value in details.items():
             console.print(f"{name}: {value}", markup=False, highlight=False)
-        console.print(f"[green]OK[/green] {escape(label + mask_passwords(target))}")
+        console.print(f"[green]OK[/green] {escape(label + mask_url(target))}")
     if failed:
         click.echo(f"check failed for {failed} of {len(targets)} target(s)", err=True)
         sys.exit(1)
@@ -344,7 +345,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
                 run_bench(config, shape=shape, dtype=torch_dtype, count=count, progress=progress)
             )
         except KvplugError as error:
-            click.echo(f"bench failed: {error}", err=True)
+            click.echo(f"bench failed: {mask_text(str(error))}", err=True)
             sys.exit(1)
     table = Table(
         title=f"kvplug bench: {count} chunks of {shape} {dtype} "
@@ -380,7 +381,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
     if result.mismatches:
         failures.append(f"{result.mismatches} chunk(s) read back with wrong bytes")
     for line in failures:
-        console.print(f"[red]FAIL[/red] {escape(line)}")
+        console.print(f"[red]FAIL[/red] {escape(mask_text(line))}")
     if failures:
         sys.exit(1)
     console.print(f"[green]verified[/green] {result.verified} reads bit-exact")

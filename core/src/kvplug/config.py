@@ -38,8 +38,9 @@ import yaml
 
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.eviction import POLICIES
+from kvplug.secrets import mask_data, mask_repr, mask_url, remember_in
 from kvplug.units import GiB, InvalidSize, parse_size
-from kvplug.url import BackendURL, mask_passwords, split_chain
+from kvplug.url import BackendURL, split_chain
 
 MiB = 1 << 20
 DEFAULT_CHUNK_SIZE = 256
@@ -146,7 +147,6 @@ _IGNORED_PREFIXES = ("blend_", "nixl_", "cache_engine_internal_api_server_")
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-_SECRET_OPTION = re.compile(r"password|secret|token", re.IGNORECASE)
 
 
 class ConfigWarning(UserWarning):
@@ -154,8 +154,7 @@ class ConfigWarning(UserWarning):
 
 
 def _show(value: object) -> str:
-    text = mask_passwords(repr(value))
-    return text if len(text) <= 80 else text[:77] + "..."
+    return mask_repr(value, limit=80)
 
 
 def _is_ignored(key: str) -> bool:
@@ -194,6 +193,7 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        remember_in(self.options)
 
     @property
     def parsed(self) -> BackendURL:
@@ -213,14 +213,10 @@ class TierConfig:
         return hash((self.url, tuple(sorted(self.options))))
 
     def __str__(self) -> str:
-        return mask_passwords(self.url)
+        return mask_url(self.url)
 
     def __repr__(self) -> str:
-        options = {
-            key: ("***" if _SECRET_OPTION.search(key) else value)
-            for key, value in self.options.items()
-        }
-        return f"TierConfig(url={mask_passwords(self.url)!r}, options={options!r})"
+        return f"TierConfig(url={mask_url(self.url)!r}, options={mask_data(self.options)!r})"
 
 
 def default_tiers() -> tuple[TierConfig, ...]:
@@ -285,6 +281,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_normalised(self)
         object.__setattr__(self, "extra_config", MappingProxyType(dict(self.extra_config)))
+        remember_in(self.extra_config)
         if self.explicit_tiers is not None:
             object.__setattr__(self, "explicit_tiers", tuple(self.explicit_tiers))
             tiers = self.explicit_tiers
@@ -329,7 +326,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The explicit form (``tiers:``) of this configuration; ``from_dict`` reads it back.
 
-        It contains passwords that URLs carry: do not log it.
+        It holds the passwords and secret options as given: do not print it, print
+        ``kvplug.secrets.mask_data(config.to_dict())`` (what ``kvplug config`` shows).
         """
         data: dict[str, Any] = {
             "chunk_size": self.chunk_size,
@@ -427,14 +425,14 @@ def _remote_url(url: str, config: Config) -> str:
     actual = extra.get("audit_actual_remote_url") or config.audit_actual_remote_url
     if actual is None:
         raise ConfigError(
-            f"remote_url {mask_passwords(url)!r} is LMCache's audit wrapper, but neither "
+            f"remote_url {mask_url(url)!r} is LMCache's audit wrapper, but neither "
             "extra_config.audit_actual_remote_url nor audit_actual_remote_url names the store "
             "it audits. Set extra_config.audit_actual_remote_url (e.g. redis://cache-1:6379), "
             "or write remote_url: audit::redis://cache-1:6379."
         )
     if split_chain(actual)[0].split("://", 1)[0] == "audit":
         raise ConfigError(
-            f"audit_actual_remote_url {mask_passwords(actual)!r} is itself an audit:// URL, so "
+            f"audit_actual_remote_url {mask_url(actual)!r} is itself an audit:// URL, so "
             "the audit wrapper would wrap itself. Set it to the store to audit, e.g. redis://cache-1:6379."
         )
     if "audit_verify_checksum" in extra:

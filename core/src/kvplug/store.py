@@ -62,7 +62,7 @@ from kvplug.errors import (
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, AllocatorStats, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.registry import open_backend
-from kvplug.url import mask_passwords
+from kvplug.secrets import mask_text
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.store")
@@ -221,7 +221,7 @@ class Store:
 
     @staticmethod
     def _tier_name(index: int, backend: Backend) -> str:
-        return f"{index}:{mask_passwords(str(backend.url))}"
+        return f"{index}:{backend.url}"  # str(BackendURL) masks its secrets
 
     @classmethod
     async def open(
@@ -275,7 +275,7 @@ class Store:
 
     @property
     def tier_names(self) -> list[str]:
-        """``index:url`` of each tier (password masked), as metrics and stats label them."""
+        """``index:url`` of each tier (secrets masked), as metrics and stats label them."""
         return [tier.name for tier in self._tiers]
 
     def allocate(
@@ -304,7 +304,7 @@ class Store:
         health.consecutive_errors += 1
         delay = min(self.max_backoff, self.backoff * 2 ** (health.consecutive_errors - 1))
         health.retry_at = time.monotonic() + delay
-        health.last_error = f"{type(error).__name__}: {error}"
+        health.last_error = mask_text(f"{type(error).__name__}: {error}")
         if health.healthy:
             logger.warning(
                 "tier %s failed on %s (%s); skipped for %.1f s",
@@ -342,7 +342,7 @@ class Store:
     # -- writes ---------------------------------------------------------------------------------
 
     def _dropped(self, tier: _Tier, reason: str) -> None:
-        tier.health.last_dropped = reason
+        tier.health.last_dropped = mask_text(reason)
         self.metrics.dropped.labels(tier.name).inc()
 
     def _enqueue(self, tier: _Tier, key: CacheKey, obj: MemoryObj) -> None:

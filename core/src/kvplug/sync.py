@@ -34,8 +34,9 @@ from kvplug.errors import BackendClosed, BackendTimeout, KvplugError, NotSupport
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.registry import open_backend
+from kvplug.secrets import mask_url
 from kvplug.store import Store
-from kvplug.url import BackendURL, mask_passwords
+from kvplug.url import BackendURL
 
 T = TypeVar("T")
 
@@ -72,7 +73,7 @@ class SyncClient:
         if isinstance(backend, Backend):
             self.backend = backend
             return
-        target = mask_passwords(str(backend)) if not isinstance(backend, Config) else "the tiers"
+        target = mask_url(str(backend)) if not isinstance(backend, Config) else "the tiers"
         opening: Coroutine[Any, Any, Backend | Store] = (
             Store.open(backend, allocator=allocator, **options)
             if isinstance(backend, Config)

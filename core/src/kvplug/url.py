@@ -1,9 +1,10 @@
 """Backend URLs: ``scheme://[user[:password]@]host[:port][,host[:port]...][/path][?k=v&...]``.
 
-:class:`BackendURL` is immutable. Its password never appears in ``str``, ``repr`` or logs (it
-shows as ``***``); :meth:`BackendURL.secret_url` gives the real string to the one place that
-needs it, the client library. Query parameters become backend options; options given
-explicitly in code or config win over them.
+:class:`BackendURL` is immutable. Its password and the values of its secret-named query
+parameters (``token``, ``api_key``, ... : :func:`kvplug.secrets.is_secret_name`) never appear
+in ``str``, ``repr``, errors or logs (they show as ``***``); :meth:`BackendURL.secret_url`
+gives the real string to the one place that needs it, the client library. Query parameters
+become backend options; options given explicitly in code or config win over them.
 
 Wrappers compose with ``::`` as in fsspec: ``audit::redis://cache-1:6379`` is the audit
 wrapper around a Redis backend, and a wrapper takes its own options in its own query,
@@ -17,6 +18,8 @@ Example::
     ('redis+sentinel', (('h1', 26379), ('h2', 26379)), '/mymaster', {'db': '2'})
     >>> str(url)
     'redis+sentinel://app:***@h1:26379,h2:26379/mymaster?db=2'
+    >>> str(BackendURL.parse("acme://h:1?api_key=abc&shard=2"))
+    'acme://h:1?api_key=***&shard=2'
 """
 
 from __future__ import annotations
@@ -27,30 +30,18 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
 from kvplug.errors import InvalidBackendURL
+from kvplug.secrets import MASK, is_secret_name, mask_url, remember, url_secret_spans
 
 MAX_URL_LENGTH = 8192
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_.~%-]+")
-MASK = "***"
-_USERINFO = re.compile(r"://([^/?#]*)@")
+
+mask_passwords = mask_url
+"""The former name of :func:`kvplug.secrets.mask_url`."""
 
 
 def _fail(text: str, problem: str, fix: str) -> InvalidBackendURL:
-    return InvalidBackendURL(f"invalid backend URL {mask_passwords(text)!r}: {problem}. {fix}")
-
-
-def mask_passwords(text: str) -> str:
-    """Mask a password in a URL string (or ``::`` chain) that may not even parse.
-
-    After each ``://`` the user info runs to the *last* ``@`` before ``/``, ``?`` or ``#``, as
-    :meth:`BackendURL.parse` reads it, so a password holding a raw ``@`` is hidden whole.
-    """
-
-    def mask(match: re.Match[str]) -> str:
-        user, colon, _ = match.group(1).partition(":")
-        return f"://{user}:{MASK}@" if colon else match.group(0)
-
-    return _USERINFO.sub(mask, text)
+    return InvalidBackendURL(f"invalid backend URL {mask_url(text)!r}: {problem}. {fix}")
 
 
 def _parse_host(text: str, raw: str) -> tuple[str, int | None]:
@@ -95,7 +86,7 @@ class BackendURL:
         if not isinstance(text, str):
             raise InvalidBackendURL(f"a backend URL must be a string, got {type(text).__name__}.")
         if len(text) > MAX_URL_LENGTH:
-            shown = mask_passwords(text)[:64] + "..."
+            shown = mask_url(text)[:64] + "..."
             raise InvalidBackendURL(
                 f"invalid backend URL {shown!r}: it is {len(text)} characters long. Shorten it"
             )
@@ -109,6 +100,15 @@ class BackendURL:
                 text,
                 "it has no '://'",
                 "Write it as scheme://..., e.g. cpu:// or redis://host:6379",
+            )
+        secrets, certain = url_secret_spans(text)
+        if secrets and not certain:
+            raise _fail(
+                text,
+                "where its password ends is ambiguous (an '@' after a '/', '?' or '#', or a "
+                "'://' inside it)",
+                "%-encode '/', '?', '#', ':' and '@' in the password (%2F %3F %23 %3A %40), and "
+                "an '@' in a path or query as %40",
             )
         if not _SCHEME.fullmatch(scheme):
             raise _fail(
@@ -132,14 +132,13 @@ class BackendURL:
         try:
             pairs = parse_qsl(query_text, keep_blank_values=True, strict_parsing=bool(query_text))
         except ValueError:
-            raise _fail(
-                text, f"query {query_text!r} is not k=v&k=v", "Fix the query string"
-            ) from None
+            raise _fail(text, "its query is not k=v&k=v", "Fix the query string") from None
         seen: set[str] = set()
         for key, _value in pairs:
             if key in seen:
                 raise _fail(text, f"option {key!r} is given twice", "Give each option once")
             seen.add(key)
+        remember(password, *(value for key, value in pairs if is_secret_name(key)))
         return cls(scheme, hosts, unquote(path), username, password, tuple(pairs))
 
     @property
@@ -162,25 +161,32 @@ class BackendURL:
         """``redis`` for ``redis+sentinel``."""
         return self.scheme.split("+", 1)[0]
 
-    def _render(self, password: str | None) -> str:
+    def _render(self, *, masked: bool) -> str:
         netloc = ",".join(
             (f"[{h}]" if ":" in h else h) + (f":{p}" if p is not None else "")
             for h, p in self.hosts
         )
+        password = self.password
+        if password is not None:
+            password = MASK if masked else quote(password, safe="")
         if self.username is not None or password is not None:
             user = quote(self.username or "", safe="")
             netloc = f"{user}:{password}@{netloc}" if password is not None else f"{user}@{netloc}"
-        query = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in self.query)
+        query = "&".join(
+            f"{quote(k, safe='')}=" + (MASK if masked and is_secret_name(k) else quote(v, safe=""))
+            for k, v in self.query
+        )
         return f"{self.scheme}://{netloc}{quote(self.path, safe='/,:')}" + (
             f"?{query}" if query else ""
         )
 
     def secret_url(self) -> str:
-        """The URL with its real password, for handing to a client library; never log it."""
-        return self._render(quote(self.password, safe="") if self.password is not None else None)
+        """The URL with its real password and query values, for handing to a client library;
+        never log it."""
+        return self._render(masked=False)
 
     def __str__(self) -> str:
-        return self._render(MASK if self.password is not None else None)
+        return self._render(masked=True)
 
     def __repr__(self) -> str:
         return f"BackendURL({str(self)!r})"
@@ -215,10 +221,29 @@ def split_chain(text: str) -> list[str]:
     parts.append(text[start:])
     if any(not part for part in parts):
         raise InvalidBackendURL(
-            f"invalid backend URL chain {mask_passwords(text)!r}: an empty part around '::'. "
+            f"invalid backend URL chain {mask_url(text)!r}: an empty part around '::'. "
             "Write wrapper::inner, e.g. audit::cpu://"
+        )
+    secrets, _ = url_secret_spans(text)
+    if len(parts) > 1 and any(
+        begin <= split < end for begin, end in secrets for split in _split_points(parts)
+    ):
+        raise InvalidBackendURL(
+            f"invalid backend URL chain {mask_url(text)!r}: a password holds '::', which "
+            "separates wrappers. %-encode it in the password as %3A%3A"
         )
     return parts
 
 
-__all__ = ["BackendURL", "mask_passwords", "split_chain"]
+def _split_points(parts: list[str]) -> list[int]:
+    """Where the ``::`` between ``parts`` stand in the text they were split from."""
+    points = []
+    position = 0
+    for part in parts[:-1]:
+        position += len(part)
+        points.append(position)
+        position += 2
+    return points
+
+
+__all__ = ["BackendURL", "mask_passwords", "mask_url", "split_chain"]

@@ -28,7 +28,8 @@ Each operation logs one line, for example::
     op=get key=vllm@llama@1@0@42 size=65536 latency_ms=0.012 outcome=hit backend=cpu://
 
 with ``outcome`` one of ``hit``, ``miss``, ``ok``, ``corrupt``, ``injected`` or
-``error:<ExceptionName>``. URLs are logged with their password masked.
+``error:<ExceptionName>``. URLs are logged as ``str(url)`` shows them: password and
+secret-named query values masked (:mod:`kvplug.secrets`).
 
 Example::
 
