@@ -395,6 +395,40 @@ def test_the_index_rebuild_passes_over_foreign_file_types_under_every_name(
     assert len(moved) == 6, moved  # the three intruders, moved aside next to the real ones
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_subdirectory_replaced_by_a_file_after_open_is_made_again_by_the_next_put(
+    tmp_path: Path, allocator: FreeListAllocator, scheme: str
+) -> None:
+    """The tier knows the subdirectory from its own puts; something else takes its place: its
+    keys read as misses, other keys are served, and a put makes the subdirectory again (the
+    intruder moved aside)."""
+    root = tmp_path / "kv"
+    k = key(1)
+    other = keys_outside(subdir_of(k), 1)[0]
+
+    async def scenario() -> None:
+        tier = await open_tier(scheme, root, allocator)
+        try:
+            await put_seeded(tier, allocator, k, 9000, seed=1)
+            await put_seeded(tier, allocator, other, 9000, seed=2)
+            sub = root / subdir_of(k)
+            sub.rename(tmp_path / "away")
+            sub.write_bytes(b"in the way")
+            assert await read_back(tier, k) is None
+            back = await read_back(tier, other)
+            assert back is not None and torch.equal(back, seeded_bytes(9000, 2))
+            await put_seeded(tier, allocator, k, 9000, seed=3)
+            back = await read_back(tier, k)
+            assert back is not None and torch.equal(back, seeded_bytes(9000, 3))
+            assert sub.is_dir()
+            (moved,) = [p for p in root.iterdir() if p.name.startswith(sub.name + ".moved")]
+            assert moved.read_bytes() == b"in the way"
+        finally:
+            await tier.close()
+
+    run(scenario())
+
+
 # -- directories that refuse writes ------------------------------------------------------------
 
 
@@ -464,12 +498,54 @@ def test_a_put_on_a_read_only_filesystem_is_a_refused_write_and_the_tier_keeps_s
                 back = await read_back(store, stored)
                 assert back is not None and torch.equal(back, seeded_bytes(9000, 1))
                 assert temp_files(root) == []
+                with pytest.raises(WriteRefused, match="EROFS"):
+                    await tier.remove(stored)
+                assert await tier.contains(stored)
                 read_only(False)
                 await put_seeded(store, allocator, new_subdir, 9000, seed=3)
                 back = await read_back(store, new_subdir)
                 assert back is not None and torch.equal(back, seeded_bytes(9000, 3))
             finally:
                 read_only(False)
+                await store.close()
+
+        run(scenario())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_really_full_filesystem_drops_puts_and_the_tier_keeps_serving(
+    tmp_path: Path, allocator: FreeListAllocator, scheme: str
+) -> None:
+    """A 16 MiB tmpfs under a tier whose max_size is far larger: puts past the disk's room
+    raise CapacityExceeded (the free-space check or ENOSPC itself), leave no temporary file,
+    and through a Store they are dropped puts while every stored key is still served."""
+    with tmpfs(tmp_path / "mnt"):
+        root = tmp_path / "mnt" / "kv"
+
+        async def scenario() -> None:
+            tier = await open_tier(scheme, root, allocator, max_size="1GiB")
+            store = Store([tier], allocator=allocator)
+            try:
+                stored: list[int] = []
+                for n in range(24):
+                    try:
+                        await put_seeded(tier, allocator, key(n), 1 * MiB, seed=n)
+                        stored.append(n)
+                    except CapacityExceeded as error:
+                        assert str(root) in str(error) and "free" in str(error).lower()
+                        break
+                else:
+                    pytest.fail("24 MiB fit on a 16 MiB filesystem")
+                assert stored and temp_files(root) == []
+                name = store.tier_names[0]
+                dropped = store.stats()[name]["dropped_puts"]
+                await put_seeded(store, allocator, key(99), 1 * MiB, seed=99)
+                assert store.stats()[name]["dropped_puts"] == dropped + 1
+                assert store.health()[0].healthy
+                for n in stored:
+                    back = await read_back(store, key(n))
+                    assert back is not None and torch.equal(back, seeded_bytes(1 * MiB, n))
+            finally:
                 await store.close()
 
         run(scenario())
