@@ -875,6 +875,7 @@ def writer_caught_mid_write(scheme: str, root: Path) -> subprocess.Popen[str]:
         while time.monotonic() < deadline:
             if object_temps(root):
                 writer.send_signal(signal.SIGSTOP)
+                os.waitpid(writer.pid, os.WUNTRACED)  # returns once it has really stopped
                 if object_temps(root):
                     return writer
                 writer.send_signal(signal.SIGCONT)
@@ -1029,3 +1030,64 @@ def test_writer_lock_and_temp_names_are_tied_by_pid_and_writer() -> None:
     legacy = TEMP_NAME.fullmatch(f".{'f' * 32}.42.{'9' * 16}.tmp")
     assert legacy is not None and legacy.groups() == ("42", "9" * 16)
     assert not re.fullmatch(r"[0-9a-f]{2}", "ab.moved-aside")
+
+
+def _cufile_problem() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU and cuFile (run on the GPU machine: docs/gpu.md)"
+    try:
+        from kvplug_gds.fileio import CuFileIO
+
+        CuFileIO()
+    except Exception as error:
+        return f"cuFile is not usable here: {error}"
+    return None
+
+
+@pytest.mark.skipif(_cufile_problem() is not None, reason=_cufile_problem() or "")
+def test_with_real_cufile_foreign_file_types_are_misses_and_puts_replace_them(
+    tmp_path: Path,
+) -> None:
+    """gds:// with cuFile and GPU memory: the descriptor cuFile gets is reopened from one that
+    open_object checked, so the same foreign things read as misses there too."""
+    root = tmp_path / "kv"
+    keys = [key(n, "gpu") for n in range(10)]
+    shape = (2, 4, 256, 128)
+
+    async def scenario() -> None:
+        tier = await kvplug.open_backend(f"gds://{root}", timeout=60)
+        assert isinstance(tier, DiskBackend)
+        planted: list[Foreign] = []
+        try:
+            for n, k in enumerate(keys):
+                obj = tier.allocator.allocate(shape, torch.float16)
+                assert obj is not None and obj.tensor.is_cuda
+                obj.tensor.fill_(n)
+                await tier.put(k, obj)
+                obj.release()
+            kinds = [kind for kind in Foreign.KINDS if kind != "character device"]
+            for kind, k in zip(kinds, keys, strict=False):
+                planted.append(Foreign(kind, Path(tier.stored_files(k)[0])))
+                planted[-1].plant()
+            for k in keys[: len(kinds)]:
+                assert await tier.get(k) is None and not await tier.contains(k)
+            for n, k in enumerate(keys[len(kinds) :], len(kinds)):
+                hit = await tier.get(k)
+                assert hit is not None and hit.tensor.float().mean().item() == n
+                hit.release()
+            assert tier.stats()["foreign_files"] == len(kinds)
+            for n, k in enumerate(keys[: len(kinds)]):
+                obj = tier.allocator.allocate(shape, torch.float16)
+                assert obj is not None
+                obj.tensor.fill_(100 + n)
+                await tier.put(k, obj)
+                obj.release()
+                hit = await tier.get(k)
+                assert hit is not None and hit.tensor.float().mean().item() == 100 + n
+                hit.release()
+        finally:
+            for foreign in planted:
+                foreign.unblock()
+            await tier.close()
+
+    run(scenario())

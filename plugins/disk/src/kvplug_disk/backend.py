@@ -723,7 +723,7 @@ class DiskBackend(Backend):
         self._kept_temps: dict[str, _KeptTemp] = {}
         self._temp_bytes = 0
         self._temps_checked_at = 0.0
-        self._reported: set[tuple[str, int]] = set()
+        self._reported: set[tuple[str, str]] = set()
         self._report_lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -1104,11 +1104,11 @@ class DiskBackend(Backend):
             "immutable attribute: lsattr -d).",
         )
 
-    def _first_report(self, where: str, error: OSError) -> bool:
-        """True the first time this backend sees ``error``'s errno in ``where`` (callers
-        log at WARNING then and at DEBUG after)."""
+    def _first_report(self, where: str, cause: OSError | str) -> bool:
+        """True the first time this backend sees ``cause`` (an OSError's errno, or words) in
+        ``where`` (callers log at WARNING then and at DEBUG after)."""
         with self._report_lock:
-            report = (where, error.errno or 0)
+            report = (where, cause if isinstance(cause, str) else str(cause.errno))
             if report in self._reported:
                 return False
             self._reported.add(report)
@@ -1449,8 +1449,11 @@ class DiskBackend(Backend):
                 return
             self._drop_locked(key)
             self.foreign_files += 1
-        logger.warning(
-            "%s: %s is a %s, not an object file; key %s reads as a miss and left the index. "
+        first = self._first_report(entry.directory.path, "foreign")
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s: %s is a %s, not an object file; key %s reads as a miss and left the index "
+            "(counted in foreign_files; further ones in this directory are logged at DEBUG). "
             "It was not touched; a put of the key replaces it (a directory is moved aside).",
             self.url,
             entry.path,

@@ -288,6 +288,9 @@ def _lock_is_free(path: str) -> bool | None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        except OSError as error:
+            logger.debug("cannot test the writer lock %s: %s", path, reason(error))
+            return False
         try:
             now = os.stat(path, follow_symlinks=False)
             opened = os.fstat(fd)
