@@ -37,6 +37,7 @@ from kvplug_disk.layout import (
     FLAG_NO_PAYLOAD_CHECKSUM,
     OBJECT_NAME,
     TEMP_NAME,
+    WRITER_LOCK_NAME,
     decode_block,
     digest,
     encode_block,
@@ -447,8 +448,10 @@ def test_a_damaged_file_of_another_instance_is_removed_when_found(
 def test_temporary_files_are_removed_at_open_only_when_stale(
     tmp_path: Path, allocator: FreeListAllocator
 ) -> None:
-    """On a shared mount a temporary file may belong to a writer on another host: one of a pid
-    not running here is removed only once it is older than TEMP_GRACE."""
+    """On a shared mount a temporary file may belong to a writer on another host, whose lock
+    may not be visible here: one whose writer holds no lock is removed only once it is older
+    than TEMP_GRACE, whatever its pid (a reused pid, here this live process's, says nothing);
+    one whose writer holds its lock is kept however old."""
     root = tmp_path / "kv"
     (root / "ab").mkdir(mode=0o700, parents=True)
     root.chmod(0o700)
@@ -456,19 +459,30 @@ def test_temporary_files_are_removed_at_open_only_when_stale(
     dead_pid = 2**22 + 12345
     fresh = root / "ab" / f".{stem}.{dead_pid}.{'1' * 16}.tmp"
     stale = root / "ab" / f".{stem}.{dead_pid}.{'2' * 16}.tmp"
-    for path in (fresh, stale):
-        path.write_bytes(b"half")
+    recycled = root / "ab" / f".{stem}.{os.getpid()}.{'3' * 16}.tmp"
     old = time.time() - gds_module.TEMP_GRACE - 60
-    os.utime(stale, (old, old))
 
     async def scenario() -> None:
+        holder = await open_gds(f"gds://{root}", allocator)  # a live writer: its lock is held
+        (lock,) = [p for p in root.iterdir() if WRITER_LOCK_NAME.fullmatch(p.name)]
+        match = WRITER_LOCK_NAME.fullmatch(lock.name)
+        assert match is not None
+        live = root / "ab" / f".{stem}.{match.group(1)}.{match.group(2)}.0a0b0c0d.tmp"
+        for path in (fresh, stale, recycled, live):
+            path.write_bytes(b"half")
+        for path in (stale, recycled, live):
+            os.utime(path, (old, old))
         gds = await open_gds(f"gds://{root}", allocator)
-        assert gds.rebuild_stats["temp_removed"] == 1
-        assert gds.rebuild_stats["temp_in_use"] == 1
+        assert gds.rebuild_stats["temp_removed"] == 2
+        assert gds.rebuild_stats["temp_in_use"] == 2
+        assert gds.stats()["temp_bytes"] == 2 * len(b"half")
+        assert fresh.exists() and live.exists()
+        assert not stale.exists() and not recycled.exists()
         await gds.close()
+        live.unlink()
+        await holder.close()
 
     run(scenario())
-    assert fresh.exists() and not stale.exists()
 
 
 def test_hostile_keys_never_create_files_outside_the_directory(

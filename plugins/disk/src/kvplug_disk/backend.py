@@ -46,13 +46,14 @@ Example::
 
 # File descriptors and str paths on the I/O path: os.* is the syscall itself, pathlib would add
 # an object per call and hide which call ran.
-# ruff: noqa: PTH102, PTH103, PTH105, PTH108, PTH116, PTH117, PTH118
+# ruff: noqa: PTH102, PTH103, PTH105, PTH108, PTH116, PTH117, PTH118, PTH120
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import errno
 import itertools
 import logging
@@ -86,6 +87,18 @@ from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
+from kvplug_disk.fileops import (
+    LiveWriters,
+    NotAnObject,
+    WriteRefused,
+    WriterLock,
+    classify_os_error,
+    clear_the_way,
+    kind_of,
+    move_aside,
+    open_object,
+    reason,
+)
 from kvplug_disk.layout import (
     BLOCK,
     MAX_KEY_BYTES,
@@ -94,11 +107,13 @@ from kvplug_disk.layout import (
     SUBDIR_NAME,
     SUFFIX,
     TEMP_NAME,
+    WRITER_LOCK_NAME,
     ObjectHeader,
     decode_block,
     digest,
     encode_block,
     file_length,
+    new_writer_id,
     padded,
     probe_name,
     temp_name,
@@ -117,7 +132,15 @@ BOUNCE_POOL_SIZE = 64 << 20
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+RETRY_UNDELETABLE = 30.0
+"""Seconds eviction leaves a file it could not delete alone before it tries again."""
+TEMP_RECHECK = 60.0
+"""Seconds between looks at temporary files of other live writers (also done whenever a put
+needs the room they hold)."""
+_WRITE_LEFT = "Nothing was stored and no partial file was left; reads keep working."
+_DELETE_LEFT = (
+    "The object is still stored and still served, and its bytes still count against max_size."
+)
 _STRIPES = 64
 _ZEROS = bytes(BLOCK)
 _thread_state = threading.local()
@@ -278,6 +301,8 @@ class _Entry:
     fmt: MemoryFormat
     payload_len: int
     gen: int
+    undeletable_until: float = 0.0
+    """Monotonic time before which eviction skips this file: deleting it failed."""
 
     def describes(self, header: ObjectHeader) -> bool:
         frame = header.frame
@@ -287,6 +312,17 @@ class _Entry:
             self.fmt,
             self.payload_len,
         )
+
+
+@dataclass(frozen=True)
+class _KeptTemp:
+    """A temporary file of another live writer, found at open: its bytes count against
+    max_size until it is gone."""
+
+    directory: Directory
+    pid: str
+    writer: str
+    size: int
 
 
 @dataclass
@@ -310,11 +346,6 @@ class _Transfer:
         if self.bounce is not None:
             self.bounce.release()
             self.bounce = None
-
-
-def _reason(error: OSError) -> str:
-    name = errno.errorcode.get(error.errno, str(error.errno)) if error.errno else "?"
-    return f"{error.strerror or error} [{name}]"
 
 
 def _human(nbytes: int) -> str:
@@ -403,7 +434,7 @@ def _unlink_quietly(path: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as error:
-        logger.warning("could not remove %s: %s", path, _reason(error))
+        logger.warning("could not remove %s: %s", path, reason(error))
 
 
 def _fsync_dir(path: str) -> None:
@@ -412,22 +443,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, as another user
-    except (OverflowError, OSError):
-        return False
-    return True
 
 
 def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
@@ -485,7 +500,7 @@ def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
         ) from None
     except OSError as error:
         raise ConfigError(
-            f"{url}: cannot create the cache directory {path}: {_reason(error)}. Create it "
+            f"{url}: cannot create the cache directory {path}: {reason(error)}. Create it "
             "(mode 700) or choose a directory this user can write to."
         ) from None
     if not allow_shared:
@@ -497,12 +512,12 @@ def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
         )
 
 
-def _probe_o_direct(path: str) -> str | None:
+def _probe_o_direct(path: str, writer: str) -> str | None:
     """None when an aligned block can be written and read back with O_DIRECT in ``path``,
     else the reason it cannot."""
     if not _O_DIRECT:
         return "this platform has no O_DIRECT"
-    name = os.path.join(path, probe_name())
+    name = os.path.join(path, probe_name(writer))
     block = mmap.mmap(-1, BLOCK)
     back = mmap.mmap(-1, BLOCK)
     block[:] = (b"kvplug O_DIRECT probe " * (BLOCK // 16))[:BLOCK]
@@ -511,14 +526,14 @@ def _probe_o_direct(path: str) -> str | None:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _OPEN_FLAGS, 0o600)
         except OSError as error:
             _unlink_quietly(name)
-            return f"opening a file with O_DIRECT failed: {_reason(error)}"
+            return f"opening a file with O_DIRECT failed: {reason(error)}"
         try:
             if os.pwritev(fd, [block], 0) != BLOCK or os.preadv(fd, [back], 0) != BLOCK:
                 return "an aligned O_DIRECT write and read transferred fewer bytes than asked"
             if back[:] != block[:]:
                 return "an aligned O_DIRECT read did not return the block just written"
         except OSError as error:
-            return f"an aligned O_DIRECT write and read failed: {_reason(error)}"
+            return f"an aligned O_DIRECT write and read failed: {reason(error)}"
         finally:
             os.close(fd)
             _unlink_quietly(name)
@@ -529,8 +544,9 @@ def _probe_o_direct(path: str) -> str | None:
 
 
 def _load_header(path: str) -> tuple[ObjectHeader, float]:
-    """The verified header of an object file and its mtime; CorruptObject when damaged."""
-    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    """The verified header of an object file and its mtime; CorruptObject when damaged,
+    NotAnObject when it is not a regular file."""
+    fd = open_object(path)
     try:
         info = os.fstat(fd)
         data = os.pread(fd, BLOCK, 0)
@@ -548,6 +564,31 @@ def _checked_header(block: Buffer, file_size: int) -> ObjectHeader:
             f"file is {file_size} bytes, its header says {header.file_length} (truncated or torn)."
         )
     return header
+
+
+class _Deleted(enum.Enum):
+    """What deleting an object file did."""
+
+    DONE = "deleted"
+    ABSENT = "nothing was there"
+    FOREIGN = "a directory is there, not an object file; left alone"
+
+
+def _delete_object_file(path: str) -> _Deleted:
+    """Delete the object file ``path``; raises the OSError when the file stays."""
+    try:
+        os.unlink(path)
+        return _Deleted.DONE
+    except (FileNotFoundError, NotADirectoryError):
+        return _Deleted.ABSENT
+    except (IsADirectoryError, PermissionError):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return _Deleted.ABSENT
+        if stat.S_ISDIR(mode):
+            return _Deleted.FOREIGN
+        raise
 
 
 def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:
@@ -580,9 +621,18 @@ class DiskBackend(Backend):
     renames it over the object's name, so readers see the old object or the new one, never a
     mix, and a crash leaves no half-written object under an object name. With ``fsync=true``
     the file and its directory are fsynced before the put returns. At open the index is rebuilt
-    from the files: objects of earlier runs are found again, temporary files of dead processes
-    are deleted, damaged object files are deleted, foreign files are left alone; one summary
-    line is logged.
+    from the files: objects of earlier runs are found again, damaged object files are deleted,
+    foreign files are left alone; one summary line is logged. Each backend holds a lock file
+    in each directory while it is open (see :mod:`kvplug_disk.layout`); temporary files whose
+    writer's lock is free (the writer died, whatever its pid) are deleted, those of live
+    writers are left alone and count against ``max_size`` until they are gone.
+
+    **Foreign things.** Anything that is not a regular file under an object's name (a
+    directory, a symbolic link, a FIFO, a socket, a device node) reads as a miss, counted in
+    :attr:`foreign_files`, and leaves the index; it is never followed, opened as a device or
+    waited on, and it is left where it is. A put of that key replaces it (a directory that is
+    not empty is moved aside, never deleted). Something other than a directory where a
+    subdirectory should be is moved aside when a put needs the subdirectory.
 
     **Reads** verify the header block, the key inside it, the file length and the payload
     checksum; anything damaged reads as a miss, is counted in :attr:`corrupt_objects` and its
@@ -594,11 +644,21 @@ class DiskBackend(Backend):
     :attr:`allocator` and reads into it the same way. Other objects are staged through an
     internal aligned bounce pool. A directory that refuses O_DIRECT (tmpfs) uses buffered I/O.
 
-    **Capacity.** ``max_size`` caps the bytes of object files (header and padding included);
-    keys are evicted by policy, never a pinned one, to make room. A disk with less free space
-    than an object needs, or a write that fails with ENOSPC, raises
-    :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does not affect
-    reads.
+    **Capacity.** ``max_size`` caps the bytes of object files (header and padding included)
+    and of other writers' temporary files; keys are evicted by policy, never a pinned one, to
+    make room. A file that eviction cannot delete keeps counting (it is still on disk and
+    still served) and is tried again after :data:`RETRY_UNDELETABLE` seconds; each failure is
+    counted in :attr:`eviction_failures` and the first one per directory and cause is logged.
+    A disk with less free space than an object needs, or a write that fails with ENOSPC or
+    EDQUOT, raises :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does
+    not affect reads.
+
+    **Errors.** Every ``OSError`` of a put or a remove becomes a kvplug error naming the
+    directory, the cause and the fix (:func:`kvplug_disk.fileops.classify_os_error`). A
+    directory that refuses writes (read-only filesystem, no permission, immutable) raises
+    :class:`~kvplug_disk.fileops.WriteRefused`, a ``CapacityExceeded``: that object was not
+    stored (or not removed), and reads and other keys keep working, so a Store drops the put
+    instead of skipping the tier. ``remove`` returns True only when it deleted the file.
 
     **Concurrency.** File I/O runs on ``workers`` threads with at most ``queue_depth``
     operations in flight; the index is guarded by a thread lock never held across an
@@ -610,7 +670,8 @@ class DiskBackend(Backend):
     another process writes are seen only after a reopen).
 
     Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`corrupt_objects`,
-    :attr:`bytes_held`, :attr:`rebuild_stats` and :meth:`stats`.
+    :attr:`foreign_files`, :attr:`eviction_failures`, :attr:`bytes_held`,
+    :attr:`rebuild_stats` and :meth:`stats`.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -657,6 +718,13 @@ class DiskBackend(Backend):
         self._inflight_lock = threading.Lock()
         self._bounce: FreeListAllocator | None = None
         self._bounce_lock = threading.Lock()
+        self._writer = new_writer_id()
+        self._writer_locks: list[WriterLock] = []
+        self._kept_temps: dict[str, _KeptTemp] = {}
+        self._temp_bytes = 0
+        self._temps_checked_at = 0.0
+        self._reported: set[tuple[str, str]] = set()
+        self._report_lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -664,6 +732,10 @@ class DiskBackend(Backend):
         """Damaged objects found (at open or on read) and removed."""
         self.allocation_failures = 0
         """Hits that read as misses because :attr:`allocator` had no room."""
+        self.foreign_files = 0
+        """Object names found holding something other than a regular file (read as misses)."""
+        self.eviction_failures = 0
+        """Files eviction tried to delete and could not (they still count in bytes_held)."""
         self.rebuild_stats: dict[str, int] = {}
         """What the last open found on disk: objects, bytes, corrupt, temp_removed, ..."""
 
@@ -675,7 +747,8 @@ class DiskBackend(Backend):
         return self._bytes_held
 
     def stats(self) -> dict[str, int]:
-        """A consistent snapshot of the counters."""
+        """A consistent snapshot of the counters. ``temp_bytes`` and ``temp_files``: other
+        live writers' temporary files, which count against ``max_size``."""
         with self._lock:
             return {
                 "hits": self.hits,
@@ -683,7 +756,11 @@ class DiskBackend(Backend):
                 "evictions": self.evictions,
                 "corrupt_objects": self.corrupt_objects,
                 "allocation_failures": self.allocation_failures,
+                "foreign_files": self.foreign_files,
+                "eviction_failures": self.eviction_failures,
                 "bytes_held": self._bytes_held,
+                "temp_bytes": self._temp_bytes,
+                "temp_files": len(self._kept_temps),
                 "keys": len(self._index),
                 "pinned_keys": len(self._pins),
                 "max_size": self.max_size,
@@ -710,29 +787,56 @@ class DiskBackend(Backend):
             if self._opened:
                 return
             self.ensure_open()
-            directories: list[Directory] = []
-            seen: set[tuple[int, int]] = set()
-            for path in self.paths:
-                _prepare_directory(path, self.url, self.options.allow_shared_dir)
-                info = os.stat(path)
-                if (info.st_dev, info.st_ino) in seen:
-                    continue  # two names of one directory
-                seen.add((info.st_dev, info.st_ino))
-                problem = _probe_o_direct(path) if self.options.o_direct else "o_direct=false"
-                if problem is not None and self.options.o_direct:
-                    logger.warning(
-                        "%s: O_DIRECT is not available in %s (%s); using buffered I/O there, "
-                        "through the page cache. Put the cache on a local disk filesystem "
-                        "(ext4, xfs) for direct I/O, or set o_direct=false to silence this.",
-                        self.url,
-                        path,
-                        problem,
-                    )
-                directories.append(Directory(path, problem is None, problem))
-            self.directories = directories
-            self._prepared()
-            self._rebuild()
+            try:
+                self._open_directories()
+            except BaseException:
+                self._release_writer_locks()
+                raise
             self._opened = True
+
+    def _open_directories(self) -> None:
+        directories: list[Directory] = []
+        seen: set[tuple[int, int]] = set()
+        for path in self.paths:
+            _prepare_directory(path, self.url, self.options.allow_shared_dir)
+            info = os.stat(path)
+            if (info.st_dev, info.st_ino) in seen:
+                continue  # two names of one directory
+            seen.add((info.st_dev, info.st_ino))
+            self._hold_writer_lock(path)
+            if self.options.o_direct:
+                problem = _probe_o_direct(path, self._writer)
+            else:
+                problem = "o_direct=false"
+            if problem is not None and self.options.o_direct:
+                logger.warning(
+                    "%s: O_DIRECT is not available in %s (%s); using buffered I/O there, "
+                    "through the page cache. Put the cache on a local disk filesystem "
+                    "(ext4, xfs) for direct I/O, or set o_direct=false to silence this.",
+                    self.url,
+                    path,
+                    problem,
+                )
+            directories.append(Directory(path, problem is None, problem))
+        self.directories = directories
+        self._prepared()
+        self._rebuild()
+
+    def _hold_writer_lock(self, path: str) -> None:
+        try:
+            self._writer_locks.append(WriterLock(path, self._writer))
+        except OSError as error:
+            raise ConfigError(
+                f"{self.url}: cannot create this backend's lock file in {path}: "
+                f"{reason(error)}. The cache directory must be writable by this user; fix its "
+                "permissions or choose another directory."
+            ) from None
+
+    def _release_writer_locks(self) -> None:
+        """Give up this backend's claim on its directories: its temporary files are gone."""
+        locks, self._writer_locks = self._writer_locks, []
+        for lock in locks:
+            lock.release()
 
     def _prepared(self) -> None:
         """Called by open once the directories exist and were probed, before the index is
@@ -746,6 +850,7 @@ class DiskBackend(Backend):
                 "corrupt",
                 "temp_removed",
                 "temp_in_use",
+                "stale_locks",
                 "duplicates",
                 "foreign",
                 "unreadable",
@@ -754,18 +859,23 @@ class DiskBackend(Backend):
             0,
         )
         found: dict[CacheKey, tuple[float, _Entry]] = {}
+        writers = LiveWriters()
         for directory in self.directories:
             with os.scandir(directory.path) as items:
                 for item in items:
                     if TEMP_NAME.fullmatch(item.name):
-                        self._clean_temp(item.path, item.name, stats)
+                        self._clean_temp(directory, item.path, item.name, stats, writers)
                     elif SUBDIR_NAME.fullmatch(item.name) and item.is_dir(follow_symlinks=False):
                         if not self.options.allow_shared_dir:
                             _check_not_shared(item.path, self.url)
                         directory.subdirs.add(item.name)
-                        self._scan_subdir(directory, item.path, found, stats)
-                    else:
+                        self._scan_subdir(directory, item.path, found, stats, writers)
+                    elif not (
+                        WRITER_LOCK_NAME.fullmatch(item.name)
+                        and writers.check_lock(directory.path, item.name) is not None
+                    ):
                         stats["foreign"] += 1
+        stats["stale_locks"] = writers.stale_locks
         with self._lock:
             for key, (_, entry) in sorted(found.items(), key=lambda item: item[1][0]):
                 self._index[key] = entry
@@ -773,9 +883,12 @@ class DiskBackend(Backend):
                 self._bytes_held += entry.size
             stats["objects"] = len(self._index)
             stats["bytes"] = self._bytes_held
-            while self._bytes_held > self.max_size and self._evict_one(exclude=None):
+            while self._bytes_held + self._temp_bytes > self.max_size and self._evict_one(
+                exclude=None
+            ):
                 stats["evicted"] += 1
             self.corrupt_objects += stats["corrupt"]
+            self._temps_checked_at = time.monotonic()
         self.rebuild_stats = stats
         self._log_rebuild(stats)
 
@@ -785,12 +898,13 @@ class DiskBackend(Backend):
         path: str,
         found: dict[CacheKey, tuple[float, _Entry]],
         stats: dict[str, int],
+        writers: LiveWriters,
     ) -> None:
         with os.scandir(path) as items:
             for item in items:
                 match = OBJECT_NAME.fullmatch(item.name)
                 if TEMP_NAME.fullmatch(item.name):
-                    self._clean_temp(item.path, item.name, stats)
+                    self._clean_temp(directory, item.path, item.name, stats, writers)
                     continue
                 if match is None or not item.is_file(follow_symlinks=False):
                     stats["foreign"] += 1
@@ -800,13 +914,16 @@ class DiskBackend(Backend):
                     if digest(header.key_text) != match.group(1):
                         raise CorruptObject("the key inside does not match the file name.")
                     key = CacheKey.parse(header.key_text)
+                except (FileNotFoundError, NotAnObject):  # replaced since it was listed
+                    stats["foreign"] += 1
+                    continue
                 except (CorruptObject, InvalidKey) as error:
                     logger.debug("%s: removing damaged object file %s: %s", self.url, item, error)
                     stats["corrupt"] += 1
                     _unlink_quietly(item.path)
                     continue
                 except OSError as error:
-                    logger.debug("%s: cannot read %s: %s", self.url, item.path, _reason(error))
+                    logger.debug("%s: cannot read %s: %s", self.url, item.path, reason(error))
                     stats["unreadable"] += 1
                     continue
                 entry = self._entry(item.path, match.group(1), directory, header)
@@ -820,10 +937,31 @@ class DiskBackend(Backend):
                 else:
                     found[key] = (mtime, entry)
 
-    def _clean_temp(self, path: str, name: str, stats: dict[str, int]) -> None:
+    def _clean_temp(
+        self,
+        directory: Directory,
+        path: str,
+        name: str,
+        stats: dict[str, int],
+        writers: LiveWriters,
+    ) -> None:
+        """Delete the temporary file ``path`` unless its writer is alive; then it is kept and
+        counts against max_size until it is gone."""
         match = TEMP_NAME.fullmatch(name)
-        if match is not None and _pid_alive(int(match.group(1))):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if match is None or not stat.S_ISREG(info.st_mode):
+            stats["foreign"] += 1
+            return
+        pid, writer = match.group(1), match.group(2)
+        if self._temp_in_use(directory, pid, writer, info.st_mtime, writers):
             stats["temp_in_use"] += 1  # another backend's write in progress
+            with self._lock:
+                if path not in self._kept_temps:
+                    self._kept_temps[path] = _KeptTemp(directory, pid, writer, info.st_size)
+                    self._temp_bytes += info.st_size
             return
         try:
             os.unlink(path)
@@ -832,6 +970,37 @@ class DiskBackend(Backend):
             pass
         except OSError:
             stats["unreadable"] += 1
+
+    def _temp_in_use(
+        self, directory: Directory, pid: str, writer: str, mtime: float, writers: LiveWriters
+    ) -> bool:
+        """Whether a temporary file of ``writer`` (pid ``pid``) last written at ``mtime``
+        must be kept: its writer holds its lock."""
+        return writers.alive(directory.path, pid, writer)
+
+    def _recheck_temps(self) -> None:
+        """Look at the other writers' temporary files found at open again: forget those that
+        are gone, delete those whose writer has died since."""
+        with self._lock:
+            kept = list(self._kept_temps.items())
+            self._temps_checked_at = time.monotonic()
+        writers = LiveWriters()
+        for path, temp in kept:
+            try:
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode) and self._temp_in_use(
+                    temp.directory, temp.pid, temp.writer, info.st_mtime, writers
+                ):
+                    continue
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                logger.debug("%s: cannot remove %s: %s", self.url, path, reason(error))
+                continue
+            with self._lock:
+                if self._kept_temps.pop(path, None) is not None:
+                    self._temp_bytes -= temp.size
 
     def _log_rebuild(self, stats: dict[str, int]) -> None:
         count = len(self.directories)
@@ -843,6 +1012,7 @@ class DiskBackend(Backend):
             ("evicted", "evicted {} to fit max_size"),
             ("corrupt", "removed {} damaged object file(s)"),
             ("temp_removed", "removed {} temporary file(s) of interrupted writes"),
+            ("stale_locks", "removed {} lock file(s) of writers that ended"),
             ("duplicates", "removed {} older duplicate(s)"),
             ("unreadable", "skipped {} unreadable file(s)"),
             ("foreign", "left {} foreign file(s) alone"),
@@ -888,28 +1058,61 @@ class DiskBackend(Backend):
         return entry
 
     def _evict_one(self, exclude: CacheKey | None) -> bool:
-        """Evict the policy's first unpinned key whose writes are not in progress."""
+        """Evict the policy's first unpinned key whose writes are not in progress and whose
+        file can be deleted; a file that cannot be deleted stays indexed (and counted)."""
         now = time.monotonic()
-        victim: CacheKey | None = None
-        stripe: threading.RLock | None = None
         for key in self._policy.candidates():
-            if key == exclude or self._pins.is_pinned(key, now):
+            entry = self._index[key]
+            if key == exclude or entry.undeletable_until > now or self._pins.is_pinned(key, now):
                 continue
-            stripe = self._stripe(self._index[key].stem)
+            stripe = self._stripe(entry.stem)
             # Never wait here (the index lock is held): a key being written is skipped.
-            if stripe.acquire(blocking=False):
-                victim = key
-                break
-        if victim is None or stripe is None:
-            return False
-        try:
-            entry = self._drop_locked(victim)
-            if entry is not None:
-                _unlink_quietly(entry.path)
-        finally:
-            stripe.release()
-        self.evictions += 1
-        return True
+            if not stripe.acquire(blocking=False):
+                continue
+            try:
+                try:
+                    deleted = _delete_object_file(entry.path)
+                except OSError as error:
+                    entry.undeletable_until = now + RETRY_UNDELETABLE
+                    self.eviction_failures += 1
+                    self._report_undeletable(entry, error)
+                    continue
+                self._drop_locked(key)
+            finally:
+                stripe.release()
+            if deleted is _Deleted.FOREIGN:
+                self.foreign_files += 1
+            else:
+                self.evictions += 1
+            return True
+        return False
+
+    def _report_undeletable(self, entry: _Entry, error: OSError) -> None:
+        first = self._first_report(entry.directory.path, error)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s: eviction could not delete %s: %s. Its %d bytes still count against max_size "
+            "(%d), so the tier holds fewer objects until it can be deleted; it stays readable "
+            "and is tried again in %.0f s. %s",
+            self.url,
+            entry.path,
+            reason(error),
+            entry.size,
+            self.max_size,
+            RETRY_UNDELETABLE,
+            "Make the directory writable for this user (permissions, a read-only mount, an "
+            "immutable attribute: lsattr -d).",
+        )
+
+    def _first_report(self, where: str, cause: OSError | str) -> bool:
+        """True the first time this backend sees ``cause`` (an OSError's errno, or words) in
+        ``where`` (callers log at WARNING then and at DEBUG after)."""
+        with self._report_lock:
+            report = (where, cause if isinstance(cause, str) else str(cause.errno))
+            if report in self._reported:
+                return False
+            self._reported.add(report)
+            return True
 
     def _closed_error(self) -> BackendClosed:
         return BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
@@ -923,7 +1126,10 @@ class DiskBackend(Backend):
     def _finished(self, future: concurrent.futures.Future[Any]) -> None:
         with self._inflight_lock:
             self._inflight.discard(future)
+            idle = not self._inflight
         self._slots.release()
+        if idle and self._closed:
+            self._release_writer_locks()  # the last file I/O after close is done
 
     async def _run(
         self,
@@ -1013,35 +1219,98 @@ class DiskBackend(Backend):
     # -- writes -------------------------------------------------------------------------------
 
     def _subdir(self, directory: Directory, name: str, *, create: bool = False) -> str:
+        """The subdirectory ``name`` of ``directory``, made when missing; anything else found
+        under its name (a file, a FIFO, a symbolic link, even to a directory) is moved aside
+        first. Raises the OSError when that fails."""
         path = os.path.join(directory.path, name)
         if name in directory.subdirs and not create:
             return path
         with directory.lock:
             try:
                 os.mkdir(path, 0o700)
-                if self.options.fsync:
-                    _fsync_dir(directory.path)
             except FileExistsError:
-                pass
+                mode = os.lstat(path).st_mode
+                if stat.S_ISDIR(mode):
+                    directory.subdirs.add(name)
+                    return path
+                moved = move_aside(path)
+                logger.warning(
+                    "%s: %s was a %s, not a subdirectory of the cache; it was moved aside to "
+                    "%s and a subdirectory made in its place. Remove it when you no longer "
+                    "need it.",
+                    self.url,
+                    path,
+                    kind_of(mode),
+                    moved,
+                )
+                os.mkdir(path, 0o700)
+            if self.options.fsync:
+                _fsync_dir(directory.path)
             directory.subdirs.add(name)
         return path
 
+    def _publish(self, temp: str, final: str) -> None:
+        """Rename the written temporary file over the object's name. A directory there (not
+        kvplug's) is removed when empty or moved aside, so the key can be stored again."""
+        try:
+            os.replace(temp, final)
+            return
+        except OSError as error:
+            if error.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        moved = clear_the_way(final)
+        if moved is not None:
+            logger.warning(
+                "%s: a directory with files in it was where %s should be; it was moved aside "
+                "to %s and the object stored. Remove it when you no longer need it.",
+                self.url,
+                final,
+                moved,
+            )
+        os.replace(temp, final)
+
     def _reserve(self, key: CacheKey, length: int) -> None:
         """Make room for a file of ``length`` bytes (evicting by policy) and reserve it."""
+        if self._kept_temps and (
+            self._bytes_held + self._temp_bytes + self._reserved + length > self.max_size
+            or time.monotonic() - self._temps_checked_at > TEMP_RECHECK
+        ):
+            self._recheck_temps()
         with self._lock:
             self._check_open_worker()
             current = self._index.get(key)
             replaced = current.size if current is not None else 0
-            while self._bytes_held - replaced + self._reserved + length > self.max_size:
+            while (
+                self._bytes_held - replaced + self._temp_bytes + self._reserved + length
+                > self.max_size
+            ):
                 if not self._evict_one(exclude=key):
-                    raise CapacityExceeded(
-                        f"cannot make room for an object file of {length} bytes in {self.url}: "
-                        f"{self._bytes_held} of {self.max_size} bytes are held in "
-                        f"{len(self._index)} objects and {self._reserved} more are being "
-                        "written, and every object that could go is pinned or being written. "
-                        "Unpin keys, raise max_size, or add a directory."
-                    )
+                    raise CapacityExceeded(self._full_message(length))
             self._reserved += length
+
+    def _full_message(self, length: int) -> str:
+        """Why an object file of ``length`` bytes does not fit (the index lock is held)."""
+        now = time.monotonic()
+        stuck = [e for e in self._index.values() if e.undeletable_until > now]
+        parts = [
+            f"{self._bytes_held} of {self.max_size} bytes are held in {len(self._index)} "
+            f"objects and {self._reserved} more are being written"
+        ]
+        if self._temp_bytes:
+            parts.append(
+                f"{self._temp_bytes} bytes are temporary files of {len(self._kept_temps)} "
+                "writes of other running processes"
+            )
+        if stuck:
+            parts.append(
+                f"{sum(e.size for e in stuck)} bytes are in {len(stuck)} files that could not "
+                "be deleted (see the warning logged)"
+            )
+        return (
+            f"cannot make room for an object file of {length} bytes in {self.url}: "
+            f"{'; '.join(parts)}; every object that could go is pinned, being written or "
+            "cannot be deleted. Unpin keys, raise max_size, or add a directory."
+        )
 
     def _check_free_space(self, directory: Directory, length: int) -> None:
         try:
@@ -1049,7 +1318,7 @@ class DiskBackend(Backend):
         except OSError as error:
             raise BackendError(
                 f"{self.url}: cannot check the free space of {directory.path}: "
-                f"{_reason(error)}. Check that the directory still exists."
+                f"{reason(error)}. Check that the directory still exists."
             ) from None
         if free < length:
             raise CapacityExceeded(
@@ -1059,37 +1328,38 @@ class DiskBackend(Backend):
                 "add a directory on another disk."
             )
 
-    def _write_failed(self, error: OSError, directory: Directory, length: int) -> BackendError:
-        what = f"writing an object file of {length} bytes to {directory.path} failed"
-        if error.errno in _FULL_ERRNOS:
-            return CapacityExceeded(
-                f"{what}: {_reason(error)}: the disk is full or over its quota. Nothing was "
-                "stored, no partial file was left, and reads keep working. Free space on that "
-                "disk, lower max_size, or add a directory on another disk."
-            )
-        return BackendError(
-            f"{what}: {_reason(error)}. Nothing was stored and no partial file was left. "
-            "Check the disk and the directory's permissions."
+    def _write_failed(self, error: OSError, subdir: str, length: int) -> BackendError:
+        """The kvplug error for ``error`` of a put writing into ``subdir``; a refused write is
+        also logged, once per directory and cause (a Store only counts it)."""
+        where = os.path.dirname(os.fsdecode(error.filename)) if error.filename else subdir
+        failure = classify_os_error(
+            error, f"{self.url}: writing an object file of {length} bytes", where, _WRITE_LEFT
         )
+        if isinstance(failure, WriteRefused) and self._first_report(where, error):
+            logger.warning("%s", failure)
+        return failure
 
     def _write_file(
         self, directory: Directory, stem: str, key_text: str, obj: MemoryObj, length: int
     ) -> str:
         """Write ``obj`` to a temporary file and rename it into place; the final path."""
-        subdir = self._subdir(directory, stem[:2])
+        subdir = os.path.join(directory.path, stem[:2])
         final = os.path.join(subdir, stem + SUFFIX)
-        temp = os.path.join(subdir, temp_name(stem))
+        temp = os.path.join(subdir, temp_name(stem, self._writer))
         transfer = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
         flags |= _O_DIRECT if transfer.o_direct else 0
         fd = -1
+        created = False
         checksum = self._hashers.submit(payload_checksum, transfer.host)
         try:
+            self._subdir(directory, stem[:2])
             try:
                 fd = os.open(temp, flags, 0o600)
-            except FileNotFoundError:  # the subdirectory was removed behind our back
+            except (FileNotFoundError, NotADirectoryError):  # removed or replaced meanwhile
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
+            created = True
             written = _write_all(fd, transfer.buffers, BLOCK)
             if written != transfer.length:
                 raise OSError(errno.EIO, f"wrote {written} of {transfer.length} payload bytes")
@@ -1104,16 +1374,17 @@ class DiskBackend(Backend):
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.replace(temp, final)
+            self._publish(temp, final)
             if self.options.fsync:
                 _fsync_dir(subdir)
         except BaseException as error:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _unlink_quietly(temp)
+            if created:
+                _unlink_quietly(temp)
             if isinstance(error, OSError):
-                raise self._write_failed(error, directory, length) from error
+                raise self._write_failed(error, subdir, length) from error
             raise
         finally:
             checksum.cancel()
@@ -1169,6 +1440,27 @@ class DiskBackend(Backend):
             if current is not None and current.gen == entry.gen:
                 self._drop_locked(key)
 
+    def _forget_foreign(self, key: CacheKey, entry: _Entry, error: NotAnObject) -> None:
+        """A foreign thing is under ``entry``'s name: a counted miss; drop the key from the
+        index and leave the thing where it is (a put of the key replaces it)."""
+        with self._stripe(entry.stem), self._lock:
+            current = self._index.get(key)
+            if current is None or current.gen != entry.gen:
+                return
+            self._drop_locked(key)
+            self.foreign_files += 1
+        first = self._first_report(entry.directory.path, "foreign")
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s: %s is a %s, not an object file; key %s reads as a miss and left the index "
+            "(counted in foreign_files; further ones in this directory are logged at DEBUG). "
+            "It was not touched; a put of the key replaces it (a directory is moved aside).",
+            self.url,
+            entry.path,
+            error.kind,
+            key,
+        )
+
     def _discard_corrupt(self, key: CacheKey, entry: _Entry, fd: int, error: Exception) -> None:
         with self._lock:
             self.corrupt_objects += 1
@@ -1189,8 +1481,12 @@ class DiskBackend(Backend):
                 # Only the file that was read: a put may have renamed a new one into place.
                 if (on_disk.st_dev, on_disk.st_ino) == (opened.st_dev, opened.st_ino):
                     os.unlink(entry.path)
-            except OSError:
+            except FileNotFoundError:
                 pass
+            except OSError as failure:
+                logger.warning(
+                    "%s: could not delete the damaged %s: %s", self.url, entry.path, reason(failure)
+                )
 
     def _adopt(self, key: CacheKey, entry: _Entry, header: ObjectHeader) -> _Entry:
         """The file holds a valid object other than ``entry`` describes (replaced behind the
@@ -1232,7 +1528,7 @@ class DiskBackend(Backend):
             count = _read_all(fd, [memoryview(header_buffer), *transfer.buffers], 0)
         except OSError as error:
             if error.errno in (errno.EIO, errno.EINVAL):
-                raise CorruptObject(f"reading the file failed: {_reason(error)}.") from None
+                raise CorruptObject(f"reading the file failed: {reason(error)}.") from None
             raise
         expected = BLOCK + transfer.length
         if count != expected:
@@ -1267,15 +1563,17 @@ class DiskBackend(Backend):
             transfer = self._plan(
                 obj, padded(entry.payload_len), entry.directory.o_direct, writing=False
             )
-            flags = os.O_RDONLY | _OPEN_FLAGS | (_O_DIRECT if transfer.o_direct else 0)
             try:
-                fd = os.open(entry.path, flags)
+                fd = open_object(entry.path, _O_DIRECT if transfer.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
                 return None
+            except NotAnObject as error:
+                self._forget_foreign(key, entry, error)
+                return None
             except OSError as error:
                 raise BackendError(
-                    f"{self.url}: cannot open {entry.path}: {_reason(error)}. Check the disk "
+                    f"{self.url}: cannot open {entry.path}: {reason(error)}. Check the disk "
                     "and the directory's permissions."
                 ) from None
             try:
@@ -1320,14 +1618,30 @@ class DiskBackend(Backend):
         return result
 
     def _remove(self, key: CacheKey, stem: str) -> bool:
+        """Delete ``key``'s file: True when this deleted it, False when it was not there;
+        raises when the file stays (the key stays indexed, readable and counted)."""
         self._check_open_worker()
         with self._stripe(stem):
             with self._lock:
-                entry = self._drop_locked(key)
+                entry = self._index.get(key)
             if entry is None:
                 return False
-            _unlink_quietly(entry.path)
-        return True
+            try:
+                deleted = _delete_object_file(entry.path)
+            except OSError as error:
+                raise classify_os_error(
+                    error,
+                    f"{self.url}: deleting the object file of {key}",
+                    entry.path,
+                    _DELETE_LEFT,
+                ) from error
+            with self._lock:
+                current = self._index.get(key)
+                if current is not None and current.gen == entry.gen:
+                    self._drop_locked(key)
+                if deleted is _Deleted.FOREIGN:
+                    self.foreign_files += 1
+        return deleted is _Deleted.DONE
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -1387,8 +1701,10 @@ class DiskBackend(Backend):
             return count
 
     async def remove(self, key: CacheKey) -> bool:
-        """Delete ``key`` and its file even when pinned (its pins go with it); False if
-        absent."""
+        """Delete ``key`` and its file even when pinned (its pins go with it). True when this
+        deleted the file; False when the key or its file was absent. A file that cannot be
+        deleted raises (:class:`~kvplug_disk.fileops.WriteRefused` for a directory that
+        refuses it) and the key stays stored."""
         self.ensure_open()
         await self._ready()
         with self._lock:
@@ -1452,6 +1768,10 @@ class DiskBackend(Backend):
                 if not self._inflight:
                     break
             await asyncio.sleep(0.005)
+        with self._inflight_lock:
+            idle = not self._inflight
+        if idle:
+            self._release_writer_locks()  # else the last file I/O in flight releases them
         self._pool.shutdown(wait=False)
         self._hashers.shutdown(wait=False)
         with self._lock:
@@ -1459,6 +1779,8 @@ class DiskBackend(Backend):
             self._pins.clear()
             self._policy = make_policy(self.options.eviction)
             self._bytes_held = 0
+            self._kept_temps.clear()
+            self._temp_bytes = 0
 
 
 __all__ = [
@@ -1466,7 +1788,10 @@ __all__ = [
     "DEFAULT_MAX_SIZE",
     "DEFAULT_QUEUE_DEPTH",
     "DEFAULT_WORKERS",
+    "RETRY_UNDELETABLE",
+    "TEMP_RECHECK",
     "Directory",
     "DiskBackend",
     "DiskOptions",
+    "WriteRefused",
 ]

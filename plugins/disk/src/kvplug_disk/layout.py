@@ -27,9 +27,14 @@ Every file length is a multiple of BLOCK and the payload starts on a block bound
 file is written and read with O_DIRECT straight from and into 4096-aligned allocator memory.
 
 Files are written under a temporary name in the same subdirectory,
-``.<digest>.<pid>.<16 hex>.tmp``, and renamed into place, so a reader (or a process started
-after a crash) never sees a half-written object under an object name. The pid in the name
-lets a later open delete temporary files of processes that died.
+``.<digest>.<pid>.<writer>.<8 hex>.tmp``, and renamed into place, so a reader (or a process
+started after a crash) never sees a half-written object under an object name. ``<writer>``
+(16 hex digits) names the backend instance that writes; it holds an exclusive ``flock`` on
+``<dir>/.kvplug-writer.<pid>.<writer>.lock`` from its open to its close, so a later open can
+tell a temporary file of a live writer (its lock is held) from one of a writer that died (the
+kernel released the lock): pids say nothing, since they are reused (in a container every
+engine start is pid 1). Names with a single 16-hex part after the pid come from older
+versions, which took no lock.
 
 Example::
 
@@ -84,8 +89,16 @@ MAX_KEY_BYTES = CHECKSUM_AT - _LARGEST_FRAME_HEADER - _KEY_RECORD.size
 
 OBJECT_NAME = re.compile(r"([0-9a-f]{32})\.kv")
 SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
-TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{32}|kvplug-probe)\.([0-9]+)\.[0-9a-f]{16}\.tmp")
-"""Temporary files (object writes and O_DIRECT probes); group 1 is the writer's pid."""
+TEMP_NAME = re.compile(
+    r"\.(?:[0-9a-f]{32}|kvplug-probe)\.([0-9]+)\.([0-9a-f]{16})(?:\.[0-9a-f]{8})?\.tmp"
+)
+"""Temporary files (object writes, O_DIRECT probes, gds read links); group 1 is the writer's
+pid, group 2 its writer id."""
+WRITER_LOCK_NAME = re.compile(r"\.kvplug-writer\.([0-9]+)\.([0-9a-f]{16})\.lock")
+"""Lock files of writers, in each top-level directory; group 1 is the pid, group 2 the writer
+id."""
+MOVED_ASIDE = ".moved-aside-"
+"""Infix of the names that foreign things in the way of an object or subdirectory get."""
 
 
 def digest(key_text: str) -> str:
@@ -99,14 +112,31 @@ def object_name(key_text: str) -> tuple[str, str]:
     return stem[:2], stem + SUFFIX
 
 
-def temp_name(stem: str) -> str:
-    """A fresh temporary file name for a write of the object ``stem`` by this process."""
-    return f".{stem}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+def new_writer_id() -> str:
+    """A fresh writer id: 16 hex digits naming one backend instance's files."""
+    return secrets.token_hex(8)
 
 
-def probe_name() -> str:
-    """A fresh name for the O_DIRECT probe file of this process."""
-    return f".kvplug-probe.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+def writer_lock_name(writer: str) -> str:
+    """The name of the lock file ``writer`` of this process holds in each directory."""
+    return f".kvplug-writer.{os.getpid()}.{writer}.lock"
+
+
+def temp_name(stem: str, writer: str) -> str:
+    """A fresh temporary file name for a write of the object ``stem`` by ``writer`` of this
+    process."""
+    return f".{stem}.{os.getpid()}.{writer}.{secrets.token_hex(4)}.tmp"
+
+
+def probe_name(writer: str) -> str:
+    """A fresh name for an O_DIRECT or cuFile probe file of ``writer`` of this process."""
+    return f".kvplug-probe.{os.getpid()}.{writer}.{secrets.token_hex(4)}.tmp"
+
+
+def moved_aside_name(name: str) -> str:
+    """A fresh name for a foreign ``name`` moved out of the way; it matches no pattern of the
+    layout, so the index rebuild counts it as foreign and leaves it alone."""
+    return f"{name}{MOVED_ASIDE}{secrets.token_hex(4)}"
 
 
 def padded(nbytes: int) -> int:
@@ -199,17 +229,22 @@ __all__ = [
     "BLOCK",
     "FLAG_NO_PAYLOAD_CHECKSUM",
     "MAX_KEY_BYTES",
+    "MOVED_ASIDE",
     "OBJECT_NAME",
     "SUBDIR_NAME",
     "SUFFIX",
     "TEMP_NAME",
+    "WRITER_LOCK_NAME",
     "ObjectHeader",
     "decode_block",
     "digest",
     "encode_block",
     "file_length",
+    "moved_aside_name",
+    "new_writer_id",
     "object_name",
     "padded",
     "probe_name",
     "temp_name",
+    "writer_lock_name",
 ]

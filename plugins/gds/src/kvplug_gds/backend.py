@@ -31,7 +31,7 @@ The file format, index, eviction, pins and crash safety are ``file://``'s (this 
 """
 
 # File descriptors and str paths on the I/O path, as in kvplug_disk.backend.
-# ruff: noqa: PTH105, PTH108, PTH116, PTH118, PTH120
+# ruff: noqa: PTH108, PTH116, PTH118, PTH120
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ import glob
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -61,7 +62,6 @@ from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.backend import (
     _O_DIRECT,
-    _OPEN_FLAGS,
     Directory,
     DiskBackend,
     DiskOptions,
@@ -69,19 +69,18 @@ from kvplug_disk.backend import (
     _Entry,
     _fsync_dir,
     _header_buffer,
-    _pid_alive,
     _read_all,
     _release,
     _unlink_quietly,
     _view,
     _write_all,
 )
+from kvplug_disk.fileops import LiveWriters, NotAnObject, kind_of, open_object
 from kvplug_disk.layout import (
     BLOCK,
     FLAG_NO_PAYLOAD_CHECKSUM,
     SERDE,
     SUFFIX,
-    TEMP_NAME,
     ObjectHeader,
     digest,
     encode_block,
@@ -363,7 +362,9 @@ class GdsBackend(DiskBackend):
             with self._allocator_lock:
                 if self._allocator is None:
                     self._allocator = FreeListAllocator(
-                        self.options.buffer_size, device=self._device()
+                        self.options.buffer_size,
+                        device=self._device(),
+                        sized_by="gds:// buffer_size",
                     )
         return self._allocator
 
@@ -548,7 +549,7 @@ class GdsBackend(DiskBackend):
         """Register a file of ``directory`` with cuFile and write and read back one block, so
         a machine where cuFile refuses files fails at open, with the fix, not at the first
         put."""
-        name = os.path.join(directory.path, probe_name())
+        name = os.path.join(directory.path, probe_name(self._writer))
         flags = os.O_RDWR | _CREATE_FLAGS
         flags |= _O_DIRECT if directory.o_direct else 0
         fd = os.open(name, flags, 0o600)
@@ -626,19 +627,14 @@ class GdsBackend(DiskBackend):
         first = self._shard(stem)
         return [first, *(d for d in self.directories if d is not first)]
 
-    def _clean_temp(self, path: str, name: str, stats: dict[str, int]) -> None:
-        match = TEMP_NAME.fullmatch(name)
-        try:
-            age = time.time() - os.stat(path, follow_symlinks=False).st_mtime
-        except FileNotFoundError:
-            return
-        except OSError:
-            stats["unreadable"] += 1
-            return
-        if (match is not None and _pid_alive(int(match.group(1)))) or age < TEMP_GRACE:
-            stats["temp_in_use"] += 1  # a writer here, or perhaps on another host
-            return
-        super()._clean_temp(path, name, stats)
+    def _temp_in_use(
+        self, directory: Directory, pid: str, writer: str, mtime: float, writers: LiveWriters
+    ) -> bool:
+        """Kept while its writer holds its lock, and, since the lock of a writer on another
+        host sharing the mount may not be visible here, while younger than TEMP_GRACE."""
+        if time.time() - mtime < TEMP_GRACE:
+            return True
+        return super()._temp_in_use(directory, pid, writer, mtime, writers)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -647,17 +643,19 @@ class GdsBackend(DiskBackend):
     ) -> str:
         """Write ``obj`` to a temporary file (payload by the I/O seam, header block by
         pwrite) and rename it into place; the final path."""
-        subdir = self._subdir(directory, stem[:2])
+        subdir = os.path.join(directory.path, stem[:2])
         final = os.path.join(subdir, stem + SUFFIX)
-        temp = os.path.join(subdir, temp_name(stem))
+        temp = os.path.join(subdir, temp_name(stem, self._writer))
         payload_len = length - BLOCK
         nbytes = obj.nbytes
         source: torch.Tensor | None = None
         staging: MemoryObj | None = None
         checksum: concurrent.futures.Future[int] | None = None
         fd = -1
+        created = False
         handle: Any = None
         try:
+            self._subdir(directory, stem[:2])
             flags_value = 0
             known: int | None = None
             if payload_len:
@@ -675,9 +673,10 @@ class GdsBackend(DiskBackend):
             open_flags |= _O_DIRECT if directory.o_direct else 0
             try:
                 fd = os.open(temp, open_flags, 0o600)
-            except FileNotFoundError:  # the subdirectory was removed behind our back
+            except (FileNotFoundError, NotADirectoryError):  # removed or replaced meanwhile
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, open_flags, 0o600)
+            created = True
             if source is not None:
                 handle = self.io.open(fd)
                 written = self.io.write(handle, source, BLOCK)
@@ -696,7 +695,7 @@ class GdsBackend(DiskBackend):
                 handle = None
             os.close(fd)
             fd = -1
-            os.replace(temp, final)
+            self._publish(temp, final)
             if self.options.fsync:
                 _fsync_dir(subdir)
         except BaseException as error:
@@ -706,9 +705,10 @@ class GdsBackend(DiskBackend):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            _unlink_quietly(temp)
+            if created:
+                _unlink_quietly(temp)
             if isinstance(error, OSError):
-                raise self._write_failed(error, directory, length) from error
+                raise self._write_failed(error, subdir, length) from error
             raise
         finally:
             if checksum is not None:
@@ -737,13 +737,23 @@ class GdsBackend(DiskBackend):
         # A writer replaced the file between our open and cuFile's registration, which
         # cuFile refuses for a deleted file. Hold the file there now under a link of our
         # own, which no writer can delete, and read that: the old object or the new one.
-        link = os.path.join(os.path.dirname(entry.path), temp_name(entry.stem))
+        link = os.path.join(os.path.dirname(entry.path), temp_name(entry.stem, self._writer))
         try:
             os.link(entry.path, link, follow_symlinks=False)
         except FileNotFoundError:
             self._forget(key, entry)
             return None
         except OSError as error:
+            try:
+                mode = os.lstat(entry.path).st_mode
+            except FileNotFoundError:
+                self._forget(key, entry)
+                return None
+            except OSError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):
+                self._forget_foreign(key, entry, NotAnObject(entry.path, kind_of(mode)))
+                return None
             raise BackendError(
                 f"{self.url}: cannot link {entry.path} to read it: {error.strerror}."
             ) from None
@@ -764,11 +774,13 @@ class GdsBackend(DiskBackend):
         keep = False
         staging: MemoryObj | None = None
         try:
-            flags = os.O_RDONLY | _OPEN_FLAGS | (_O_DIRECT if entry.directory.o_direct else 0)
             try:
-                fd = os.open(path, flags)
+                fd = open_object(path, _O_DIRECT if entry.directory.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
+                return None
+            except NotAnObject as error:
+                self._forget_foreign(key, entry, error)
                 return None
             except OSError as error:
                 raise BackendError(
@@ -867,8 +879,9 @@ class GdsBackend(DiskBackend):
         for directory in self._probe_order(stem):
             path = os.path.join(directory.path, stem[:2], stem + SUFFIX)
             try:
-                fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
-            except (FileNotFoundError, NotADirectoryError):
+                fd = open_object(path)
+            except NotAnObject as error:
+                logger.debug("%s: %s; not an object of another instance", self.url, error)
                 continue
             except OSError:
                 continue
@@ -917,12 +930,15 @@ class GdsBackend(DiskBackend):
             entry = self._index.get(key)
         if entry is not None:
             try:
-                os.stat(entry.path)
-                return True
-            except FileNotFoundError:
+                mode = os.lstat(entry.path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
                 self._forget(key, entry)  # removed or evicted by another instance
+                return self._discover(key) is not None
             except OSError:
+                return True  # cannot tell: get will
+            if stat.S_ISREG(mode):
                 return True
+            self._forget_foreign(key, entry, NotAnObject(entry.path, kind_of(mode)))
         return self._discover(key) is not None
 
     def _prefix_present(self, keys: Sequence[CacheKey]) -> int:
