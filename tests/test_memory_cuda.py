@@ -36,6 +36,19 @@ def test_pinned_object_round_trips_through_the_gpu_bit_exact() -> None:
     assert allocator.stats().used == 0
 
 
+def test_a_gpu_buffer_larger_than_the_gpu_names_its_setting_and_the_gpus_memory() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.mem_get_info(device)[1]
+    with pytest.raises(ConfigError) as caught:
+        FreeListAllocator(4 * total, device=device, sized_by="gds:// buffer_size")
+    message = str(caught.value)
+    assert message.startswith("gds:// buffer_size is ")
+    assert f"memory on {device}" in message
+    assert "free now" in message and "Lower it" in message
+    assert "available now" not in message  # the host's memory says nothing about the GPU's
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in message
+
+
 def test_device_allocator_hands_out_aligned_gpu_objects() -> None:
     allocator = FreeListAllocator(1 << 24, device="cuda")
     objs = [allocator.allocate((3, 1000), torch.float16) for _ in range(4)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
 import enum
 import itertools
 import math
@@ -362,6 +363,20 @@ def _aligned_host_buffer(capacity: int, alignment: int, pin: bool) -> torch.Tens
     return base[skip : skip + capacity]
 
 
+def _memory_of(device: torch.device) -> tuple[str, str]:
+    """What memory ``device`` allocates from, and how much of it there is, in words."""
+    if device.type == "cpu":
+        return "host memory", str(host_memory())
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):
+            free, total = torch.cuda.mem_get_info(device)
+            return (
+                f"memory on {device}",
+                f"{format_size(total)} in total, {format_size(free)} free now",
+            )
+    return f"memory on {device}", "an amount kvplug cannot tell"
+
+
 class FreeListAllocator(Allocator):
     """First-fit allocator over one buffer with an explicit, coalescing free list.
 
@@ -398,11 +413,12 @@ class FreeListAllocator(Allocator):
                 skip = -base.data_ptr() % alignment
                 self.buffer = base[skip : skip + capacity]
         except (OverflowError, OSError, MemoryError, RuntimeError) as error:
-            where = "host memory" if device.type == "cpu" else f"memory on {device}"
+            where, has = _memory_of(device)
+            cause = str(error).split(". ")[0]  # torch's advice on its own allocator is not ours
             raise ConfigError(
                 f"{sized_by} is {format_size(capacity)}, more {where} than this machine can "
-                f"reserve ({type(error).__name__}: {error}); it has {host_memory()}. Lower "
-                "it to fit in the memory left beside the engine."
+                f"reserve ({type(error).__name__}: {cause}); it has {has}. Lower it to fit in "
+                "the memory left beside the engine."
             ) from None
         self.capacity = capacity
         self.alignment = alignment
