@@ -15,13 +15,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
+from disk_helpers import key, object_files, run, seeded, seeded_bytes
 
 import kvplug
 from kvplug import (
@@ -49,34 +50,9 @@ from kvplug_disk.layout import (
     object_name,
 )
 
-T = TypeVar("T")
 KiB = 1024
 MiB = 1024 * KiB
 LOGGER = "kvplug.disk"
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def key(i: int, model: str = "llama") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, i)
-
-
-def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-
-
-def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
-    obj = allocator.allocate((nbytes,), torch.uint8, MemoryFormat.BINARY_BUFFER)
-    assert obj is not None
-    obj.raw.copy_(seeded_bytes(nbytes, seed))
-    return obj
-
-
-def object_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and OBJECT_NAME.fullmatch(p.name))
 
 
 def temp_files(root: Path) -> list[Path]:

@@ -26,22 +26,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
+from disk_helpers import key, object_files, run, seeded, seeded_bytes
 
 import kvplug
-from kvplug import CacheKey, CapacityExceeded, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug.errors import BackendError, BackendUnavailable, KvplugError
 from kvplug.store import Store
 from kvplug_disk.backend import DiskBackend, WriteRefused
 from kvplug_disk.fileops import classify_os_error
 from kvplug_disk.layout import (
     BLOCK,
-    OBJECT_NAME,
     TEMP_NAME,
     WRITER_LOCK_NAME,
     file_length,
@@ -50,7 +50,6 @@ from kvplug_disk.layout import (
 from kvplug_gds import backend as gds_module
 from kvplug_gds.standin import PosixStandIn
 
-T = TypeVar("T")
 KiB = 1024
 MiB = 1024 * KiB
 SCHEMES = ["file", "gds"]
@@ -59,28 +58,8 @@ DEADLINE = 120.0
 """Seconds a subprocess may take before the test calls it hung (never reached when it works)."""
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def key(i: int, model: str = "llama") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, i)
-
-
 def subdir_of(k: CacheKey) -> str:
     return object_name(k.to_string())[0]
-
-
-def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-
-
-def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
-    obj = allocator.allocate((nbytes,), torch.uint8, MemoryFormat.BINARY_BUFFER)
-    assert obj is not None
-    obj.raw.copy_(seeded_bytes(nbytes, seed))
-    return obj
 
 
 async def put_seeded(
@@ -105,10 +84,6 @@ async def read_back(source: kvplug.Backend | Store, k: CacheKey) -> torch.Tensor
         return got.raw.clone()
     finally:
         got.release()
-
-
-def object_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if OBJECT_NAME.fullmatch(p.name) and p.is_file())
 
 
 def temp_files(root: Path) -> list[Path]:

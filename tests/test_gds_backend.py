@@ -18,13 +18,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
+from disk_helpers import key, object_files, run, seeded, seeded_bytes
 
 import kvplug
 from kvplug import CacheKey, ConfigError, FreeListAllocator, MemoryFormat, MemoryObj
@@ -50,33 +51,8 @@ from kvplug_gds.environment import detect_mode, mount_of, strip_json_comments
 from kvplug_gds.fileio import CuFileError, _signed
 from kvplug_gds.standin import PosixStandIn
 
-T = TypeVar("T")
 MiB = 1 << 20
 NO_GPU = not torch.cuda.is_available()
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def key(i: int, model: str = "llama") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, i)
-
-
-def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-
-
-def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
-    obj = allocator.allocate((nbytes,), torch.uint8, MemoryFormat.BINARY_BUFFER)
-    assert obj is not None
-    obj.raw.copy_(seeded_bytes(nbytes, seed))
-    return obj
-
-
-def object_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and OBJECT_NAME.fullmatch(p.name))
 
 
 @pytest.fixture

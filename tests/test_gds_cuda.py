@@ -6,23 +6,22 @@ docs/gpu.md for how these runs are made)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
+from disk_helpers import object_files, run, seeded_bytes
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug_contracts import BackendContract
 from kvplug_contracts.support import violated
-from kvplug_disk.layout import BLOCK, OBJECT_NAME, decode_block
+from kvplug_disk.layout import BLOCK, decode_block
 from kvplug_gds.backend import GdsBackend
 from kvplug_gds.fileio import CuFileIO
 
-T = TypeVar("T")
 MiB = 1 << 20
 CHUNK = (2, 32, 256, 1024)
 
@@ -41,27 +40,14 @@ PROBLEM = _cufile_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
 def key(i: int) -> CacheKey:
     return CacheKey("vllm", "llama-gds", 1, 0, i)
-
-
-def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
 
 
 def fill(obj: MemoryObj, seed: int) -> torch.Tensor:
     data = seeded_bytes(obj.nbytes, seed)
     obj.raw.copy_(data.to(obj.device))
     return data
-
-
-def object_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and OBJECT_NAME.fullmatch(p.name))
 
 
 async def open_gds(url: str, **options: Any) -> GdsBackend:

@@ -1,0 +1,41 @@
+"""What the disk and GDS tier tests share: keys, seeded objects and the object files on disk.
+
+On ``sys.path`` through ``pythonpath`` in the pytest configuration (pyproject.toml)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug_disk.layout import OBJECT_NAME
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def key(i: int, model: str = "llama") -> CacheKey:
+    return CacheKey("vllm", model, 1, 0, i)
+
+
+def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
+    obj = allocator.allocate((nbytes,), torch.uint8, MemoryFormat.BINARY_BUFFER)
+    assert obj is not None
+    obj.raw.copy_(seeded_bytes(nbytes, seed))
+    return obj
+
+
+def object_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if OBJECT_NAME.fullmatch(p.name) and p.is_file())
