@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import pytest
+import redis.asyncio
+import redis.asyncio.sentinel
 import torch
 
 import kvplug
@@ -225,11 +227,13 @@ def test_tls_sentinel_takes_the_ssl_and_sentinel_options_for_both_hops(tmp_path:
     pools += [sentinel.connection_pool for sentinel in backend._sentinel.sentinels]
     assert len(pools) == 4
     for pool in pools:
-        assert pool.connection_class.__name__ in ("SSLConnection", "SentinelManagedSSLConnection")
+        assert issubclass(pool.connection_class, redis.asyncio.SSLConnection)
         assert {k: pool.connection_kwargs.get(k) for k in expected} == expected
     plain = kvplug.create_backend("redis+sentinel://h1,h2/cache")
     assert isinstance(plain, RedisBackend)
-    assert plain._writer.connection_pool.connection_class.__name__ == "SentinelManagedConnection"
+    plain_class = plain._writer.connection_pool.connection_class
+    assert issubclass(plain_class, redis.asyncio.sentinel.SentinelManagedConnection)
+    assert not issubclass(plain_class, redis.asyncio.SSLConnection)
 
 
 def test_unknown_and_invalid_options_are_rejected() -> None:

@@ -75,6 +75,7 @@ from kvplug.memory import Allocator, MemoryObj
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
 from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack, release_objects
+from kvplug_redis.sentinel import MasterTracker, tracked_connection_class
 
 T = TypeVar("T")
 
@@ -89,6 +90,9 @@ SCAN_COUNT = 1000
 """The ``COUNT`` hint of each ``SCAN`` page of ``list_keys``."""
 PROBE_TTL_MS = 60_000
 """The probe key of :meth:`RedisBackend.ping` expires by itself if its ``DEL`` is lost."""
+CONNECTS_AT_ONCE = 8
+"""Connections being opened at once, per pool: a burst of tasks waits for these (and reuses
+them) instead of starting hundreds of TLS handshakes that starve every request."""
 
 
 class Mode(enum.Enum):
@@ -117,8 +121,16 @@ class ClientLibrary:
     """``redis.asyncio.SSLConnection``."""
     unix_connection: Any
     """``redis.asyncio.UnixDomainSocketConnection``."""
+    connection: Any
+    """``redis.asyncio.Connection`` (TCP)."""
     sentinel: Any
     """``redis.asyncio.sentinel.Sentinel``."""
+    sentinel_connection: Any
+    """``redis.asyncio.sentinel.SentinelManagedConnection``."""
+    sentinel_ssl_connection: Any
+    """``redis.asyncio.sentinel.SentinelManagedSSLConnection``."""
+    master_not_found: type[Exception]
+    """``redis.asyncio.sentinel.MasterNotFoundError``."""
     cluster: Any
     """``redis.asyncio.cluster.RedisCluster``."""
     cluster_node: Any
@@ -150,7 +162,11 @@ def redis_py() -> ClientLibrary:
         connection_pool=redis.asyncio.ConnectionPool,
         ssl_connection=redis.asyncio.SSLConnection,
         unix_connection=redis.asyncio.UnixDomainSocketConnection,
+        connection=redis.asyncio.Connection,
         sentinel=redis.asyncio.sentinel.Sentinel,
+        sentinel_connection=redis.asyncio.sentinel.SentinelManagedConnection,
+        sentinel_ssl_connection=redis.asyncio.sentinel.SentinelManagedSSLConnection,
+        master_not_found=redis.asyncio.sentinel.MasterNotFoundError,
         cluster=redis.asyncio.cluster.RedisCluster,
         cluster_node=redis.asyncio.cluster.ClusterNode,
         retry=redis.asyncio.retry.Retry,
@@ -206,6 +222,12 @@ class RedisOptions(BytesBackendOptions):
     sentinel_password: SecretStr | None = Field(
         None, description="Sentinel: password of the sentinels (default: REDIS_SENTINEL_PASSWORD)"
     )
+    master_check_interval: float = Field(
+        1.0,
+        gt=0,
+        description="Sentinel: seconds between questions to the sentinels about which server "
+        "is master (also asked at every +switch-master and after a broken connection)",
+    )
 
     @field_validator("max_value_size", mode="before")
     @classmethod
@@ -215,7 +237,7 @@ class RedisOptions(BytesBackendOptions):
 
 _SECRET_OPTIONS = ("password", "sentinel_password")
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password", "master_check_interval")
 
 
 @dataclass(frozen=True)
@@ -305,7 +327,11 @@ class RedisBackend(BytesBackend):
         # every connection is busy; an operation holds at most one connection per server.
         self._slots = asyncio.Semaphore(self.options.max_connections)
         self._sentinel: Any = None
+        self.tracker: MasterTracker | None = None
+        """Sentinel: which server the sentinels name master, followed as it changes (module
+        :mod:`kvplug_redis.sentinel`); None in the other modes."""
         self._in_flight = 0
+        self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
         self._writer, self._reader = self._make_clients()
         self.direct = self._make_direct_reads()
         """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
@@ -478,6 +504,9 @@ class RedisBackend(BytesBackend):
             # backs off for seconds, which also makes Sentinel discovery slow past a dead
             # sentinel.)
             "retry": self._quick_retry(),
+            # valkey-py retries a command only for the errors listed here (redis-py for the
+            # retry's own): without it a broken connection fails the command at once.
+            "retry_on_error": [lib.exceptions.ConnectionError],
             "client_name": "kvplug",
         }
         if self.mode is Mode.CLUSTER:
@@ -499,7 +528,7 @@ class RedisBackend(BytesBackend):
             # ssl=True makes the sentinels' clients use SSLConnection and the master/replica
             # pools SentinelManagedSSLConnection; both get the same certificates.
             tls: dict[str, Any] = {"ssl": True, **self._ssl_settings()} if self.tls else {}
-            self._sentinel = lib.sentinel(
+            sentinel = lib.sentinel(
                 list(target.hosts),
                 sentinel_kwargs={
                     "username": options.sentinel_username,
@@ -514,25 +543,56 @@ class RedisBackend(BytesBackend):
                 **common,
                 **tls,
             )
-            writer = self._sentinel.master_for(
-                target.service, max_connections=options.max_connections
+            assert target.service is not None
+            tracker = MasterTracker(
+                sentinels=sentinel.sentinels,
+                service=target.service,
+                interval=options.master_check_interval,
+                timeout=options.timeout,
+                not_found=lib.master_not_found,
+            )
+            # Why: the client library asks the sentinels at every new connection and keeps
+            # connections to a deposed master that still answers; the tracker decides instead.
+            sentinel.discover_master = lambda _service: tracker.locate()
+            self._sentinel, self.tracker = sentinel, tracker
+            base = lib.sentinel_ssl_connection if self.tls else lib.sentinel_connection
+            writer = sentinel.master_for(
+                target.service,
+                max_connections=options.max_connections,
+                connection_class=self._connection_class(base, tracker),
             )
             if not options.read_from_replicas:
                 return writer, writer
-            reader = self._sentinel.slave_for(
-                target.service, max_connections=options.max_connections
+            reader = sentinel.slave_for(
+                target.service,
+                max_connections=options.max_connections,
+                connection_class=self._connection_class(base, None),
             )
             return writer, reader
         if self.mode is Mode.UNIX:
-            common.update(connection_class=lib.unix_connection, path=target.socket_path)
+            base = lib.unix_connection
+            common.update(path=target.socket_path)
         else:
+            base = lib.ssl_connection if self.tls else lib.connection
             (host, port) = target.hosts[0]
             common.update(host=host, port=port)
         if self.tls:
-            common.update(connection_class=lib.ssl_connection, **self._ssl_settings())
+            common.update(self._ssl_settings())
+        common.update(connection_class=self._connection_class(base, None))
         pool = lib.connection_pool(max_connections=options.max_connections, **common)
         client = lib.client.from_pool(pool)
         return client, client
+
+    def _connection_class(self, base: type[Any], tracker: MasterTracker | None) -> type[Any]:
+        """``base`` opening at most :data:`CONNECTS_AT_ONCE` connections at once, and with a
+        ``tracker`` only to the master it names (see
+        :func:`~kvplug_redis.sentinel.tracked_connection_class`)."""
+        return tracked_connection_class(
+            base,
+            connecting=self._connecting,
+            tracker=tracker,
+            moved_error=self._lib.exceptions.ConnectionError,
+        )
 
     def _ssl_settings(self) -> dict[str, Any]:
         """The ``ssl_*`` connection arguments of a TLS scheme, its PEM files checked now so a
@@ -756,7 +816,7 @@ class RedisBackend(BytesBackend):
         if self.target.db:
             setup.append(pack(b"SELECT", b"%d" % self.target.db))
         setup.append(pack(b"CLIENT", b"SETNAME", b"kvplug"))
-        return DirectReads(
+        direct = DirectReads(
             locate=self._direct_endpoint,
             errors=self._lib.exceptions,
             allocator=lambda: self.allocator,
@@ -764,15 +824,20 @@ class RedisBackend(BytesBackend):
             auth_first=password is not None or bool(username),
             ssl_context=self._ssl_context() if self.tls else None,
             max_idle=options.max_connections,
+            max_connecting=CONNECTS_AT_ONCE,
+            suspect=self.tracker.suspect if self.tracker is not None else None,
         )
+        if self.tracker is not None:
+            self.tracker.on_change(direct.forget)
+        return direct
 
     async def _direct_endpoint(self) -> Endpoint:
         """Where direct reads connect: the URL's server, or the master the sentinels name now
         (asked again after a broken connection or a ``READONLY`` reply)."""
         target = self.target
-        if self.mode is Mode.SENTINEL:
-            host, port = await self._sentinel.discover_master(target.service)
-            return Endpoint(host=str(host), port=int(port))
+        if self.tracker is not None:
+            host, port = await self.tracker.locate()
+            return Endpoint(host=host, port=port)
         if target.socket_path is not None:
             return Endpoint(path=target.socket_path)
         host, port = target.hosts[0]
@@ -1068,6 +1133,8 @@ class RedisBackend(BytesBackend):
     async def _close_clients(self) -> None:
         if self.direct is not None:
             self.direct.close()  # aborts reads in flight before their objects are released
+        if self.tracker is not None:
+            await self.tracker.close()
         clients = {id(c): c for c in (self._writer, self._reader)}
         if self._sentinel is not None:
             clients.update((id(c), c) for c in self._sentinel.sentinels)

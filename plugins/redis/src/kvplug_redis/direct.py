@@ -25,11 +25,14 @@ broke) therefore aborts the transport, which stops all reads at once, and detach
 protocol from the object *before* the object is released; such a connection is never pooled
 again, since its stream is at an unknown point.
 
-The pool (:class:`DirectReads`) keeps idle connections for reuse, logs in on each new one
-(``AUTH``, ``SELECT``, ``CLIENT SETNAME``), retries once on a fresh connection when one
-breaks (after a server restart every pooled connection is dead) and asks its ``locate``
-callable where the server is, again after a broken connection or a ``READONLY`` reply (a
-Sentinel failover moves the master).
+The pool (:class:`DirectReads`) keeps idle connections for reuse, opens a bounded number at
+once (a burst of tasks waits for, and then reuses, the connections being opened rather than
+starting one TLS handshake each), logs in on each new one (``AUTH``, ``SELECT``, ``CLIENT
+SETNAME``), retries once on a fresh connection when one breaks (after a server restart every
+pooled connection is dead) and asks its ``locate`` callable where the server is, again after
+a broken connection, a ``READONLY`` reply or :meth:`DirectReads.forget` (a Sentinel failover
+moved the master). Replies read on a connection opened before the last :meth:`~DirectReads.forget`
+are dropped and the ``GET`` s sent again: they may come from a deposed master.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ MAX_HEADER_LEN = 4096
 """More header bytes than any frame has (the largest is 384); a longer claim is damage."""
 MAX_LINE = HEAD_SIZE // 2
 """A reply line (an error message) longer than this is not Redis speaking."""
+MOVED_RETRIES = 3
+"""Times a fetch is sent again because the master moved while it ran, before it fails."""
 RETRY_DELAY = (0.01, 0.1)
 """Seconds before the one retry on a fresh connection, drawn at random in this range so that
 many operations broken by one restart do not reconnect at the same instant."""
@@ -80,6 +85,10 @@ def release_objects(results: Sequence[object]) -> None:
 
 class ConnectionLost(ConnectionError):
     """The connection broke, or was aborted, before the reply was complete."""
+
+
+class MasterMoved(ConnectionLost):
+    """The master moved while a fetch ran: its replies may come from the old one."""
 
 
 @dataclass(frozen=True)
@@ -439,11 +448,12 @@ class DirectReads:
     """A pool of connections that serve ``GET`` s through :class:`_ReplyReader`.
 
     ``locate`` says where the server is (asked again after a broken connection or a
-    ``READONLY`` reply); ``setup`` are the commands each new connection sends first (the
-    first is ``AUTH`` when ``auth_first``); ``errors`` is the client library's exceptions
-    module, whose classes error replies become; ``allocator`` gives the allocator at the time
-    of each read. At most ``max_idle`` connections wait for reuse; the caller bounds how many
-    operations run at once.
+    ``READONLY`` reply, which is also reported to ``suspect``); ``setup`` are the commands
+    each new connection sends first (the first is ``AUTH`` when ``auth_first``); ``errors``
+    is the client library's exceptions module, whose classes error replies become;
+    ``allocator`` gives the allocator at the time of each read. At most ``max_idle``
+    connections wait for reuse and ``max_connecting`` are opened at once; the caller bounds
+    how many operations run at once.
     """
 
     def __init__(
@@ -456,6 +466,8 @@ class DirectReads:
         auth_first: bool = False,
         ssl_context: ssl.SSLContext | None = None,
         max_idle: int = 16,
+        max_connecting: int = 8,
+        suspect: Callable[[], None] | None = None,
     ) -> None:
         self._locate = locate
         self._errors = errors
@@ -465,6 +477,10 @@ class DirectReads:
         self._auth_first = auth_first
         self._ssl = ssl_context
         self._max_idle = max_idle
+        self._max_connecting = max_connecting
+        self._suspect = suspect
+        self._connecting = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._endpoint: Endpoint | None = None
         self._locating = asyncio.Lock()
         self._generation = 0
@@ -479,20 +495,27 @@ class DirectReads:
     async def fetch(self, names: Sequence[str]) -> list[Fetched]:
         """``GET`` each of ``names``, pipelined on one connection, each reply received into
         its own object. A broken connection is retried once, on a new one; error replies
-        raise the first of them (as the library's exception) once every reply is read."""
+        raise the first of them (as the library's exception) once every reply is read.
+        Replies that may come from a deposed master (:meth:`forget` ran meanwhile) are
+        dropped and the ``GET`` s sent again."""
         data = b"".join(pack(b"GET", name.encode()) for name in names)
-        try:
-            return await self._fetch_once(data, len(names))
-        except OSError:
-            self._forget()
-            if self._closed:
-                raise
-        await asyncio.sleep(random.uniform(*RETRY_DELAY))
-        try:
-            return await self._fetch_once(data, len(names))
-        except OSError:
-            self._forget()
-            raise
+        broken = moved = 0
+        while True:
+            try:
+                return await self._fetch_once(data, len(names))
+            except MasterMoved:
+                moved += 1
+                if moved > MOVED_RETRIES:
+                    raise
+                continue
+            except OSError:
+                self.forget()
+                if self._suspect is not None:
+                    self._suspect()
+                broken += 1
+                if self._closed or broken > 1:
+                    raise
+            await asyncio.sleep(random.uniform(*RETRY_DELAY))
 
     async def _fetch_once(self, data: bytes, count: int) -> list[Fetched]:
         conn = await self._acquire()
@@ -502,6 +525,11 @@ class DirectReads:
         except BaseException:
             self._drop(conn)
             raise
+        if conn.generation != self._generation:
+            self._drop(conn)
+            for reply in replies:
+                reply.release()
+            raise MasterMoved("the master moved while the replies were read; they were dropped")
         self._release(conn)
         self.gets += count
         return self._results(replies)
@@ -518,7 +546,9 @@ class DirectReads:
                     results.append(self._finish(reply))
             if error is not None:
                 if isinstance(error, self._errors.ReadOnlyError):
-                    self._forget()  # a replica now: the master moved
+                    self.forget()  # a replica now: the master moved
+                    if self._suspect is not None:
+                        self._suspect()
                 raise error
         except BaseException:
             release_objects(results)
@@ -560,20 +590,44 @@ class DirectReads:
         if self._closed:
             raise ConnectionLost("the backend is closed")
         loop = asyncio.get_running_loop()
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.usable and conn.loop is loop and conn.generation == self._generation:
-                return conn
-            self._drop(conn)
-        generation = self._generation
-        async with self._locating:  # one question to the sentinels, not one per operation
-            if self._endpoint is None:
-                endpoint = await self._locate()
-                if generation == self._generation:
-                    self._endpoint = endpoint
-            else:
-                endpoint = self._endpoint
-        return await self._connect(endpoint, generation)
+        while True:
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.usable and conn.loop is loop and conn.generation == self._generation:
+                    return conn
+                self._drop(conn)
+            if self._connecting < self._max_connecting:
+                break
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter  # a connection was released or opened, or a slot to open one freed
+            except BaseException:
+                if not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the next waiter looks instead
+                raise
+        self._connecting += 1
+        try:
+            generation = self._generation
+            async with self._locating:  # one question to the sentinels, not one per operation
+                if self._endpoint is None:
+                    endpoint = await self._locate()
+                    if generation == self._generation:
+                        self._endpoint = endpoint
+                else:
+                    endpoint = self._endpoint
+            return await self._connect(endpoint, generation)
+        finally:
+            self._connecting -= 1
+            self._wake()
+
+    def _wake(self) -> None:
+        """Let the longest-waiting caller of :meth:`_acquire` look again."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _connect(self, endpoint: Endpoint, generation: int) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -618,15 +672,17 @@ class DirectReads:
             self._drop(conn)
         else:
             self._idle.append(conn)
+            self._wake()
 
     def _drop(self, conn: _Connection) -> None:
         self._live.discard(conn)
         if not conn.loop.is_closed():
             conn.abort()
 
-    def _forget(self) -> None:
-        """Ask ``locate`` again on the next connect, and let no older connection be reused:
-        after a restart they are dead, after a failover they lead to a replica."""
+    def forget(self) -> None:
+        """Ask ``locate`` again on the next connect, let no older connection be reused and
+        drop the replies still arriving on them: after a restart they are dead, after a
+        failover they lead to a replica or to a deposed master."""
         self._endpoint = None
         self._generation += 1
         idle, self._idle = self._idle, []

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplug_redis.testing import (
+    DOWN_AFTER_MS,
     HOST,
     RedisCluster,
     RedisServer,
@@ -188,7 +189,7 @@ class ValkeySentinelGroup(SentinelGroup):
         sentinel_binary: str | None = None,
         sentinels: int = 3,
         quorum: int = 2,
-        down_after_ms: int = 1000,
+        down_after_ms: int = DOWN_AFTER_MS,
         failover_timeout_ms: int = 3000,
         **options: Any,
     ) -> None:
