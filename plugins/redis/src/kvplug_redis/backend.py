@@ -74,8 +74,9 @@ from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
+from kvplug_redis.connections import ConnectionBudget, tracked_connection_class
 from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack, release_objects
-from kvplug_redis.sentinel import MasterTracker, tracked_connection_class
+from kvplug_redis.sentinel import MasterTracker
 
 T = TypeVar("T")
 
@@ -92,7 +93,8 @@ PROBE_TTL_MS = 60_000
 """The probe key of :meth:`RedisBackend.ping` expires by itself if its ``DEL`` is lost."""
 CONNECTS_AT_ONCE = 8
 """Connections being opened at once, per pool: a burst of tasks waits for these (and reuses
-them) instead of starting hundreds of TLS handshakes that starve every request."""
+them) instead of starting hundreds of TLS handshakes that starve every request
+(:mod:`kvplug_redis.connections`)."""
 
 
 class Mode(enum.Enum):
@@ -332,6 +334,7 @@ class RedisBackend(BytesBackend):
         :mod:`kvplug_redis.sentinel`); None in the other modes."""
         self._in_flight = 0
         self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
+        self._budget = None if self.mode is Mode.CLUSTER else ConnectionBudget(CONNECTS_AT_ONCE)
         self._writer, self._reader = self._make_clients()
         self.direct = self._make_direct_reads()
         """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
@@ -590,6 +593,7 @@ class RedisBackend(BytesBackend):
         return tracked_connection_class(
             base,
             connecting=self._connecting,
+            budget=self._budget,
             tracker=tracker,
             moved_error=self._lib.exceptions.ConnectionError,
         )
@@ -615,15 +619,23 @@ class RedisBackend(BytesBackend):
     # -- running operations ----------------------------------------------------------------------
 
     async def _run(
-        self, what: str, operation: Callable[[Any], Awaitable[T]], *, read: bool = False
+        self,
+        what: str,
+        operation: Callable[[Any], Awaitable[T]],
+        *,
+        read: bool = False,
+        direct: bool = False,
     ) -> T:
         """``operation(client)`` under the deadline and the bound on operations in flight,
-        with the library's errors turned into kvplug's."""
+        with the library's errors turned into kvplug's. An operation on the client library's
+        connections (not ``direct``) also waits for one of them to be idle, or for a spare one
+        to be opened (:class:`~kvplug_redis.connections.ConnectionBudget`)."""
         self.ensure_open()
         client = self._reader if read else self._writer
+        budget = None if direct else self._budget
         self._in_flight += 1
         try:
-            return await self._run_bounded(what, operation, client)
+            return await self._run_bounded(what, operation, client, budget)
         finally:
             self._in_flight -= 1
             if self.closed and not self._in_flight:
@@ -633,12 +645,23 @@ class RedisBackend(BytesBackend):
                 await self._close_clients()
 
     async def _run_bounded(
-        self, what: str, operation: Callable[[Any], Awaitable[T]], client: Any
+        self,
+        what: str,
+        operation: Callable[[Any], Awaitable[T]],
+        client: Any,
+        budget: ConnectionBudget | None,
     ) -> T:
         async def bounded() -> T:
             async with self._slots:
-                self.ensure_open()  # close() may have run while this operation waited
-                return await operation(client)
+                if budget is None:
+                    self.ensure_open()  # close() may have run while this operation waited
+                    return await operation(client)
+                await budget.admit()
+                try:
+                    self.ensure_open()
+                    return await operation(client)
+                finally:
+                    budget.done()
 
         try:
             return await self.with_deadline(bounded(), what)
@@ -873,7 +896,7 @@ class RedisBackend(BytesBackend):
         direct = self.direct
         if direct is not None:
             fetched: list[Fetched] = await self._run(
-                what, lambda _client: direct.fetch(names), read=True
+                what, lambda _client: direct.fetch(names), read=True, direct=True
             )
             return fetched
 

@@ -17,8 +17,8 @@ that only re-asks the sentinels when a connection breaks keeps reading, and writ
   ``+switch-master``, and when an operation met a connection error or a ``READONLY`` reply;
 * a connection to any other server than the one it names is closed before its next use, and
   a reply read on it after a change is dropped and the command sent again to the new master
-  (:func:`tracked_connection_class`). Direct reads drop their connections and such replies
-  at every change (:mod:`kvplug_redis.direct`).
+  (:func:`kvplug_redis.connections.tracked_connection_class`). Direct reads drop their
+  connections and such replies at every change (:mod:`kvplug_redis.direct`).
 
 A burst of new connections shares one question to the sentinels: an answer younger than
 ``interval`` is reused.
@@ -265,63 +265,4 @@ class MasterTracker:
             await asyncio.gather(self._asking, return_exceptions=True)
 
 
-def tracked_connection_class(
-    base: type[Any],
-    *,
-    connecting: asyncio.Semaphore,
-    tracker: MasterTracker | None,
-    moved_error: type[Exception],
-) -> type[Any]:
-    """A subclass of the client library's connection class ``base`` that opens at most as
-    many connections at once as ``connecting`` allows (a burst of TLS handshakes would
-    otherwise starve every request), and, with a ``tracker``, never serves a command on a
-    connection to a server that is not the master the tracker names: such a connection is
-    closed before its next use, and a reply that arrived on it after the master moved is
-    dropped and raised as ``moved_error`` (the library's ``ConnectionError``, which its one
-    retry answers by sending the command again on a new connection, to the new master)."""
-
-    class TrackedConnection(base):  # type: ignore[misc]
-        def _deposed(self) -> bool:
-            current = None if tracker is None else tracker.current
-            return current is not None and (self.host, self.port) != current
-
-        async def connect(self) -> None:
-            if self.is_connected:
-                if not self._deposed():
-                    return
-                await self.disconnect()
-            async with connecting:
-                await super().connect()
-
-        async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
-            # Why: redis-py 8 reconnects a dropped connection to the same address here, without
-            # asking the sentinels; connect() asks the tracker.
-            if not self.is_connected or self._deposed():
-                await self.connect()
-            await super().send_packed_command(*args, **kwargs)
-
-        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                response = await super().read_response(*args, **kwargs)
-            except (ConnectionError, moved_error):
-                if tracker is not None:
-                    tracker.suspect()
-                raise
-            if tracker is not None and self._deposed():
-                await self.disconnect()
-                raise moved_error(
-                    f"the master of service {tracker.service!r} moved to "
-                    f"{_where(tracker.current)} while this reply was read from "
-                    f"{_where((self.host, self.port))}; the reply was dropped"
-                )
-            return response
-
-    TrackedConnection.__name__ = TrackedConnection.__qualname__ = f"Tracked{base.__name__}"
-    return TrackedConnection
-
-
-def _where(address: Address | None) -> str:
-    return "an unknown server" if address is None else f"{address[0]}:{address[1]}"
-
-
-__all__ = ["Answer", "MasterChange", "MasterTracker", "choose", "tracked_connection_class"]
+__all__ = ["Address", "Answer", "MasterChange", "MasterTracker", "choose"]
