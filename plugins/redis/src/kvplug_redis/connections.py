@@ -73,11 +73,11 @@ def tracked_connection_class(
 ) -> type[Any]:
     """A subclass of the client library's connection class ``base`` that opens at most as
     many connections at once as ``connecting`` allows, reports them to ``budget``, and, with a
-    ``tracker``, never serves a command on a
-    connection to a server that is not the master the tracker names: such a connection is
-    closed before its next use, and a reply that arrived on it after the master moved is
-    dropped and raised as ``moved_error`` (the library's ``ConnectionError``, which its one
-    retry answers by sending the command again on a new connection, to the new master)."""
+    ``tracker``, never serves a command on a connection to a server that is not the master
+    the tracker names: such a connection is closed before its next use, and a reply that
+    arrived on it after the master moved is dropped and raised as ``moved_error`` (the
+    library's ``ConnectionError``, which its one retry answers by sending the command again on
+    a new connection, to the new master)."""
 
     class TrackedConnection(base):  # type: ignore[misc]
         def _deposed(self) -> bool:
