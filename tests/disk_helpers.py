@@ -1,17 +1,20 @@
-"""What the disk and GDS tier tests share: keys, seeded objects and the object files on disk.
+"""What the disk and GDS tier tests share: keys, seeded objects, a leak-checked allocator and
+the object files on disk.
 
 On ``sys.path`` through ``pythonpath`` in the pytest configuration (pyproject.toml)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.store import Store
 from kvplug_disk.layout import OBJECT_NAME
 
 T = TypeVar("T")
@@ -39,3 +42,22 @@ def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
 
 def object_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if OBJECT_NAME.fullmatch(p.name) and p.is_file())
+
+
+def leak_checked_allocator(nbytes: int = 64 << 20) -> Iterator[FreeListAllocator]:
+    """Objects of a test and results of get (``pytest.fixture(leak_checked_allocator)``):
+    nothing may stay allocated afterwards."""
+    pool = FreeListAllocator(nbytes, pin=False)
+    yield pool
+    assert pool.stats().used == 0, "a reference was leaked"
+
+
+async def read_back(source: kvplug.Backend | Store, k: CacheKey) -> torch.Tensor | None:
+    """A copy of what ``source`` holds under ``k`` (None: a miss), the object released."""
+    got = await source.get(k)
+    if got is None:
+        return None
+    try:
+        return got.raw.clone()
+    finally:
+        got.release()

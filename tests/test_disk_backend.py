@@ -15,14 +15,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from disk_helpers import key, object_files, run, seeded, seeded_bytes
+from disk_helpers import (
+    key,
+    leak_checked_allocator,
+    object_files,
+    read_back,
+    run,
+    seeded,
+    seeded_bytes,
+)
 
 import kvplug
 from kvplug import (
@@ -59,28 +66,13 @@ def temp_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if TEMP_NAME.fullmatch(p.name))
 
 
-@pytest.fixture
-def allocator() -> Iterator[FreeListAllocator]:
-    """Objects of the test and results of get; nothing may stay allocated afterwards."""
-    pool = FreeListAllocator(64 * MiB, pin=False)
-    yield pool
-    assert pool.stats().used == 0, "a reference was leaked"
+allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 
 
 async def open_disk(url: str, allocator: FreeListAllocator, **options: Any) -> DiskBackend:
     backend = await kvplug.open_backend(url, allocator=allocator, **options)
     assert isinstance(backend, DiskBackend)
     return backend
-
-
-async def read_back(backend: DiskBackend, k: CacheKey) -> torch.Tensor | None:
-    got = await backend.get(k)
-    if got is None:
-        return None
-    try:
-        return got.raw.clone()
-    finally:
-        got.release()
 
 
 async def put_seeded(

@@ -32,7 +32,15 @@ from typing import Any
 
 import pytest
 import torch
-from disk_helpers import key, object_files, run, seeded, seeded_bytes
+from disk_helpers import (
+    key,
+    leak_checked_allocator,
+    object_files,
+    read_back,
+    run,
+    seeded,
+    seeded_bytes,
+)
 
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
@@ -76,16 +84,6 @@ async def put_seeded(
         obj.release()
 
 
-async def read_back(source: kvplug.Backend | Store, k: CacheKey) -> torch.Tensor | None:
-    got = await source.get(k)
-    if got is None:
-        return None
-    try:
-        return got.raw.clone()
-    finally:
-        got.release()
-
-
 def temp_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if TEMP_NAME.fullmatch(p.name))
 
@@ -94,11 +92,7 @@ def writer_locks(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if WRITER_LOCK_NAME.fullmatch(p.name))
 
 
-@pytest.fixture
-def allocator() -> Iterator[FreeListAllocator]:
-    pool = FreeListAllocator(64 * MiB, pin=False)
-    yield pool
-    assert pool.stats().used == 0, "a reference was leaked"
+allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 
 
 async def open_tier(

@@ -18,14 +18,21 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from disk_helpers import key, object_files, run, seeded, seeded_bytes
+from disk_helpers import (
+    key,
+    leak_checked_allocator,
+    object_files,
+    read_back,
+    run,
+    seeded,
+    seeded_bytes,
+)
 
 import kvplug
 from kvplug import CacheKey, ConfigError, FreeListAllocator, MemoryFormat, MemoryObj
@@ -55,11 +62,7 @@ MiB = 1 << 20
 NO_GPU = not torch.cuda.is_available()
 
 
-@pytest.fixture
-def allocator() -> Iterator[FreeListAllocator]:
-    pool = FreeListAllocator(64 * MiB, pin=False)
-    yield pool
-    assert pool.stats().used == 0, "a reference was leaked"
+allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 
 
 async def open_gds(
@@ -80,16 +83,6 @@ async def put_seeded(
         await backend.put(k, obj)
     finally:
         obj.release()
-
-
-async def read_back(backend: kvplug.Backend, k: CacheKey) -> torch.Tensor | None:
-    got = await backend.get(k)
-    if got is None:
-        return None
-    try:
-        return got.raw.clone()
-    finally:
-        got.release()
 
 
 # -- without a GPU -----------------------------------------------------------------------------

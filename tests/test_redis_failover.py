@@ -128,28 +128,29 @@ class Load:
 
         await asyncio.gather(*(writer(w) for w in range(WRITERS)))
 
-    async def reader(self, seed: int) -> None:
-        rng = random.Random(seed)
-        while self.running:
-            n = rng.randrange(KEYS)
-            floor = self.acked[n]
-            try:
-                got = await self.backend.get(key_of(self.model, n))
-            except (BackendUnavailable, BackendTimeout):
-                self.failed += 1
-                await asyncio.sleep(0.02)
-                continue
-            self.reads += 1
-            if got is None:
-                if floor:
-                    self.stale.append(f"key {n}: a miss after version {floor} was acknowledged")
-                continue
+    async def check(self, n: int) -> None:
+        """Read key ``n``; record it when it is older than the version acknowledged before
+        the read began (a miss counts as version 0)."""
+        floor = self.acked[n]
+        got = await self.backend.get(key_of(self.model, n))
+        self.reads += 1
+        version = 0
+        if got is not None:
             try:
                 version = read_version(n, got)
             finally:
                 got.release()
-            if version < floor:
-                self.stale.append(f"key {n}: version {version} after {floor} was acknowledged")
+        if version < floor:
+            self.stale.append(f"key {n}: read version {version} after {floor} was acknowledged")
+
+    async def reader(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while self.running:
+            try:
+                await self.check(rng.randrange(KEYS))
+            except (BackendUnavailable, BackendTimeout):
+                self.failed += 1
+                await asyncio.sleep(0.02)
 
     async def read_for(self, seconds: float) -> int:
         """Keep the readers going ``seconds`` longer; the reads they made meanwhile."""
@@ -198,16 +199,7 @@ def test_reads_follow_the_sentinels_when_the_old_master_lives_on(
             load.running = False
             await asyncio.gather(*readers)
             for n in range(KEYS):
-                got = await backend.get(key_of(load.model, n))
-                if got is None:
-                    load.stale.append(f"key {n}: version {load.acked[n]} was lost")
-                    continue
-                try:
-                    version = read_version(n, got)
-                finally:
-                    got.release()
-                if version != load.acked[n]:
-                    load.stale.append(f"key {n}: read {version}, acknowledged {load.acked[n]}")
+                await load.check(n)
             assert not load.stale, f"{len(load.stale)} stale reads: {load.stale[:5]}"
             assert reads_after_resume > 0, "no read was served after the old master came back"
             assert set(load.acked.values()) == {3}

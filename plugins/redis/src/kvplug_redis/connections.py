@@ -18,6 +18,32 @@ from typing import Any
 from kvplug_redis.sentinel import Address, MasterTracker
 
 
+class Waiters:
+    """Callers waiting for something to change (a connection released or opened), woken one at
+    a time, longest-waiting first."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def wait(self) -> None:
+        """Wait until :meth:`wake_one` picks this caller."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._queue.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if not waiter.cancelled():
+                self.wake_one()  # woken, then cancelled: the next waiter looks instead
+            raise
+
+    def wake_one(self) -> None:
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 class ConnectionBudget:
     """Admits operations on a pool of connections: at most as many as there are open
     connections plus ``spare`` (connections that may be opened meanwhile). Connections report
@@ -29,38 +55,24 @@ class ConnectionBudget:
         """Connections open now."""
         self.busy = 0
         """Operations admitted and not done."""
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = Waiters()
 
     async def admit(self) -> None:
         """Wait until an operation may run (the wait counts against the caller's deadline)."""
         while self.busy >= max(self.connected, 0) + self.spare:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: the next waiter looks instead
-                raise
+            await self._waiters.wait()
         self.busy += 1
 
     def done(self) -> None:
         self.busy -= 1
-        self._wake()
+        self._waiters.wake_one()
 
     def opened(self) -> None:
         self.connected += 1
-        self._wake()
+        self._waiters.wake_one()
 
     def closed(self) -> None:
         self.connected -= 1
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
 
 def tracked_connection_class(
@@ -133,4 +145,4 @@ def _where(address: Address | None) -> str:
     return "an unknown server" if address is None else f"{address[0]}:{address[1]}"
 
 
-__all__ = ["ConnectionBudget", "tracked_connection_class"]
+__all__ = ["ConnectionBudget", "Waiters", "tracked_connection_class"]

@@ -55,6 +55,7 @@ from kvplug.frame import (
     verify_payload,
 )
 from kvplug.memory import Allocator, MemoryObj, nbytes_of
+from kvplug_redis.connections import Waiters
 
 HEAD_SIZE = 64 << 10
 """Bytes of a connection's buffer for reply lines and frame headers (and discarded values)."""
@@ -480,7 +481,7 @@ class DirectReads:
         self._max_connecting = max_connecting
         self._suspect = suspect
         self._connecting = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = Waiters()
         self._endpoint: Endpoint | None = None
         self._locating = asyncio.Lock()
         self._generation = 0
@@ -598,14 +599,7 @@ class DirectReads:
                 self._drop(conn)
             if self._connecting < self._max_connecting:
                 break
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter  # a connection was released or opened, or a slot to open one freed
-            except BaseException:
-                if not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: the next waiter looks instead
-                raise
+            await self._waiters.wait()  # a connection released or opened, or a slot freed
         self._connecting += 1
         try:
             generation = self._generation
@@ -619,15 +613,7 @@ class DirectReads:
             return await self._connect(endpoint, generation)
         finally:
             self._connecting -= 1
-            self._wake()
-
-    def _wake(self) -> None:
-        """Let the longest-waiting caller of :meth:`_acquire` look again."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+            self._waiters.wake_one()
 
     async def _connect(self, endpoint: Endpoint, generation: int) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -672,7 +658,7 @@ class DirectReads:
             self._drop(conn)
         else:
             self._idle.append(conn)
-            self._wake()
+            self._waiters.wake_one()
 
     def _drop(self, conn: _Connection) -> None:
         self._live.discard(conn)

@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -576,6 +576,14 @@ class SentinelProcess(ServerProcess):
         return redis.Redis(host=HOST, port=self.port, **kwargs)
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"waited {timeout} s for {what}")
+        time.sleep(0.1)
+
+
 class SentinelGroup:
     """A Sentinel-managed master: one master, one replica and three sentinels (quorum 2,
     ``down-after-milliseconds`` :data:`DOWN_AFTER_MS`), all on 127.0.0.1. :attr:`url` is
@@ -687,17 +695,27 @@ class SentinelGroup:
                 )
             time.sleep(0.1)
 
-    def master_address(self) -> tuple[str, int]:
-        """The master's address, as the first sentinel that answers reports it."""
+    def named_masters(self) -> list[tuple[str, int] | None]:
+        """The master's address as each running sentinel names it (None: it did not answer)."""
+        named: list[tuple[str, int] | None] = []
         for sentinel in self.sentinels:
             if not sentinel.running:
                 continue
+            answer = None
             with (
                 contextlib.suppress(redis.RedisError, OSError),
                 sentinel.client(socket_timeout=1) as client,
             ):
                 host, port = client.sentinel_get_master_addr_by_name(self.service)
-                return (host.decode() if isinstance(host, bytes) else str(host)), int(port)
+                answer = (host.decode() if isinstance(host, bytes) else str(host)), int(port)
+            named.append(answer)
+        return named
+
+    def master_address(self) -> tuple[str, int]:
+        """The master's address, as the first sentinel that answers reports it."""
+        for answer in self.named_masters():
+            if answer is not None:
+                return answer
         raise RuntimeError("no sentinel answers")
 
     def server_at(self, address: tuple[str, int]) -> RedisServer:
@@ -747,51 +765,37 @@ class SentinelGroup:
 
     def wait_until_all_name(self, address: tuple[str, int], timeout: float = 30.0) -> None:
         """Wait until every running sentinel names ``address`` master."""
-        deadline = time.monotonic() + timeout
-        while True:
-            named = []
-            for sentinel in self.sentinels:
-                if not sentinel.running:
-                    continue
-                with (
-                    contextlib.suppress(redis.RedisError, OSError),
-                    sentinel.client(socket_timeout=1) as client,
-                ):
-                    host, port = client.sentinel_get_master_addr_by_name(self.service)
-                    host = host.decode() if isinstance(host, bytes) else str(host)
-                    named.append((host, int(port)) == address)
-                    continue
-                named.append(False)
-            if named and all(named):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the sentinels did not all name {address} within {timeout} s")
-            time.sleep(0.1)
+
+        def all_name() -> bool:
+            named = self.named_masters()
+            return bool(named) and all(answer == address for answer in named)
+
+        _wait_until(all_name, timeout, f"the sentinels to all name {address}")
 
     def wait_until_replica(self, address: tuple[str, int], timeout: float = 30.0) -> None:
         """Wait until the server at ``address`` reports the replica role (a deposed master
         that still runs is reconfigured by the sentinels about 10 s after the switch)."""
         server = self.server_at(address)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def is_replica() -> bool:
             with contextlib.suppress(redis.RedisError, OSError), server.client() as client:
                 role = client.execute_command("ROLE")[0]
-                if (role.decode() if isinstance(role, bytes) else str(role)) == "slave":
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{address} did not become a replica within {timeout} s")
-            time.sleep(0.1)
+                return (role.decode() if isinstance(role, bytes) else str(role)) == "slave"
+            return False
+
+        _wait_until(is_replica, timeout, f"{address} to become a replica")
 
     def wait_for_failover(self, old: tuple[str, int], timeout: float = 30.0) -> tuple[str, int]:
         """Wait until the sentinels name another master than ``old``; return it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(RuntimeError):
-                address = self.master_address()
-                if address != old:
-                    return address
-            time.sleep(0.1)
-        raise RuntimeError(f"no failover away from {old} within {timeout} s")
+
+        found: list[tuple[str, int]] = []
+
+        def moved() -> bool:
+            found[:] = [a for a in self.named_masters() if a is not None and a != old]
+            return bool(found)
+
+        _wait_until(moved, timeout, f"a failover away from {old}")
+        return found[0]
 
     def close(self) -> None:
         """Kill every process and remove the working directories."""
