@@ -274,8 +274,10 @@ A, B = ("10.0.0.1", 6379), ("10.0.0.2", 6379)
         ([Answer(A, 0), Answer(A, 0), Answer(B, 1)], A, 0, Answer(B, 1)),
         # a sentinel that lags behind one already followed is not followed back
         ([Answer(A, 0)], B, 1, None),
-        # unless a majority of all the sentinels says so (they were rebuilt)
-        ([Answer(A, 0), Answer(A, 0)], B, 1, Answer(A, 0)),
+        # nor are two of three that have not heard of the failover while its leader is busy
+        ([Answer(A, 0), Answer(A, 0)], B, 1, None),
+        # unless every sentinel says so (they were rebuilt)
+        ([Answer(A, 0), Answer(A, 0), Answer(A, 0)], B, 1, Answer(A, 0)),
         # a tie at one epoch keeps the master in use
         ([Answer(A, 2), Answer(B, 2)], B, 2, Answer(B, 2)),
         ([], A, 0, None),

@@ -102,7 +102,12 @@ def tracked_connection_class(
                     return
                 await self.disconnect()
             async with connecting:
-                await super().connect()
+                try:
+                    await super().connect()
+                except (ConnectionError, moved_error):
+                    if tracker is not None:
+                        tracker.suspect()  # a dead or deposed master: ask again at once
+                    raise
             if budget is not None:
                 budget.opened()
 

@@ -11,8 +11,8 @@ that only re-asks the sentinels when a connection breaks keeps reading, and writ
 * it asks every sentinel for the service's master address and its config epoch (the failover
   generation, which only grows) and takes the address of the highest epoch, the one most
   sentinels name on a tie; a lower epoch than one already seen is a sentinel that has not
-  caught up, and is not followed unless a majority of all sentinels says so (they were
-  rebuilt);
+  caught up (or the leader of a failover is busy and does not answer), and is not followed
+  unless every sentinel answers and names it (they were rebuilt);
 * it asks again every ``interval`` seconds, at once when a sentinel publishes
   ``+switch-master``, and when an operation met a connection error or a ``READONLY`` reply;
 * a connection to any other server than the one it names is closed before its next use, and
@@ -80,8 +80,9 @@ def choose(
 ) -> Answer | None:
     """The master to follow given the sentinels' ``answers``: the highest config epoch, then
     the address most of them name, then ``current``. A lower epoch than ``epoch`` (already
-    followed) is taken only when a majority of all ``sentinels`` names it. None: no answer
-    to follow (keep ``current``)."""
+    followed) is taken only when all ``sentinels`` answer and name it: during a failover the
+    ones that have not heard of it yet can be a majority, and the leader may not answer.
+    None: no answer to follow (keep ``current``)."""
     if not answers:
         return None
     top = max(answer.epoch for answer in answers)
@@ -92,7 +93,7 @@ def choose(
     assert address is not None
     if top < epoch and address != current:
         named = sum(1 for answer in answers if answer.address == address)
-        if named <= sentinels // 2:
+        if named < sentinels:
             return None
     return Answer(address, top)
 
