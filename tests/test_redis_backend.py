@@ -1,8 +1,8 @@
 """The Redis tier (plugins/redis) against real redis-server, redis-sentinel and cluster
-processes: URL forms and their errors, credentials, key layout, SCAN listing, TTL, the
-connection bound, deadlines on a paused server, a restart mid-load, full memory with and
-without eviction, Sentinel failover under load (plain and over TLS), and Cluster batches
-across slots."""
+processes: URL forms and their errors, the tested redis-py versions, credentials, key layout,
+SCAN listing, TTL, the connection bound, deadlines on a paused server, a restart mid-load, full
+memory with and without eviction, values over the server's proto-max-bulk-len, Sentinel
+failover under load (plain and over TLS), and Cluster batches across slots."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import pytest
+import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 import torch
@@ -28,10 +29,13 @@ from kvplug import (
     BackendUnavailable,
     CacheKey,
     CapacityExceeded,
+    FreeListAllocator,
     InvalidBackendURL,
     MemoryObj,
+    PluginLoadError,
     UnknownOption,
 )
+from kvplug.store import Store
 from kvplug_redis.backend import Mode, RedisBackend, escape_glob
 from kvplug_redis.testing import RedisCluster, RedisServer, SentinelGroup, make_tls_files
 
@@ -248,6 +252,18 @@ def test_a_password_in_the_query_is_refused_without_echoing_it() -> None:
         kvplug.create_backend("redis://h1:6379?password=hunter2")
     assert "hunter2" not in str(error.value)
     assert "REDIS_PASSWORD" in str(error.value)
+
+
+@pytest.mark.parametrize("version", ["5.2.1", "9.0.0"])
+def test_an_untested_redis_py_major_fails_at_open_with_the_fix(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis, "__version__", version)
+    with pytest.raises(PluginLoadError) as refused:
+        run(kvplug.open_backend("redis://127.0.0.1:1"))
+    message = str(refused.value)
+    assert f"redis-py {version} is installed" in message, message
+    assert "pip install 'redis>=5.3,<9'" in message, message
 
 
 def test_escape_glob_makes_a_prefix_literal() -> None:
@@ -699,6 +715,151 @@ def test_an_evicting_server_turns_evicted_keys_into_misses() -> None:
                 await backend.close()
 
         run(scenario())
+
+
+# -- values over the server's proto-max-bulk-len --------------------------------------------------
+
+BULK_LIMIT = 1 << 20
+"""The proto-max-bulk-len of the servers below: 1mb, the smallest a server accepts."""
+
+
+def obj_of_mib(mib: int) -> MemoryObj:
+    """An object of ``mib`` MiB (make_obj's random bytes are slow at this size)."""
+    return MemoryObj.from_tensor(torch.full((2, mib, 256, 1024), 1.5, dtype=torch.float16))
+
+
+@pytest.fixture(scope="module")
+def small_bulk_server() -> Iterator[RedisServer]:
+    with RedisServer(extra_config={"proto-max-bulk-len": "1mb"}) as shared:
+        yield shared
+
+
+async def _oversize_values_are_refused(url: str, mib: int) -> None:
+    """Through ``url`` (values of BULK_LIMIT at most), a put and a batched put of a ``mib`` MiB
+    value raise CapacityExceeded naming the server's limit, store nothing, and the backend
+    keeps working."""
+    backend = await kvplug.open_backend(url)
+    keys = keys_of(new_model(), 4)
+    big, small = obj_of_mib(mib), make_obj(30)
+    try:
+        with pytest.raises(CapacityExceeded) as single:
+            await backend.put(keys[0], big)
+        with pytest.raises(CapacityExceeded) as batched:
+            await backend.batched_put(keys[1:3], [small, big])
+        for refused in (single.value, batched.value):
+            message = str(refused)
+            assert f"proto-max-bulk-len ({BULK_LIMIT} bytes)" in message, message
+            assert "CONFIG SET proto-max-bulk-len" in message and "max_value_size" in message
+        assert not await backend.contains(keys[0]) and not await backend.contains(keys[2])
+        await backend.put(keys[3], small)
+        got = await backend.get(keys[3])
+        try:
+            assert same(small, got)
+        finally:
+            if got is not None:
+                got.release()
+    finally:
+        big.release()
+        small.release()
+        await backend.close()
+
+
+@pytest.mark.parametrize("mib", [2, 64], ids=["2MiB-error-reply", "64MiB-reset-mid-send"])
+def test_a_value_over_the_servers_proto_max_bulk_len_is_capacity_exceeded(
+    small_bulk_server: RedisServer, mib: int
+) -> None:
+    """The server answers a value a little over its limit with a protocol error and drops the
+    connection; a large one it cuts off mid-send. Either is a size error, not an outage."""
+    run(_oversize_values_are_refused(small_bulk_server.url, mib))
+
+
+def test_a_value_over_a_clusters_proto_max_bulk_len_is_capacity_exceeded() -> None:
+    with RedisCluster(extra_config={"proto-max-bulk-len": "1mb"}) as cluster:
+        run(_oversize_values_are_refused(cluster.url, 64))
+
+
+@pytest.mark.parametrize("refusal", ["renamed", "acl"])
+def test_with_config_get_refused_puts_are_checked_against_max_value_size(
+    refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CONFIG renamed away or refused by the user's ACL: the server's limit cannot be read,
+    which is logged once; puts go on, checked against max_value_size alone."""
+    config = {"proto-max-bulk-len": "1mb"}
+    if refusal == "renamed":
+        config["rename-command"] = 'CONFIG ""'
+    with RedisServer(extra_config=config) as server:
+        url = server.url
+        if refusal == "acl":
+            with server.client() as client:
+                client.execute_command(
+                    "ACL", "SETUSER", "app", "on", ">app-pw", "~*", "+@all", "-config"
+                )
+            url = f"redis://app:app-pw@127.0.0.1:{server.port}"
+
+        async def scenario() -> None:
+            backend = await kvplug.open_backend(url, max_value_size="1MiB")
+            big, small = obj_of_mib(2), make_obj(33)
+            keys = keys_of(new_model(), 3)
+            try:
+                await backend.put(keys[0], small)
+                await backend.batched_put(keys[1:2], [small])
+                with pytest.raises(CapacityExceeded, match="max_value_size"):
+                    await backend.put(keys[2], big)
+                assert await backend.batched_contains(keys) == 2
+            finally:
+                big.release()
+                small.release()
+                await backend.close()
+
+        with caplog.at_level(logging.INFO, logger="kvplug.redis"):
+            run(scenario())
+    unread = [r for r in caplog.records if "proto-max-bulk-len cannot be read" in r.message]
+    assert len(unread) == 1, caplog.text
+    assert "app-pw" not in caplog.text
+
+
+def test_the_servers_refusal_of_a_long_value_is_capacity_exceeded() -> None:
+    """Where the limit could not be read, a value over it is sent, and the server answers
+    with a protocol error (when the answer arrives before it drops the connection)."""
+    backend = kvplug.create_backend("redis://h1")
+    assert isinstance(backend, RedisBackend)
+    refusal = redis.exceptions.ResponseError("Protocol error: invalid bulk length")
+    error = backend._translate(refusal, "put")
+    assert isinstance(error, CapacityExceeded), error
+    assert "proto-max-bulk-len" in str(error) and "max_value_size" in str(error)
+
+
+def test_an_oversize_value_leaves_the_tier_in_a_store(small_bulk_server: RedisServer) -> None:
+    """Through a Store, a value over the server's proto-max-bulk-len is a dropped put, not a
+    failing tier: the tier stays healthy and serves puts and gets of other keys at once."""
+
+    async def scenario() -> None:
+        tier = await kvplug.open_backend(small_bulk_server.url)
+        store = Store([tier], allocator=FreeListAllocator(8 << 20, pin=False), backoff=60.0)
+        name = store.tier_names[0]
+        big_key, key = keys_of(new_model(), 2)
+        big, small = obj_of_mib(64), make_obj(31)
+        try:
+            await store.put(big_key, big)
+            health = store.health()[0]
+            assert health.healthy, health.last_error
+            assert store.stats()[name]["dropped_puts"] == 1
+            assert "proto-max-bulk-len" in (health.last_dropped or "")
+            await store.put(key, small)
+            got = await store.get(key)
+            try:
+                assert same(small, got)
+            finally:
+                if got is not None:
+                    got.release()
+            assert await store.get(big_key) is None
+            assert store.stats()[name]["errors"] == 0
+        finally:
+            big.release()
+            small.release()
+            await store.close()
+
+    run(scenario())
 
 
 # -- Sentinel ------------------------------------------------------------------------------------

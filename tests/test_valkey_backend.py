@@ -1,13 +1,15 @@
 """The Valkey tier (plugins/valkey): its schemes and their errors, valkey-py as the client
-library, VALKEY_* credentials, where the tests' valkey-server comes from, and real
-valkey-server processes: the stored layout, a Sentinel failover (plain and over TLS) and a
-Cluster batch over every node. Also valkey-py against redis-server, plain and over TLS
-(valkeys://), since Valkey speaks Redis' protocol and the PyPI valkey-server is built without
-TLS. The contract suite runs in test_valkey_contract.py."""
+library and its tested versions, VALKEY_* credentials, where the tests' valkey-server comes
+from, and real valkey-server processes: the stored layout, values over the server's
+proto-max-bulk-len, a Sentinel failover (plain and over TLS) and a Cluster batch over every
+node. Also valkey-py against redis-server, plain and over TLS (valkeys://), since Valkey
+speaks Redis' protocol and the PyPI valkey-server is built without TLS. The contract suite
+runs in test_valkey_contract.py."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -19,14 +21,18 @@ import torch
 import valkey
 import valkey.asyncio
 import valkey.asyncio.cluster
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 import kvplug
 from kvplug import (
     BackendError,
     BackendUnavailable,
     CacheKey,
+    CapacityExceeded,
     InvalidBackendURL,
     MemoryObj,
+    PluginLoadError,
 )
 from kvplug_redis.backend import Mode, RedisBackend
 from kvplug_redis.testing import RedisServer
@@ -187,6 +193,40 @@ def test_a_password_in_the_query_points_to_valkey_password() -> None:
     assert "VALKEY_PASSWORD" in str(error.value) and "hunter2" not in str(error.value)
 
 
+@pytest.mark.parametrize("version", ["5.0.0", "7.0.0"])
+def test_an_untested_valkey_py_major_fails_at_open_with_the_fix(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(valkey, "__version__", version)
+    with pytest.raises(PluginLoadError) as refused:
+        run(kvplug.open_backend("valkey://127.0.0.1:1"))
+    message = str(refused.value)
+    assert f"valkey-py {version} is installed" in message, message
+    assert "pip install 'valkey>=6,<7'" in message, message
+
+
+@pytest.mark.parametrize("backend_class", [RedisBackend, ValkeyBackend], ids=["redis", "valkey"])
+def test_the_tested_client_ranges_are_the_distributions_pins(
+    backend_class: type[RedisBackend],
+) -> None:
+    """The range the backend accepts at open is the one its distribution pins, and the client
+    installed here, the one the tests ran with, lies in it."""
+    library = backend_class.client_library()
+    tested = library.versions
+    requires = importlib.metadata.requires(tested.plugin) or []
+    (pin,) = [
+        requirement
+        for requirement in map(Requirement, requires)
+        if requirement.name == tested.distribution and requirement.marker is None
+    ]
+    assert pin.specifier == SpecifierSet(tested.specifier), (
+        f"{tested.plugin} pins {pin} but the backend accepts {tested.requirement}; make them "
+        "one. (An editable install keeps the pins it was installed with: install it again, "
+        "pip install -e <its directory>, or run bash scripts/setup.sh.)"
+    )
+    assert tested.covers(library.version)
+
+
 # -- where valkey-server comes from ---------------------------------------------------------------
 
 
@@ -254,6 +294,65 @@ def test_credentials_come_from_valkey_env_not_redis_env(
     assert run(round_trip(url))
     monkeypatch.delenv("VALKEY_USERNAME")
     assert run(round_trip(f"valkey://alice@127.0.0.1:{password_server.port}"))  # URL user
+
+
+# -- values over the server's proto-max-bulk-len --------------------------------------------------
+
+BULK_LIMIT = 1 << 20
+"""The proto-max-bulk-len of the servers below: 1mb, the smallest a server accepts."""
+
+
+def obj_of_mib(mib: int) -> MemoryObj:
+    """An object of ``mib`` MiB (make_obj's random bytes are slow at this size)."""
+    return MemoryObj.from_tensor(torch.full((2, mib, 256, 1024), 1.5, dtype=torch.float16))
+
+
+async def _oversize_values_are_refused(url: str, mib: int) -> None:
+    """Through ``url`` (values of BULK_LIMIT at most), a put and a batched put of a ``mib`` MiB
+    value raise CapacityExceeded naming the server's limit, store nothing, and the backend
+    keeps working."""
+    backend = await kvplug.open_backend(url)
+    keys = keys_of(new_model(), 4)
+    big, small = obj_of_mib(mib), make_obj(30)
+    try:
+        with pytest.raises(CapacityExceeded) as single:
+            await backend.put(keys[0], big)
+        with pytest.raises(CapacityExceeded) as batched:
+            await backend.batched_put(keys[1:3], [small, big])
+        for refused in (single.value, batched.value):
+            message = str(refused)
+            assert f"proto-max-bulk-len ({BULK_LIMIT} bytes)" in message, message
+            assert "CONFIG SET proto-max-bulk-len" in message and "max_value_size" in message
+        assert not await backend.contains(keys[0]) and not await backend.contains(keys[2])
+        await backend.put(keys[3], small)
+        got = await backend.get(keys[3])
+        try:
+            assert same(small, got)
+        finally:
+            if got is not None:
+                got.release()
+    finally:
+        big.release()
+        small.release()
+        await backend.close()
+
+
+@pytest.fixture(scope="module")
+def small_bulk_server() -> Iterator[ValkeyServer]:
+    with ValkeyServer(extra_config={"proto-max-bulk-len": "1mb"}) as shared:
+        yield shared
+
+
+@pytest.mark.parametrize("mib", [2, 64], ids=["2MiB-error-reply", "64MiB-reset-mid-send"])
+def test_a_value_over_the_servers_proto_max_bulk_len_is_capacity_exceeded(
+    small_bulk_server: ValkeyServer, mib: int
+) -> None:
+    run(_oversize_values_are_refused(small_bulk_server.url, mib))
+
+
+def test_a_value_over_a_valkey_clusters_proto_max_bulk_len_is_capacity_exceeded() -> None:
+    with ValkeyCluster(extra_config={"proto-max-bulk-len": "1mb"}) as cluster:
+        run(_oversize_values_are_refused(cluster.url, 64))
 
 
 # -- valkey-py against redis-server -----------------------------------------------------------

@@ -31,7 +31,13 @@ than fail with redis-py's ``MaxConnectionsError``). An unreachable, restarting, 
 failing-over server raises :class:`~kvplug.errors.BackendUnavailable`, a slow one
 :class:`~kvplug.errors.BackendTimeout`; the next operation reconnects by itself. A server out
 of memory (``maxmemory`` with ``noeviction``) makes puts raise
-:class:`~kvplug.errors.CapacityExceeded` while reads keep working.
+:class:`~kvplug.errors.CapacityExceeded` while reads keep working, and so does a value larger
+than ``max_value_size`` or the server's ``proto-max-bulk-len`` (read at the first put).
+
+**Client versions.** The backend uses internals of the client library (the connections'
+stream writer, packed commands of memoryviews), so it accepts only the versions it is tested
+with (:data:`REDIS_PY_VERSIONS`, the range kvplug-redis pins) and otherwise raises
+:class:`~kvplug.errors.PluginLoadError` when it is created.
 
 **Credentials** come from the options, then the URL, then the ``REDIS_USERNAME`` and
 ``REDIS_PASSWORD`` environment variables; they are never logged.
@@ -47,6 +53,7 @@ import contextlib
 import enum
 import logging
 import os
+import re
 import secrets
 import ssl
 import time
@@ -68,6 +75,7 @@ from kvplug.errors import (
     CorruptObject,
     InvalidBackendURL,
     KvplugError,
+    PluginLoadError,
 )
 from kvplug.frame import decode_frame, encode_frame
 from kvplug.keys import CacheKey, InvalidKey
@@ -105,6 +113,53 @@ class Mode(enum.Enum):
     UNIX = "unix"
     SENTINEL = "sentinel"
     CLUSTER = "cluster"
+
+
+@dataclass(frozen=True)
+class ClientVersions:
+    """The versions of a client library that a plugin is tested with: the one place that
+    says so, which the plugin's distribution pins too (a test compares them)."""
+
+    plugin: str
+    """The plugin's distribution, which pins the range: ``kvplug-redis``."""
+    distribution: str
+    """The client library's distribution, as pip names it: ``redis``."""
+    lowest: tuple[int, ...]
+    """The lowest version tested: ``(5, 3)``."""
+    below: int
+    """The first major version not tested: ``9``."""
+
+    @property
+    def range(self) -> str:
+        """For messages: ``5.3 to 8.x``, or ``6.x``."""
+        last = f"{self.below - 1}.x"
+        if self.lowest == (self.below - 1,):
+            return last
+        return f"{'.'.join(map(str, self.lowest))} to {last}"
+
+    @property
+    def specifier(self) -> str:
+        return f">={'.'.join(map(str, self.lowest))},<{self.below}"
+
+    @property
+    def requirement(self) -> str:
+        """What to ``pip install``: ``redis>=5.3,<9``."""
+        return self.distribution + self.specifier
+
+    def covers(self, version: str) -> bool:
+        """Whether ``version`` (``8.1.0``) lies in the tested range."""
+        release = re.match(r"\d+(\.\d+)*", version)
+        if release is None:
+            return False
+        numbers = tuple(int(part) for part in release.group().split("."))
+        return self.lowest <= numbers and numbers[0] < self.below
+
+
+REDIS_PY_VERSIONS = ClientVersions(
+    plugin="kvplug-redis", distribution="redis", lowest=(5, 3), below=9
+)
+"""redis-py 5.3 to 8.x (the tests run 8.1.0; 5.3.0, 6.4.0 and 7.0.1 were checked too). Before
+5.3 a connection pool's ``get_connection`` needs a command name, which the put path omits."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +202,23 @@ class ClientLibrary:
     """The root of the library's errors (``RedisError``)."""
     cluster_exception: type[Exception]
     """The cluster client's set-up error, outside ``base_error`` (``RedisClusterException``)."""
+    version: str
+    """The installed version (``redis.__version__``)."""
+    versions: ClientVersions
+    """The versions the plugin is tested with (:data:`REDIS_PY_VERSIONS`)."""
+
+    def check_version(self) -> None:
+        """Raise :class:`~kvplug.errors.PluginLoadError` if :attr:`version` is not tested."""
+        tested = self.versions
+        if tested.covers(self.version):
+            return
+        raise PluginLoadError(
+            f"{tested.plugin} is tested with {self.name} {tested.range} "
+            f"({tested.requirement}), but {self.name} {self.version} is installed: the backend "
+            "relies on internals of the library (its connections' stream writer, packed "
+            "commands) that other versions lack or may change. Install a tested one: "
+            f"pip install '{tested.requirement}'"
+        )
 
 
 def redis_py() -> ClientLibrary:
@@ -176,6 +248,8 @@ def redis_py() -> ClientLibrary:
         exceptions=redis.exceptions,
         base_error=redis.exceptions.RedisError,
         cluster_exception=redis.exceptions.RedisClusterException,
+        version=redis.__version__,
+        versions=REDIS_PY_VERSIONS,
     )
 
 
@@ -201,7 +275,9 @@ class RedisOptions(BytesBackendOptions):
     username: str | None = Field(None, description="ACL user (wins over the URL and env)")
     password: SecretStr | None = Field(None, description="password (wins over URL and env)")
     max_value_size: int = Field(
-        512 << 20, description="largest frame a put sends (Redis' proto-max-bulk-len)"
+        512 << 20,
+        description="largest frame a put sends; the server's proto-max-bulk-len, read at the "
+        "first put, bounds it too",
     )
     ssl_ca_certs: str | None = Field(None, description="TLS schemes: CA bundle (PEM)")
     ssl_certfile: str | None = Field(None, description="TLS schemes: client certificate (PEM)")
@@ -325,6 +401,7 @@ class RedisBackend(BytesBackend):
         self._check_options_fit_the_scheme()
         self.target = self._target()
         self._lib = self.client_library()
+        self._lib.check_version()
         # Why a semaphore: redis-py's pools raise MaxConnectionsError instead of waiting when
         # every connection is busy; an operation holds at most one connection per server.
         self._slots = asyncio.Semaphore(self.options.max_connections)
@@ -340,6 +417,10 @@ class RedisBackend(BytesBackend):
         """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
         gets go through the client library."""
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
+        self._bulk_limit: int | None = None
+        """The server's ``proto-max-bulk-len`` once read (:meth:`_read_bulk_limit`)."""
+        self._bulk_limit_read = False
+        self._reading_bulk_limit = asyncio.Lock()
 
     @property
     def tls(self) -> bool:
@@ -700,6 +781,13 @@ class RedisBackend(BytesBackend):
                 f"{where} failed: the server is full ({error}). Raise its maxmemory, set an "
                 "eviction policy such as allkeys-lru, or use a ttl; reads keep working."
             )
+        if isinstance(error, errors.ResponseError) and "invalid bulk length" in str(error):
+            return CapacityExceeded(
+                f"{where} failed: the server refused a value longer than its "
+                f"proto-max-bulk-len ({error}). Store smaller chunks, or raise proto-max-bulk-len "
+                "on the server (CONFIG SET proto-max-bulk-len); set max_value_size to the "
+                "server's limit so such values are refused before they are sent."
+            )
         if isinstance(error, errors.TimeoutError):
             return BackendTimeout(
                 f"{where} timed out ({reason}): the server is slow or unreachable. Check it, or "
@@ -746,12 +834,63 @@ class RedisBackend(BytesBackend):
             "again once a sentinel answers."
         )
 
+    async def _read_bulk_limit(self, what: str) -> None:
+        """Read the server's ``proto-max-bulk-len`` (on a cluster, the smallest of the
+        primaries') once, for :meth:`_check_size`. Why before sending: the server answers a
+        longer value with a protocol error and drops the connection, for a large value while
+        it is still being sent, which reads as an unreachable server. Where ``CONFIG GET`` is
+        refused (ACL) or renamed, values are checked against ``max_value_size`` only."""
+        async with self._reading_bulk_limit:
+            if self._bulk_limit_read:
+                return
+            try:
+                self._bulk_limit = await self._run(
+                    f"{what} (reading proto-max-bulk-len)", self._server_bulk_limit
+                )
+            except (BackendUnavailable, BackendClosed):
+                raise
+            except BackendError as error:
+                logger.info(
+                    "%s: the server's proto-max-bulk-len cannot be read (%s); puts are checked "
+                    "against max_value_size (%d) alone. Set max_value_size to the server's "
+                    "proto-max-bulk-len: a longer value is cut off by the server mid-send, "
+                    "which reads as an unreachable server",
+                    self.url,
+                    error,
+                    self.options.max_value_size,
+                )
+            self._bulk_limit_read = True
+
+    async def _server_bulk_limit(self, client: Any) -> int | None:
+        nodes: list[Any] = [None]
+        if self.mode is Mode.CLUSTER:
+            nodes = await self._primaries(client)
+        limits: list[int] = []
+        for node in nodes:
+            target = {} if node is None else {"target_nodes": node}
+            reply = await client.config_get("proto-max-bulk-len", **target)
+            value = reply.get("proto-max-bulk-len")
+            if value is None or not str(value).isdigit():
+                return None
+            limits.append(int(value))
+        return min(limits)
+
     def _check_size(self, key: str, size: int) -> None:
-        if size > self.options.max_value_size:
+        server, option = self._bulk_limit, self.options.max_value_size
+        if server is not None and size > server and server <= option:
+            raise CapacityExceeded(
+                f"put of {key!r} on {self.url}: the object is {size} bytes, more than the "
+                f"server's proto-max-bulk-len ({server} bytes), the largest value it takes. "
+                "Store smaller chunks, or raise proto-max-bulk-len on the server to at least "
+                f"that (CONFIG SET proto-max-bulk-len {size}, and in its config file); "
+                f"max_value_size ({option}) must allow it too."
+            )
+        if size > option:
             raise CapacityExceeded(
                 f"put of {key!r} on {self.url}: the object is {size} bytes, more than "
-                f"max_value_size ({self.options.max_value_size}), the largest value the server "
-                "takes (proto-max-bulk-len). Store smaller chunks, or raise both."
+                f"max_value_size ({option}), the largest value this backend sends. Store "
+                "smaller chunks, or raise max_value_size (and the server's proto-max-bulk-len "
+                "if it is lower)."
             )
 
     def _value(self, key: str, parts: Sequence[Buffer]) -> bytes:
@@ -957,6 +1096,7 @@ class RedisBackend(BytesBackend):
         return value
 
     async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        await self._read_bulk_limit("put")
         if self.mode is Mode.CLUSTER:
             value = self._value(key, parts)
             await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
@@ -998,6 +1138,7 @@ class RedisBackend(BytesBackend):
         self.ensure_open()
         if not keys:
             return
+        await self._read_bulk_limit("batched_put")
         for obj in objs:
             obj.retain()
         try:
@@ -1173,7 +1314,9 @@ class RedisBackend(BytesBackend):
 
 
 __all__ = [
+    "REDIS_PY_VERSIONS",
     "ClientLibrary",
+    "ClientVersions",
     "Mode",
     "RedisBackend",
     "RedisOptions",

@@ -391,6 +391,7 @@ class RedisServer(ServerProcess):
     * ``password``: ``requirepass``.
     * ``replica_of``: replicate another server (waits for the initial sync).
     * ``cluster``: a cluster node (``cluster-enabled yes``, its own bus port).
+    * ``extra_config``: further config lines, name to value (``{"proto-max-bulk-len": "1mb"}``).
     """
 
     scheme = "redis"
@@ -814,6 +815,7 @@ class SentinelGroup:
 class RedisCluster:
     """A Redis Cluster of ``masters`` nodes (3 by default) on 127.0.0.1, the 16384 slots split
     evenly, no replicas. :attr:`url` is ``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...``.
+    ``extra_config`` lines (``{"proto-max-bulk-len": "1mb"}``) go to every node.
 
     ServerControl acts on every node at once; after :meth:`stop` and :meth:`start` the nodes
     come back on the same ports with their cluster configuration (not their data), and
@@ -829,6 +831,7 @@ class RedisCluster:
         masters: int = 3,
         password: str | None = None,
         node_timeout_ms: int = 2000,
+        extra_config: Mapping[str, str] | None = None,
         startup_timeout: float = 20.0,
     ) -> None:
         if masters < 1:
@@ -841,6 +844,7 @@ class RedisCluster:
                 password=password,
                 cluster=True,
                 cluster_node_timeout_ms=node_timeout_ms,
+                extra_config=extra_config,
             )
             for _ in range(masters)
         ]

@@ -15,8 +15,10 @@ Valkey speaks Redis' protocol and valkey-py is a fork of redis-py with the same 
 backend is :class:`kvplug_redis.backend.RedisBackend` with valkey-py's classes handed in
 (:func:`valkey_py`), its own schemes and its own environment variables. Everything else, the
 storage layout (one key per chunk holding kvplug's whole frame, written by one ``SET``),
-pipelined batches, deadlines, the bound on operations in flight, reconnects, failover and
-``CapacityExceeded`` from a full server, is the Redis tier's: see ``docs/redis.md``.
+pipelined batches, deadlines, the bound on operations in flight, reconnects, failover,
+``CapacityExceeded`` from a full server or for a value over its ``proto-max-bulk-len``, and the
+check of the client library's version at creation (:data:`VALKEY_PY_VERSIONS`), is the Redis
+tier's: see ``docs/redis.md``.
 
 **Credentials** come from the options, then the URL, then the ``VALKEY_USERNAME`` and
 ``VALKEY_PASSWORD`` environment variables (Sentinel: ``VALKEY_SENTINEL_PASSWORD``; the
@@ -31,7 +33,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from kvplug_redis.backend import ClientLibrary, Mode, RedisBackend
+from kvplug_redis.backend import ClientLibrary, ClientVersions, Mode, RedisBackend
+
+VALKEY_PY_VERSIONS = ClientVersions(
+    plugin="kvplug-valkey", distribution="valkey", lowest=(6,), below=7
+)
+"""valkey-py 6.x (the suites pass on 6.0.2, 6.1.1 and 6.2.0); the backend refuses other
+versions when it is created, as :data:`kvplug_redis.backend.REDIS_PY_VERSIONS` does for
+redis-py."""
 
 
 def valkey_py() -> ClientLibrary:
@@ -62,6 +71,8 @@ def valkey_py() -> ClientLibrary:
         exceptions=valkey.exceptions,
         base_error=valkey.exceptions.ValkeyError,
         cluster_exception=valkey.exceptions.ValkeyClusterException,
+        version=valkey.__version__,
+        versions=VALKEY_PY_VERSIONS,
     )
 
 
@@ -92,4 +103,4 @@ class ValkeyBackend(RedisBackend):
         return valkey_py()
 
 
-__all__ = ["ValkeyBackend", "valkey_py"]
+__all__ = ["VALKEY_PY_VERSIONS", "ValkeyBackend", "valkey_py"]
