@@ -19,7 +19,15 @@ import pytest
 import redis
 import redis.asyncio
 import redis.asyncio.sentinel
-import torch
+from redis_helpers import (
+    keys_of,
+    make_obj,
+    new_model,
+    obj_of_mib,
+    oversize_values_are_refused,
+    run,
+    same,
+)
 
 import kvplug
 from kvplug import (
@@ -31,7 +39,6 @@ from kvplug import (
     CapacityExceeded,
     FreeListAllocator,
     InvalidBackendURL,
-    MemoryObj,
     PluginLoadError,
     UnknownOption,
 )
@@ -42,35 +49,8 @@ from kvplug_redis.testing import RedisCluster, RedisServer, SentinelGroup, make_
 pytestmark = pytest.mark.redis
 
 T = TypeVar("T")
-SHAPE = (2, 1, 16, 64)
+
 PASSWORD = "s3cret-pw@x"
-
-
-def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coroutine)
-
-
-def make_obj(seed: int, shape: tuple[int, ...] = SHAPE) -> MemoryObj:
-    generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * 2,), generator=generator)
-    return MemoryObj.from_tensor(data.to(torch.uint8).view(torch.float16).reshape(shape))
-
-
-def same(expected: MemoryObj, got: MemoryObj | None) -> bool:
-    return (
-        got is not None
-        and got.shape == expected.shape
-        and got.dtype == expected.dtype
-        and torch.equal(got.raw, expected.raw)
-    )
-
-
-def keys_of(model: str, count: int, start: int = 0) -> list[CacheKey]:
-    return [CacheKey("vllm", model, 1, 0, n) for n in range(start, start + count)]
-
-
-def new_model() -> str:
-    return f"model-{uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture(scope="module")
@@ -719,49 +699,11 @@ def test_an_evicting_server_turns_evicted_keys_into_misses() -> None:
 
 # -- values over the server's proto-max-bulk-len --------------------------------------------------
 
-BULK_LIMIT = 1 << 20
-"""The proto-max-bulk-len of the servers below: 1mb, the smallest a server accepts."""
-
-
-def obj_of_mib(mib: int) -> MemoryObj:
-    """An object of ``mib`` MiB (make_obj's random bytes are slow at this size)."""
-    return MemoryObj.from_tensor(torch.full((2, mib, 256, 1024), 1.5, dtype=torch.float16))
-
 
 @pytest.fixture(scope="module")
 def small_bulk_server() -> Iterator[RedisServer]:
     with RedisServer(extra_config={"proto-max-bulk-len": "1mb"}) as shared:
         yield shared
-
-
-async def _oversize_values_are_refused(url: str, mib: int) -> None:
-    """Through ``url`` (values of BULK_LIMIT at most), a put and a batched put of a ``mib`` MiB
-    value raise CapacityExceeded naming the server's limit, store nothing, and the backend
-    keeps working."""
-    backend = await kvplug.open_backend(url)
-    keys = keys_of(new_model(), 4)
-    big, small = obj_of_mib(mib), make_obj(30)
-    try:
-        with pytest.raises(CapacityExceeded) as single:
-            await backend.put(keys[0], big)
-        with pytest.raises(CapacityExceeded) as batched:
-            await backend.batched_put(keys[1:3], [small, big])
-        for refused in (single.value, batched.value):
-            message = str(refused)
-            assert f"proto-max-bulk-len ({BULK_LIMIT} bytes)" in message, message
-            assert "CONFIG SET proto-max-bulk-len" in message and "max_value_size" in message
-        assert not await backend.contains(keys[0]) and not await backend.contains(keys[2])
-        await backend.put(keys[3], small)
-        got = await backend.get(keys[3])
-        try:
-            assert same(small, got)
-        finally:
-            if got is not None:
-                got.release()
-    finally:
-        big.release()
-        small.release()
-        await backend.close()
 
 
 @pytest.mark.parametrize("mib", [2, 64], ids=["2MiB-error-reply", "64MiB-reset-mid-send"])
@@ -770,12 +712,12 @@ def test_a_value_over_the_servers_proto_max_bulk_len_is_capacity_exceeded(
 ) -> None:
     """The server answers a value a little over its limit with a protocol error and drops the
     connection; a large one it cuts off mid-send. Either is a size error, not an outage."""
-    run(_oversize_values_are_refused(small_bulk_server.url, mib))
+    run(oversize_values_are_refused(small_bulk_server.url, mib))
 
 
 def test_a_value_over_a_clusters_proto_max_bulk_len_is_capacity_exceeded() -> None:
     with RedisCluster(extra_config={"proto-max-bulk-len": "1mb"}) as cluster:
-        run(_oversize_values_are_refused(cluster.url, 64))
+        run(oversize_values_are_refused(cluster.url, 64))
 
 
 @pytest.mark.parametrize("refusal", ["renamed", "acl"])

@@ -11,27 +11,31 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import time
-import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import torch
 import valkey
 import valkey.asyncio
 import valkey.asyncio.cluster
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from redis_helpers import (
+    keys_of,
+    make_obj,
+    new_model,
+    oversize_values_are_refused,
+    run,
+    same,
+)
 
 import kvplug
 from kvplug import (
     BackendError,
     BackendUnavailable,
     CacheKey,
-    CapacityExceeded,
     InvalidBackendURL,
-    MemoryObj,
     PluginLoadError,
 )
 from kvplug_redis.backend import Mode, RedisBackend
@@ -47,36 +51,7 @@ from kvplug_valkey.testing import (
 
 pytestmark = pytest.mark.redis
 
-T = TypeVar("T")
-SHAPE = (2, 1, 16, 64)
 PASSWORD = "v4lkey-pw@x"
-
-
-def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coroutine)
-
-
-def make_obj(seed: int, shape: tuple[int, ...] = SHAPE) -> MemoryObj:
-    generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * 2,), generator=generator)
-    return MemoryObj.from_tensor(data.to(torch.uint8).view(torch.float16).reshape(shape))
-
-
-def same(expected: MemoryObj, got: MemoryObj | None) -> bool:
-    return (
-        got is not None
-        and got.shape == expected.shape
-        and got.dtype == expected.dtype
-        and torch.equal(got.raw, expected.raw)
-    )
-
-
-def keys_of(model: str, count: int, start: int = 0) -> list[CacheKey]:
-    return [CacheKey("vllm", model, 1, 0, n) for n in range(start, start + count)]
-
-
-def new_model() -> str:
-    return f"model-{uuid.uuid4().hex[:10]}"
 
 
 async def round_trip(url: str, **options: Any) -> bool:
@@ -298,44 +273,6 @@ def test_credentials_come_from_valkey_env_not_redis_env(
 
 # -- values over the server's proto-max-bulk-len --------------------------------------------------
 
-BULK_LIMIT = 1 << 20
-"""The proto-max-bulk-len of the servers below: 1mb, the smallest a server accepts."""
-
-
-def obj_of_mib(mib: int) -> MemoryObj:
-    """An object of ``mib`` MiB (make_obj's random bytes are slow at this size)."""
-    return MemoryObj.from_tensor(torch.full((2, mib, 256, 1024), 1.5, dtype=torch.float16))
-
-
-async def _oversize_values_are_refused(url: str, mib: int) -> None:
-    """Through ``url`` (values of BULK_LIMIT at most), a put and a batched put of a ``mib`` MiB
-    value raise CapacityExceeded naming the server's limit, store nothing, and the backend
-    keeps working."""
-    backend = await kvplug.open_backend(url)
-    keys = keys_of(new_model(), 4)
-    big, small = obj_of_mib(mib), make_obj(30)
-    try:
-        with pytest.raises(CapacityExceeded) as single:
-            await backend.put(keys[0], big)
-        with pytest.raises(CapacityExceeded) as batched:
-            await backend.batched_put(keys[1:3], [small, big])
-        for refused in (single.value, batched.value):
-            message = str(refused)
-            assert f"proto-max-bulk-len ({BULK_LIMIT} bytes)" in message, message
-            assert "CONFIG SET proto-max-bulk-len" in message and "max_value_size" in message
-        assert not await backend.contains(keys[0]) and not await backend.contains(keys[2])
-        await backend.put(keys[3], small)
-        got = await backend.get(keys[3])
-        try:
-            assert same(small, got)
-        finally:
-            if got is not None:
-                got.release()
-    finally:
-        big.release()
-        small.release()
-        await backend.close()
-
 
 @pytest.fixture(scope="module")
 def small_bulk_server() -> Iterator[ValkeyServer]:
@@ -347,12 +284,12 @@ def small_bulk_server() -> Iterator[ValkeyServer]:
 def test_a_value_over_the_servers_proto_max_bulk_len_is_capacity_exceeded(
     small_bulk_server: ValkeyServer, mib: int
 ) -> None:
-    run(_oversize_values_are_refused(small_bulk_server.url, mib))
+    run(oversize_values_are_refused(small_bulk_server.url, mib))
 
 
 def test_a_value_over_a_valkey_clusters_proto_max_bulk_len_is_capacity_exceeded() -> None:
     with ValkeyCluster(extra_config={"proto-max-bulk-len": "1mb"}) as cluster:
-        run(_oversize_values_are_refused(cluster.url, 64))
+        run(oversize_values_are_refused(cluster.url, 64))
 
 
 # -- valkey-py against redis-server -----------------------------------------------------------
