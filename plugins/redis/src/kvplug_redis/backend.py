@@ -53,7 +53,6 @@ import contextlib
 import enum
 import logging
 import os
-import re
 import secrets
 import ssl
 import time
@@ -63,6 +62,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, Literal, TypeVar
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from pydantic import Field, SecretStr, field_validator
 
 from kvplug.backend import BackendOptions, Buffer, BytesBackend, BytesBackendOptions, Capabilities
@@ -147,12 +148,12 @@ class ClientVersions:
         return self.distribution + self.specifier
 
     def covers(self, version: str) -> bool:
-        """Whether ``version`` (``8.1.0``) lies in the tested range."""
-        release = re.match(r"\d+(\.\d+)*", version)
-        if release is None:
+        """Whether ``version`` (``8.1.0``, pre-releases included) lies in the tested range."""
+        try:
+            parsed = Version(version)
+        except InvalidVersion:
             return False
-        numbers = tuple(int(part) for part in release.group().split("."))
-        return self.lowest <= numbers and numbers[0] < self.below
+        return SpecifierSet(self.specifier).contains(parsed, prereleases=True)
 
 
 REDIS_PY_VERSIONS = ClientVersions(
