@@ -67,12 +67,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Buffer, Capabilities
+from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -88,16 +88,23 @@ from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.fileops import (
+    O_DIRECT,
     LiveWriters,
     NotAnObject,
     WriteRefused,
     WriterLock,
+    byte_view,
     classify_os_error,
     clear_the_way,
+    fsync_dir,
+    header_buffer,
     kind_of,
     move_aside,
     open_object,
+    read_all,
     reason,
+    unlink_quietly,
+    write_all,
 )
 from kvplug_disk.layout import (
     BLOCK,
@@ -109,6 +116,7 @@ from kvplug_disk.layout import (
     TEMP_NAME,
     WRITER_LOCK_NAME,
     ObjectHeader,
+    checked_header,
     decode_block,
     digest,
     encode_block,
@@ -130,7 +138,6 @@ CLOSE_WAIT = 4.0
 BOUNCE_POOL_SIZE = 64 << 20
 """Aligned staging memory for objects that do not live in 4096-aligned host memory."""
 
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 RETRY_UNDELETABLE = 30.0
 """Seconds eviction leaves a file it could not delete alone before it tries again."""
@@ -143,7 +150,6 @@ _DELETE_LEFT = (
 )
 _STRIPES = 64
 _ZEROS = bytes(BLOCK)
-_thread_state = threading.local()
 
 
 class DiskOptions(BackendOptions):
@@ -289,7 +295,7 @@ class Directory:
 
 
 @dataclass
-class _Entry:
+class IndexEntry:
     """What the index knows about one stored object; the file is the truth."""
 
     path: str
@@ -357,13 +363,6 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"  # pragma: no cover
 
 
-def _view(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous host uint8 tensor."""
-    if tensor.numel() == 0:
-        return memoryview(bytearray())
-    return memoryview(cast(Any, tensor.numpy())).cast("B")
-
-
 def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
     """The first ``length`` bytes of ``obj``'s allocator block, when that block is 4096-aligned
     host memory of a :class:`FreeListAllocator` and at least that long; else None.
@@ -381,68 +380,6 @@ def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
     if start % BLOCK or (obj.nbytes and start != obj.data_ptr()):
         return None
     return buffer[obj.offset : obj.offset + length]
-
-
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
-    while count and views:
-        first = views[0]
-        if count >= first.nbytes:
-            count -= first.nbytes
-            views = views[1:]
-        else:
-            views = [first[count:], *views[1:]]
-            count = 0
-    return views
-
-
-def _write_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    views = [view for view in buffers if view.nbytes]
-    total = 0
-    while views:
-        count = os.pwritev(fd, views, offset + total)
-        if count <= 0:
-            raise OSError(errno.EIO, "the file system accepted no bytes")
-        total += count
-        views = _advance(views, count)
-    return total
-
-
-def _read_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    views = [view for view in buffers if view.nbytes]
-    total = 0
-    while views:
-        count = os.preadv(fd, views, offset + total)
-        if count <= 0:
-            break
-        total += count
-        views = _advance(views, count)
-    return total
-
-
-def _header_buffer() -> mmap.mmap:
-    """This thread's page-aligned header block buffer (O_DIRECT needs aligned memory)."""
-    buffer: mmap.mmap | None = getattr(_thread_state, "header", None)
-    if buffer is None:
-        buffer = mmap.mmap(-1, BLOCK)
-        _thread_state.header = buffer
-    return buffer
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        logger.warning("could not remove %s: %s", path, reason(error))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
@@ -515,7 +452,7 @@ def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
 def _probe_o_direct(path: str, writer: str) -> str | None:
     """None when an aligned block can be written and read back with O_DIRECT in ``path``,
     else the reason it cannot."""
-    if not _O_DIRECT:
+    if not O_DIRECT:
         return "this platform has no O_DIRECT"
     name = os.path.join(path, probe_name(writer))
     block = mmap.mmap(-1, BLOCK)
@@ -523,9 +460,9 @@ def _probe_o_direct(path: str, writer: str) -> str | None:
     block[:] = (b"kvplug O_DIRECT probe " * (BLOCK // 16))[:BLOCK]
     try:
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _OPEN_FLAGS, 0o600)
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | _OPEN_FLAGS, 0o600)
         except OSError as error:
-            _unlink_quietly(name)
+            unlink_quietly(name)
             return f"opening a file with O_DIRECT failed: {reason(error)}"
         try:
             if os.pwritev(fd, [block], 0) != BLOCK or os.preadv(fd, [back], 0) != BLOCK:
@@ -536,7 +473,7 @@ def _probe_o_direct(path: str, writer: str) -> str | None:
             return f"an aligned O_DIRECT write and read failed: {reason(error)}"
         finally:
             os.close(fd)
-            _unlink_quietly(name)
+            unlink_quietly(name)
     finally:
         block.close()
         back.close()
@@ -552,18 +489,7 @@ def _load_header(path: str) -> tuple[ObjectHeader, float]:
         data = os.pread(fd, BLOCK, 0)
     finally:
         os.close(fd)
-    return _checked_header(data, info.st_size), info.st_mtime
-
-
-def _checked_header(block: Buffer, file_size: int) -> ObjectHeader:
-    """The verified header ``block`` of a file of ``file_size`` bytes, which must be the
-    length the header gives; CorruptObject when damaged, truncated or torn."""
-    header = decode_block(block)
-    if file_size != header.file_length:
-        raise CorruptObject(
-            f"file is {file_size} bytes, its header says {header.file_length} (truncated or torn)."
-        )
-    return header
+    return checked_header(data, info.st_size), info.st_mtime
 
 
 class _Deleted(enum.Enum):
@@ -596,14 +522,15 @@ def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future
         abandoned(future.result())
 
 
-def _release(obj: MemoryObj | None) -> None:
-    if obj is not None:
-        obj.release()
-
-
 async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
     for key in keys:
         yield key
+
+
+def release_read(obj: MemoryObj | None) -> None:
+    """Release the object a read returned, if any (a read whose caller went away)."""
+    if obj is not None:
+        obj.release()
 
 
 # -- the backend ----------------------------------------------------------------------------
@@ -697,7 +624,7 @@ class DiskBackend(Backend):
         """The directories in use, with their O_DIRECT state (filled by :meth:`open`)."""
         self._lock = threading.Lock()
         self._stripes = [threading.RLock() for _ in range(_STRIPES)]
-        self._index: dict[CacheKey, _Entry] = {}
+        self._index: dict[CacheKey, IndexEntry] = {}
         self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
         self._pins: PinTable[CacheKey] = PinTable()
         self._bytes_held = 0
@@ -858,7 +785,7 @@ class DiskBackend(Backend):
             ),
             0,
         )
-        found: dict[CacheKey, tuple[float, _Entry]] = {}
+        found: dict[CacheKey, tuple[float, IndexEntry]] = {}
         writers = LiveWriters()
         for directory in self.directories:
             with os.scandir(directory.path) as items:
@@ -896,7 +823,7 @@ class DiskBackend(Backend):
         self,
         directory: Directory,
         path: str,
-        found: dict[CacheKey, tuple[float, _Entry]],
+        found: dict[CacheKey, tuple[float, IndexEntry]],
         stats: dict[str, int],
         writers: LiveWriters,
     ) -> None:
@@ -920,7 +847,7 @@ class DiskBackend(Backend):
                 except (CorruptObject, InvalidKey) as error:
                     logger.debug("%s: removing damaged object file %s: %s", self.url, item, error)
                     stats["corrupt"] += 1
-                    _unlink_quietly(item.path)
+                    unlink_quietly(item.path)
                     continue
                 except OSError as error:
                     logger.debug("%s: cannot read %s: %s", self.url, item.path, reason(error))
@@ -932,7 +859,7 @@ class DiskBackend(Backend):
                     # One key in two places (the directory list changed): keep the newer.
                     stats["duplicates"] += 1
                     older, newer = sorted((previous, (mtime, entry)), key=lambda pair: pair[0])
-                    _unlink_quietly(older[1].path)
+                    unlink_quietly(older[1].path)
                     found[key] = newer
                 else:
                     found[key] = (mtime, entry)
@@ -1029,9 +956,11 @@ class DiskBackend(Backend):
 
     # -- internals (callers hold self._lock) ------------------------------------------------
 
-    def _entry(self, path: str, stem: str, directory: Directory, header: ObjectHeader) -> _Entry:
+    def _entry(
+        self, path: str, stem: str, directory: Directory, header: ObjectHeader
+    ) -> IndexEntry:
         frame = header.frame
-        return _Entry(
+        return IndexEntry(
             path,
             stem,
             directory,
@@ -1049,7 +978,7 @@ class DiskBackend(Backend):
     def _shard(self, stem: str) -> Directory:
         return self.directories[int(stem[2:10], 16) % len(self.directories)]
 
-    def _drop_locked(self, key: CacheKey) -> _Entry | None:
+    def _drop_locked(self, key: CacheKey) -> IndexEntry | None:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._policy.discard(key)
@@ -1087,7 +1016,7 @@ class DiskBackend(Backend):
             return True
         return False
 
-    def _report_undeletable(self, entry: _Entry, error: OSError) -> None:
+    def _report_undeletable(self, entry: IndexEntry, error: OSError) -> None:
         first = self._first_report(entry.directory.path, error)
         logger.log(
             logging.WARNING if first else logging.DEBUG,
@@ -1192,7 +1121,7 @@ class DiskBackend(Backend):
             if block is not None:  # the fast path: no copy at all
                 if writing:
                     block[nbytes:].zero_()  # the block's padding: never leak stale memory
-                view = _view(block)
+                view = byte_view(block)
                 return _Transfer([view], True, view[:nbytes])
             bounce = self._bounce_allocate(length)
             if bounce is not None:
@@ -1200,17 +1129,17 @@ class DiskBackend(Backend):
                 if writing:
                     raw[:nbytes].copy_(obj.raw)
                     raw[nbytes:].zero_()
-                view = _view(raw)
+                view = byte_view(raw)
                 return _Transfer([view], True, view[:nbytes], raw[:nbytes], bounce)
         # Buffered I/O takes any host memory; device memory goes through a host copy.
         staging: torch.Tensor | None = None
         if obj.device.type == "cpu":
-            view = _view(obj.raw)
+            view = byte_view(obj.raw)
         elif writing:
-            view = _view(obj.raw.cpu())
+            view = byte_view(obj.raw.cpu())
         else:
             staging = torch.empty(nbytes, dtype=torch.uint8)
-            view = _view(staging)
+            view = byte_view(staging)
         buffers = [view]
         if writing and length > nbytes:
             buffers.append(memoryview(_ZEROS)[: length - nbytes])
@@ -1245,7 +1174,7 @@ class DiskBackend(Backend):
                 )
                 os.mkdir(path, 0o700)
             if self.options.fsync:
-                _fsync_dir(directory.path)
+                fsync_dir(directory.path)
             directory.subdirs.add(name)
         return path
 
@@ -1348,7 +1277,7 @@ class DiskBackend(Backend):
         temp = os.path.join(subdir, temp_name(stem, self._writer))
         transfer = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
-        flags |= _O_DIRECT if transfer.o_direct else 0
+        flags |= O_DIRECT if transfer.o_direct else 0
         fd = -1
         created = False
         checksum = self._hashers.submit(payload_checksum, transfer.host)
@@ -1360,15 +1289,15 @@ class DiskBackend(Backend):
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
             created = True
-            written = _write_all(fd, transfer.buffers, BLOCK)
+            written = write_all(fd, transfer.buffers, BLOCK)
             if written != transfer.length:
                 raise OSError(errno.EIO, f"wrote {written} of {transfer.length} payload bytes")
-            header = _header_buffer()
+            header = header_buffer()
             frame = encode_header(
                 obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host, checksum.result()
             )
             header[:] = encode_block(frame, key_text)
-            if _write_all(fd, [memoryview(header)], 0) != BLOCK:
+            if write_all(fd, [memoryview(header)], 0) != BLOCK:
                 raise OSError(errno.EIO, "short write of the header block")
             if self.options.fsync:
                 os.fsync(fd)
@@ -1376,13 +1305,13 @@ class DiskBackend(Backend):
             fd = -1
             self._publish(temp, final)
             if self.options.fsync:
-                _fsync_dir(subdir)
+                fsync_dir(subdir)
         except BaseException as error:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             if created:
-                _unlink_quietly(temp)
+                unlink_quietly(temp)
             if isinstance(error, OSError):
                 raise self._write_failed(error, subdir, length) from error
             raise
@@ -1409,7 +1338,7 @@ class DiskBackend(Backend):
                     raise
                 with self._lock:
                     self._reserved -= length
-                    entry = _Entry(
+                    entry = IndexEntry(
                         path,
                         stem,
                         directory,
@@ -1427,20 +1356,20 @@ class DiskBackend(Backend):
                     self._bytes_held += length
                     self._policy.on_put(key)
                 if old is not None and old.path != path:
-                    _unlink_quietly(old.path)  # it lived in another directory
+                    unlink_quietly(old.path)  # it lived in another directory
         finally:
             obj.release()
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _forget(self, key: CacheKey, entry: _Entry) -> None:
+    def _forget(self, key: CacheKey, entry: IndexEntry) -> None:
         """The file of ``entry`` is gone (removed outside kvplug): drop it from the index."""
         with self._stripe(entry.stem), self._lock:
             current = self._index.get(key)
             if current is not None and current.gen == entry.gen:
                 self._drop_locked(key)
 
-    def _forget_foreign(self, key: CacheKey, entry: _Entry, error: NotAnObject) -> None:
+    def _forget_foreign(self, key: CacheKey, entry: IndexEntry, error: NotAnObject) -> None:
         """A foreign thing is under ``entry``'s name: a counted miss; drop the key from the
         index and leave the thing where it is (a put of the key replaces it)."""
         with self._stripe(entry.stem), self._lock:
@@ -1461,7 +1390,7 @@ class DiskBackend(Backend):
             key,
         )
 
-    def _discard_corrupt(self, key: CacheKey, entry: _Entry, fd: int, error: Exception) -> None:
+    def _discard_corrupt(self, key: CacheKey, entry: IndexEntry, fd: int, error: Exception) -> None:
         with self._lock:
             self.corrupt_objects += 1
         logger.warning(
@@ -1488,7 +1417,7 @@ class DiskBackend(Backend):
                     "%s: could not delete the damaged %s: %s", self.url, entry.path, reason(failure)
                 )
 
-    def _adopt(self, key: CacheKey, entry: _Entry, header: ObjectHeader) -> _Entry:
+    def _adopt(self, key: CacheKey, entry: IndexEntry, header: ObjectHeader) -> IndexEntry:
         """The file holds a valid object other than ``entry`` describes (replaced behind the
         index's back): describe it as it is, in the index too."""
         frame = header.frame
@@ -1508,24 +1437,24 @@ class DiskBackend(Backend):
         return adopted
 
     def _verify(
-        self, fd: int, key: CacheKey, key_text: str, entry: _Entry, transfer: _Transfer
+        self, fd: int, key: CacheKey, key_text: str, entry: IndexEntry, transfer: _Transfer
     ) -> ObjectHeader | None:
         """Read and verify the file into ``transfer``. Returns None when the object is
         complete, or the header of a different valid object the file holds; raises
         CorruptObject when the file is damaged."""
-        header_buffer = _header_buffer()
+        head_block = header_buffer()
         size = os.fstat(fd).st_size
         if size != entry.size:
             # Never read the payload past a short file with O_DIRECT: check the header first.
-            count = _read_all(fd, [memoryview(header_buffer)], 0)
-            header = decode_block(memoryview(header_buffer)[:count])
+            count = read_all(fd, [memoryview(head_block)], 0)
+            header = decode_block(memoryview(head_block)[:count])
             if header.key_text == key_text and header.file_length == size:
                 return header
             raise CorruptObject(
                 f"file is {size} bytes, its header says {header.file_length} (truncated or torn)."
             )
         try:
-            count = _read_all(fd, [memoryview(header_buffer), *transfer.buffers], 0)
+            count = read_all(fd, [memoryview(head_block), *transfer.buffers], 0)
         except OSError as error:
             if error.errno in (errno.EIO, errno.EINVAL):
                 raise CorruptObject(f"reading the file failed: {reason(error)}.") from None
@@ -1533,7 +1462,7 @@ class DiskBackend(Backend):
         expected = BLOCK + transfer.length
         if count != expected:
             raise CorruptObject(f"read {count} of {expected} bytes: the file was truncated.")
-        header = decode_block(memoryview(header_buffer))
+        header = decode_block(memoryview(head_block))
         if header.key_text != key_text:
             raise CorruptObject(f"file holds key {header.key_text!r}, not {key_text!r}.")
         if not entry.describes(header):
@@ -1542,7 +1471,7 @@ class DiskBackend(Backend):
             verify_payload(header.frame, transfer.host)
         return None
 
-    def _allocate_for(self, key: CacheKey, entry: _Entry) -> MemoryObj | None:
+    def _allocate_for(self, key: CacheKey, entry: IndexEntry) -> MemoryObj | None:
         """An object to read ``entry`` into; None (counted) when the allocator is full."""
         obj = self.allocator.allocate(entry.shape, entry.dtype, entry.fmt)
         if obj is None:
@@ -1552,7 +1481,7 @@ class DiskBackend(Backend):
         return obj
 
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: _Entry
+        self, key: CacheKey, key_text: str, entry: IndexEntry
     ) -> MemoryObj | ObjectHeader | None:
         obj = self._allocate_for(key, entry)
         if obj is None:
@@ -1564,7 +1493,7 @@ class DiskBackend(Backend):
                 obj, padded(entry.payload_len), entry.directory.o_direct, writing=False
             )
             try:
-                fd = open_object(entry.path, _O_DIRECT if transfer.o_direct else 0)
+                fd = open_object(entry.path, O_DIRECT if transfer.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
                 return None
@@ -1596,7 +1525,7 @@ class DiskBackend(Backend):
             if not keep:
                 obj.release()
 
-    def _read(self, key: CacheKey, entry: _Entry) -> MemoryObj | None:
+    def _read(self, key: CacheKey, entry: IndexEntry) -> MemoryObj | None:
         """The whole get, on a worker thread."""
         self._check_open_worker()
         key_text = key.to_string()
@@ -1655,7 +1584,7 @@ class DiskBackend(Backend):
             if entry is None:
                 self.misses += 1
                 return None
-        return await self._run("get", partial(self._read, key, entry), abandoned=_release)
+        return await self._run("get", partial(self._read, key, entry), abandoned=release_read)
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its
@@ -1793,5 +1722,7 @@ __all__ = [
     "Directory",
     "DiskBackend",
     "DiskOptions",
+    "IndexEntry",
     "WriteRefused",
+    "release_read",
 ]

@@ -33,12 +33,18 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import stat
+import threading
 import weakref
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
 
 from kvplug.errors import BackendError, BackendUnavailable, CapacityExceeded
-from kvplug_disk.layout import moved_aside_name, writer_lock_name
+from kvplug_disk.layout import BLOCK, moved_aside_name, writer_lock_name
 
 logger = logging.getLogger("kvplug.disk")
 
@@ -341,15 +347,102 @@ class LiveWriters:
         return not free
 
 
+# -- reading and writing object files -------------------------------------------------------
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+"""``os.O_DIRECT`` where the platform has it, else 0."""
+_thread_state = threading.local()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous host uint8 tensor."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(cast(Any, tensor.numpy())).cast("B")
+
+
+def _advance(views: list[memoryview], count: int) -> list[memoryview]:
+    while count and views:
+        first = views[0]
+        if count >= first.nbytes:
+            count -= first.nbytes
+            views = views[1:]
+        else:
+            views = [first[count:], *views[1:]]
+            count = 0
+    return views
+
+
+def write_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Write every byte of ``buffers`` at ``offset`` (``pwritev`` until done); the count."""
+    views = [view for view in buffers if view.nbytes]
+    total = 0
+    while views:
+        count = os.pwritev(fd, views, offset + total)
+        if count <= 0:
+            raise OSError(errno.EIO, "the file system accepted no bytes")
+        total += count
+        views = _advance(views, count)
+    return total
+
+
+def read_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Fill ``buffers`` from ``offset`` (``preadv`` until done or end of file); the count."""
+    views = [view for view in buffers if view.nbytes]
+    total = 0
+    while views:
+        count = os.preadv(fd, views, offset + total)
+        if count <= 0:
+            break
+        total += count
+        views = _advance(views, count)
+    return total
+
+
+def header_buffer() -> mmap.mmap:
+    """This thread's page-aligned header block buffer (O_DIRECT needs aligned memory)."""
+    buffer: mmap.mmap | None = getattr(_thread_state, "header", None)
+    if buffer is None:
+        buffer = mmap.mmap(-1, BLOCK)
+        _thread_state.header = buffer
+    return buffer
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; a missing file is fine, any other failure is logged."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("could not remove %s: %s", path, reason(error))
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 __all__ = [
+    "O_DIRECT",
     "LiveWriters",
     "NotAnObject",
     "WriteRefused",
     "WriterLock",
+    "byte_view",
     "classify_os_error",
     "clear_the_way",
+    "fsync_dir",
+    "header_buffer",
     "kind_of",
     "move_aside",
     "open_object",
+    "read_all",
     "reason",
+    "unlink_quietly",
+    "write_all",
 ]

@@ -225,6 +225,17 @@ def decode_block(data: bytes | bytearray | memoryview) -> ObjectHeader:
     return ObjectHeader(frame, key_text, flags)
 
 
+def checked_header(block: bytes | bytearray | memoryview, file_size: int) -> ObjectHeader:
+    """The verified header ``block`` of a file of ``file_size`` bytes, which must be the
+    length the header gives; CorruptObject when damaged, truncated or torn."""
+    header = decode_block(block)
+    if file_size != header.file_length:
+        raise CorruptObject(
+            f"file is {file_size} bytes, its header says {header.file_length} (truncated or torn)."
+        )
+    return header
+
+
 __all__ = [
     "BLOCK",
     "FLAG_NO_PAYLOAD_CHECKSUM",
@@ -236,6 +247,7 @@ __all__ = [
     "TEMP_NAME",
     "WRITER_LOCK_NAME",
     "ObjectHeader",
+    "checked_header",
     "decode_block",
     "digest",
     "encode_block",

@@ -60,28 +60,27 @@ from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
-from kvplug_disk.backend import (
-    _O_DIRECT,
-    Directory,
-    DiskBackend,
-    DiskOptions,
-    _checked_header,
-    _Entry,
-    _fsync_dir,
-    _header_buffer,
-    _read_all,
-    _release,
-    _unlink_quietly,
-    _view,
-    _write_all,
+from kvplug_disk.backend import Directory, DiskBackend, DiskOptions, IndexEntry, release_read
+from kvplug_disk.fileops import (
+    O_DIRECT,
+    LiveWriters,
+    NotAnObject,
+    byte_view,
+    fsync_dir,
+    header_buffer,
+    kind_of,
+    open_object,
+    read_all,
+    unlink_quietly,
+    write_all,
 )
-from kvplug_disk.fileops import LiveWriters, NotAnObject, kind_of, open_object
 from kvplug_disk.layout import (
     BLOCK,
     FLAG_NO_PAYLOAD_CHECKSUM,
     SERDE,
     SUFFIX,
     ObjectHeader,
+    checked_header,
     digest,
     encode_block,
     padded,
@@ -204,7 +203,7 @@ def _length_only(nbytes: int) -> Any:
 
 
 def _gpu_checksum(payload: torch.Tensor) -> int:
-    return payload_checksum(_view(payload.cpu()))
+    return payload_checksum(byte_view(payload.cpu()))
 
 
 def _udev_hint(path: str, error: CuFileError) -> str:
@@ -551,7 +550,7 @@ class GdsBackend(DiskBackend):
         put."""
         name = os.path.join(directory.path, probe_name(self._writer))
         flags = os.O_RDWR | _CREATE_FLAGS
-        flags |= _O_DIRECT if directory.o_direct else 0
+        flags |= O_DIRECT if directory.o_direct else 0
         fd = os.open(name, flags, 0o600)
         try:
             try:
@@ -568,7 +567,7 @@ class GdsBackend(DiskBackend):
                 self.io.close(handle)
         finally:
             os.close(fd)
-            _unlink_quietly(name)
+            unlink_quietly(name)
 
     def _probe_round_trip(self, directory: Directory, handle: Any) -> None:
         objs = self.allocator.batched_allocate((BLOCK,), torch.uint8, 2, MemoryFormat.BINARY)
@@ -662,7 +661,7 @@ class GdsBackend(DiskBackend):
                 source, staging = self._target(obj, payload_len, writing=True)
                 _synchronize(source)
                 if not source.is_cuda:
-                    checksum = self._hashers.submit(payload_checksum, _view(source[:nbytes]))
+                    checksum = self._hashers.submit(payload_checksum, byte_view(source[:nbytes]))
                 elif self.options.gpu_checksum:
                     checksum = self._hashers.submit(_gpu_checksum, source[:nbytes])
                 else:
@@ -670,7 +669,7 @@ class GdsBackend(DiskBackend):
             else:
                 known = payload_checksum(b"")
             open_flags = os.O_WRONLY | _CREATE_FLAGS
-            open_flags |= _O_DIRECT if directory.o_direct else 0
+            open_flags |= O_DIRECT if directory.o_direct else 0
             try:
                 fd = os.open(temp, open_flags, 0o600)
             except (FileNotFoundError, NotADirectoryError):  # removed or replaced meanwhile
@@ -684,9 +683,9 @@ class GdsBackend(DiskBackend):
                     raise OSError(errno.EIO, f"wrote {written} of {payload_len} payload bytes")
             value = checksum.result() if checksum is not None else known
             frame = encode_header(obj.shape, obj.dtype, obj.fmt, SERDE, _length_only(nbytes), value)
-            header = _header_buffer()
+            header = header_buffer()
             header[:] = encode_block(frame, key_text, flags_value)
-            if _write_all(fd, [memoryview(header)], 0) != BLOCK:
+            if write_all(fd, [memoryview(header)], 0) != BLOCK:
                 raise OSError(errno.EIO, "short write of the header block")
             if self.options.fsync:
                 os.fsync(fd)
@@ -697,7 +696,7 @@ class GdsBackend(DiskBackend):
             fd = -1
             self._publish(temp, final)
             if self.options.fsync:
-                _fsync_dir(subdir)
+                fsync_dir(subdir)
         except BaseException as error:
             if handle is not None:
                 with contextlib.suppress(Exception):
@@ -706,7 +705,7 @@ class GdsBackend(DiskBackend):
                 with contextlib.suppress(OSError):
                     os.close(fd)
             if created:
-                _unlink_quietly(temp)
+                unlink_quietly(temp)
             if isinstance(error, OSError):
                 raise self._write_failed(error, subdir, length) from error
             raise
@@ -723,12 +722,12 @@ class GdsBackend(DiskBackend):
     def _read_header(self, fd: int) -> ObjectHeader:
         """The verified header block of the open file ``fd``, whose length must match it."""
         size = os.fstat(fd).st_size
-        buffer = _header_buffer()
-        count = _read_all(fd, [memoryview(buffer)], 0)
-        return _checked_header(memoryview(buffer)[:count], size)
+        buffer = header_buffer()
+        count = read_all(fd, [memoryview(buffer)], 0)
+        return checked_header(memoryview(buffer)[:count], size)
 
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: _Entry
+        self, key: CacheKey, key_text: str, entry: IndexEntry
     ) -> MemoryObj | ObjectHeader | None:
         try:
             return self._read_path(key, key_text, entry, entry.path)
@@ -762,10 +761,10 @@ class GdsBackend(DiskBackend):
         except _Replaced:  # pragma: no cover - our link keeps the file
             return None
         finally:
-            _unlink_quietly(link)
+            unlink_quietly(link)
 
     def _read_path(
-        self, key: CacheKey, key_text: str, entry: _Entry, path: str
+        self, key: CacheKey, key_text: str, entry: IndexEntry, path: str
     ) -> MemoryObj | ObjectHeader | None:
         """Read ``entry``'s object from ``path`` (its file, or a link to it)."""
         obj = self._allocate_for(key, entry)
@@ -775,7 +774,7 @@ class GdsBackend(DiskBackend):
         staging: MemoryObj | None = None
         try:
             try:
-                fd = open_object(path, _O_DIRECT if entry.directory.o_direct else 0)
+                fd = open_object(path, O_DIRECT if entry.directory.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
                 return None
@@ -811,7 +810,7 @@ class GdsBackend(DiskBackend):
                 obj.release()
 
     def _read_payload(
-        self, fd: int, obj: MemoryObj, header: ObjectHeader, entry: _Entry, path: str
+        self, fd: int, obj: MemoryObj, header: ObjectHeader, entry: IndexEntry, path: str
     ) -> MemoryObj | None:
         """Read and check the payload into ``obj``; the staging object used, if any."""
         length = padded(obj.nbytes)
@@ -834,13 +833,13 @@ class GdsBackend(DiskBackend):
         obj: MemoryObj,
         target: torch.Tensor,
         header: ObjectHeader,
-        entry: _Entry,
+        entry: IndexEntry,
         path: str,
     ) -> None:
         nbytes = obj.nbytes
         length = target.numel()
         _synchronize(target)
-        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if entry.directory.o_direct else 0)
+        flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if entry.directory.o_direct else 0)
         io_fd = _reopen(fd, flags)
         try:
             try:
@@ -865,13 +864,13 @@ class GdsBackend(DiskBackend):
             raise CorruptObject(f"read {count} of {length} payload bytes: the file was truncated.")
         if header.payload_checksummed:
             if not target.is_cuda:
-                verify_payload(header.frame, _view(target[:nbytes]))
+                verify_payload(header.frame, byte_view(target[:nbytes]))
             elif self.options.gpu_checksum:
-                verify_payload(header.frame, _view(target[:nbytes].cpu()))
+                verify_payload(header.frame, byte_view(target[:nbytes].cpu()))
 
     # -- objects of other instances -----------------------------------------------------------
 
-    def _discover(self, key: CacheKey) -> _Entry | None:
+    def _discover(self, key: CacheKey) -> IndexEntry | None:
         """Look for ``key``'s file in every directory (another instance may have written it)
         and add it to the index; None when there is none."""
         key_text = key.to_string()
@@ -919,7 +918,7 @@ class GdsBackend(DiskBackend):
         except OSError:
             pass
 
-    def _known(self, key: CacheKey) -> _Entry | None:
+    def _known(self, key: CacheKey) -> IndexEntry | None:
         with self._lock:
             entry = self._index.get(key)
         return entry if entry is not None else self._discover(key)
@@ -971,7 +970,7 @@ class GdsBackend(DiskBackend):
         allocator. A key not in the index is looked for on disk."""
         self.ensure_open()
         await self._ready()
-        return await self._run("get", partial(self._get, key), abandoned=_release)
+        return await self._run("get", partial(self._get, key), abandoned=release_read)
 
     async def contains(self, key: CacheKey) -> bool:
         """Whether the key's file is there (also one another instance wrote after open)."""
