@@ -101,9 +101,9 @@ SCAN_COUNT = 1000
 PROBE_TTL_MS = 60_000
 """The probe key of :meth:`RedisBackend.ping` expires by itself if its ``DEL`` is lost."""
 CONNECTS_AT_ONCE = 8
-"""Connections being opened at once, per pool: a burst of tasks waits for these (and reuses
-them) instead of starting hundreds of TLS handshakes that starve every request
-(:mod:`kvplug_redis.connections`)."""
+"""Connections being opened at once, by the client library and by direct reads each: a burst
+of tasks waits for these (and reuses them) instead of starting hundreds of TLS handshakes that
+starve every request (:mod:`kvplug_redis.connections`)."""
 
 
 class Mode(enum.Enum):
@@ -411,8 +411,9 @@ class RedisBackend(BytesBackend):
         """Sentinel: which server the sentinels name master, followed as it changes (module
         :mod:`kvplug_redis.sentinel`); None in the other modes."""
         self._in_flight = 0
-        self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
-        self._budget = None if self.mode is Mode.CLUSTER else ConnectionBudget(CONNECTS_AT_ONCE)
+        self._budget = ConnectionBudget(CONNECTS_AT_ONCE)
+        """Admits operations on the client library's connections (not Cluster's, whose client
+        keeps a pool per node)."""
         self._writer, self._reader = self._make_clients()
         self.direct = self._make_direct_reads()
         """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
@@ -669,12 +670,11 @@ class RedisBackend(BytesBackend):
         return client, client
 
     def _connection_class(self, base: type[Any], tracker: MasterTracker | None) -> type[Any]:
-        """``base`` opening at most :data:`CONNECTS_AT_ONCE` connections at once, and with a
-        ``tracker`` only to the master it names (see
-        :func:`~kvplug_redis.sentinel.tracked_connection_class`)."""
+        """``base`` reporting its connections to the operations' budget, and with a ``tracker``
+        connecting only to the master it names (see
+        :func:`~kvplug_redis.connections.tracked_connection_class`)."""
         return tracked_connection_class(
             base,
-            connecting=self._connecting,
             budget=self._budget,
             tracker=tracker,
             moved_error=self._lib.exceptions.ConnectionError,
@@ -714,7 +714,7 @@ class RedisBackend(BytesBackend):
         to be opened (:class:`~kvplug_redis.connections.ConnectionBudget`)."""
         self.ensure_open()
         client = self._reader if read else self._writer
-        budget = None if direct else self._budget
+        budget = None if direct or self.mode is Mode.CLUSTER else self._budget
         self._in_flight += 1
         try:
             return await self._run_bounded(what, operation, client, budget)
@@ -1097,7 +1097,8 @@ class RedisBackend(BytesBackend):
         return value
 
     async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
-        await self._read_bulk_limit("put")
+        if not self._bulk_limit_read:  # known after the first put: no lock on the hot path
+            await self._read_bulk_limit("put")
         if self.mode is Mode.CLUSTER:
             value = self._value(key, parts)
             await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
@@ -1139,7 +1140,8 @@ class RedisBackend(BytesBackend):
         self.ensure_open()
         if not keys:
             return
-        await self._read_bulk_limit("batched_put")
+        if not self._bulk_limit_read:
+            await self._read_bulk_limit("batched_put")
         for obj in objs:
             obj.retain()
         try:

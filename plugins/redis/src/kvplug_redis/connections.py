@@ -5,8 +5,8 @@ A burst of operations (an engine's 200 concurrent loads) would otherwise make th
 library open one connection per operation at once; over TLS on a busy machine those hundreds
 of handshakes starve each other and every operation runs past its deadline.
 :class:`ConnectionBudget` admits an operation only while a connection is idle or fewer than
-``spare`` are being opened, so the rest wait for a warm connection, and
-:func:`tracked_connection_class` opens at most a few at a time.
+``spare`` are being opened, so the rest wait for a warm connection;
+:func:`tracked_connection_class` reports the connections to it.
 """
 
 from __future__ import annotations
@@ -78,18 +78,17 @@ class ConnectionBudget:
 def tracked_connection_class(
     base: type[Any],
     *,
-    connecting: asyncio.Semaphore,
-    budget: ConnectionBudget | None,
+    budget: ConnectionBudget,
     tracker: MasterTracker | None,
     moved_error: type[Exception],
 ) -> type[Any]:
-    """A subclass of the client library's connection class ``base`` that opens at most as
-    many connections at once as ``connecting`` allows, reports them to ``budget``, and, with a
-    ``tracker``, never serves a command on a connection to a server that is not the master
-    the tracker names: such a connection is closed before its next use, and a reply that
-    arrived on it after the master moved is dropped and raised as ``moved_error`` (the
-    library's ``ConnectionError``, which its one retry answers by sending the command again on
-    a new connection, to the new master)."""
+    """A subclass of the client library's connection class ``base`` that reports its
+    connections to ``budget`` (which then admits only as many operations as can reuse them or
+    open a spare), and, with a ``tracker``, never serves a command on a connection to a server
+    that is not the master the tracker names: such a connection is closed before its next
+    use, and a reply that arrived on it after the master moved is dropped and raised as
+    ``moved_error`` (the library's ``ConnectionError``, which its one retry answers by sending
+    the command again on a new connection, to the new master)."""
 
     class TrackedConnection(base):  # type: ignore[misc]
         def _deposed(self) -> bool:
@@ -101,22 +100,20 @@ def tracked_connection_class(
                 if not self._deposed():
                     return
                 await self.disconnect()
-            async with connecting:
-                try:
-                    await super().connect()
-                except (ConnectionError, moved_error):
-                    if tracker is not None:
-                        tracker.suspect()  # a dead or deposed master: ask again at once
-                    raise
-            if budget is not None:
-                budget.opened()
+            try:
+                await super().connect()
+            except (ConnectionError, moved_error):
+                if tracker is not None:
+                    tracker.suspect()  # a dead or deposed master: ask again at once
+                raise
+            budget.opened()
 
         async def disconnect(self, *args: Any, **kwargs: Any) -> None:
             connected = self.is_connected
             try:
                 await super().disconnect(*args, **kwargs)
             finally:
-                if connected and not self.is_connected and budget is not None:
+                if connected and not self.is_connected:
                     budget.closed()
 
         async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
