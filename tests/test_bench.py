@@ -126,7 +126,7 @@ def test_bench_names_a_tier_that_refuses_every_put_with_counts_and_the_last_erro
     assert code == 1
     flat = " ".join(output.split())
     assert "FAIL tier 1:cpu:// accepted 0 of 3 chunks and returned 0 (3 puts dropped" in flat
-    assert "last problem: CapacityExceeded: cannot store an object of 8192 bytes" in flat
+    assert "last problem: full: CapacityExceeded: cannot store an object of 8192 bytes" in flat
     # The refusing tier's put row is shown, not left out, and shows no made-up speed.
     assert "nan" not in output
 

@@ -88,7 +88,8 @@ def test_no_file_no_env_gives_one_cpu_tier_of_5_gib_with_lru() -> None:
 
 def test_every_config_key_has_a_converter() -> None:
     assert set(_COERCERS) == set(CONFIG_KEYS)
-    assert set(CONFIG_KEYS) - {"chunk_size", "tiers", "save_unfull_chunk", "extra_config"} == set(
+    store_keys = {"chunk_size", "tiers", "buffer_size", "write_behind_size"}
+    assert set(CONFIG_KEYS) - store_keys - {"save_unfull_chunk", "extra_config"} == set(
         LMCACHE_TIER_KEYS
     )
 

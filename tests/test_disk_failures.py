@@ -199,7 +199,7 @@ def test_one_key_whose_file_is_not_a_regular_file_is_a_miss_and_the_tier_keeps_s
 
     async def scenario() -> None:
         tier = await open_tier(scheme, root, allocator, timeout=20)
-        store = Store([tier], allocator=allocator)
+        store = Store(tiers=[tier], allocator=allocator)
         foreign: Foreign | None = None
         try:
             for i, k in enumerate([*good, victim]):
@@ -433,8 +433,9 @@ def test_a_put_on_a_read_only_filesystem_is_a_refused_write_and_the_tier_keeps_s
     tmp_path: Path, allocator: FreeListAllocator, scheme: str
 ) -> None:
     """EROFS, for real: a put into a new subdirectory or an existing one raises WriteRefused
-    naming the directory, the cause and the fix; a Store counts it as a dropped put and keeps
-    serving reads from the tier; once the filesystem is writable again puts work."""
+    naming the directory, the cause and the fix; a single-tier Store refuses the put (counted
+    as dropped for being full) and keeps serving reads from the tier; once the filesystem is
+    writable again puts work."""
     stored = key(1)
     new_subdir, same_subdir = keys_outside(subdir_of(stored), 1)[0], None
     for n in range(2, 100_000):
@@ -448,7 +449,7 @@ def test_a_put_on_a_read_only_filesystem_is_a_refused_write_and_the_tier_keeps_s
 
         async def scenario() -> None:
             tier = await open_tier(scheme, root, allocator)
-            store = Store([tier], allocator=allocator)
+            store = Store(tiers=[tier], allocator=allocator)
             try:
                 await put_seeded(store, allocator, stored, 9000, seed=1)
                 read_only(True)
@@ -460,9 +461,10 @@ def test_a_put_on_a_read_only_filesystem_is_a_refused_write_and_the_tier_keeps_s
                     assert "read-only" in message and "mount" in message
                     assert isinstance(refused.value, KvplugError)
                     assert not isinstance(refused.value, BackendUnavailable)
-                dropped = store.stats()[store.tier_names[0]]["dropped_puts"]
-                await put_seeded(store, allocator, new_subdir, 9000, seed=2)
-                assert store.stats()[store.tier_names[0]]["dropped_puts"] == dropped + 1
+                with pytest.raises(CapacityExceeded, match="EROFS"):
+                    await put_seeded(store, allocator, new_subdir, 9000, seed=2)
+                dropped = store.stats()["tiers"][store.tier_names[0]]["dropped_by_reason"]
+                assert dropped["full"] == 1
                 assert store.health()[0].healthy, store.health()[0].last_error
                 back = await read_back(store, stored)
                 assert back is not None and torch.equal(back, seeded_bytes(9000, 1))
@@ -487,13 +489,14 @@ def test_a_really_full_filesystem_drops_puts_and_the_tier_keeps_serving(
 ) -> None:
     """A 16 MiB tmpfs under a tier whose max_size is far larger: puts past the disk's room
     raise CapacityExceeded (the free-space check or ENOSPC itself), leave no temporary file,
-    and through a Store they are dropped puts while every stored key is still served."""
+    and a single-tier Store refuses them (counted as dropped for being full) while every stored
+    key is still served."""
     with tmpfs(tmp_path / "mnt"):
         root = tmp_path / "mnt" / "kv"
 
         async def scenario() -> None:
             tier = await open_tier(scheme, root, allocator, max_size="1GiB")
-            store = Store([tier], allocator=allocator)
+            store = Store(tiers=[tier], allocator=allocator)
             try:
                 stored: list[int] = []
                 for n in range(24):
@@ -507,9 +510,9 @@ def test_a_really_full_filesystem_drops_puts_and_the_tier_keeps_serving(
                     pytest.fail("24 MiB fit on a 16 MiB filesystem")
                 assert stored and temp_files(root) == []
                 name = store.tier_names[0]
-                dropped = store.stats()[name]["dropped_puts"]
-                await put_seeded(store, allocator, key(99), 1 * MiB, seed=99)
-                assert store.stats()[name]["dropped_puts"] == dropped + 1
+                with pytest.raises(CapacityExceeded, match="free"):
+                    await put_seeded(store, allocator, key(99), 1 * MiB, seed=99)
+                assert store.stats()["tiers"][name]["dropped_by_reason"]["full"] == 1
                 assert store.health()[0].healthy
                 for n in stored:
                     back = await read_back(store, key(n))

@@ -777,15 +777,17 @@ def test_an_oversize_value_leaves_the_tier_in_a_store(small_bulk_server: RedisSe
 
     async def scenario() -> None:
         tier = await kvplug.open_backend(small_bulk_server.url)
-        store = Store([tier], allocator=FreeListAllocator(8 << 20, pin=False), backoff=60.0)
+        allocator = FreeListAllocator(8 << 20, pin=False)
+        store = Store(tiers=[tier], allocator=allocator, backoff=60.0)
         name = store.tier_names[0]
         big_key, key = keys_of(new_model(), 2)
         big, small = obj_of_mib(64), make_obj(31)
         try:
-            await store.put(big_key, big)
+            with pytest.raises(CapacityExceeded, match="proto-max-bulk-len"):
+                await store.put(big_key, big)
             health = store.health()[0]
             assert health.healthy, health.last_error
-            assert store.stats()[name]["dropped_puts"] == 1
+            assert store.stats()["tiers"][name]["dropped_by_reason"]["full"] == 1
             assert "proto-max-bulk-len" in (health.last_dropped or "")
             await store.put(key, small)
             got = await store.get(key)
@@ -795,7 +797,7 @@ def test_an_oversize_value_leaves_the_tier_in_a_store(small_bulk_server: RedisSe
                 if got is not None:
                     got.release()
             assert await store.get(big_key) is None
-            assert store.stats()[name]["errors"] == 0
+            assert store.stats()["tiers"][name]["errors"] == 0
         finally:
             big.release()
             small.release()

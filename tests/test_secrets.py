@@ -42,7 +42,7 @@ from kvplug.secrets import (
     mask_text,
     mask_url,
 )
-from kvplug.store import Store
+from kvplug.store import open_store
 from kvplug.sync import SyncClient
 from kvplug.url import BackendURL
 from kvplug_cpu.backend import CpuBackend, CpuOptions
@@ -152,7 +152,7 @@ def test_invalid_secret_option_from_config_is_not_echoed_by_store_or_check(
         f"tiers:\n  - url: redis://127.0.0.1:{closed_port()}\n    sentinel_password: 829371645\n"
     )
     with pytest.raises(UnknownOption) as info:
-        asyncio.run(Store.open(load_config(config)))
+        asyncio.run(open_store(load_config(config)))
     assert "829371645" not in str(info.value)
     code, output = invoke("check", "--config", str(config))
     assert code == 1 and "829371645" not in output and "sentinel_password" in output
@@ -290,7 +290,7 @@ def test_query_secrets_never_reach_tier_names_metrics_health_or_audit_lines(
     url = f"audit::{tokencpu}://?token={token}&api_key={api_key}&max_size=64MiB"
 
     async def scenario() -> list[str]:
-        store = await Store.open(Config.from_dict({"tiers": [url]}))
+        store = await open_store(Config.from_dict({"tiers": [url]}))
         key = CacheKey("vllm", "llama", 1, 0, 7)
         obj = store.allocate((2, 2, 16, 8), torch.float16)
         assert obj is not None
@@ -741,7 +741,7 @@ def _python_scenarios(out: Collected, server: Any) -> None:
     out.add("config repr", f"{config!r} {config.tiers!r} {[str(t) for t in config.tiers]}")
     out.add("store", asyncio.run(_store_texts(config)))
     misplaced = Config.from_dict({"tiers": [{"url": unreachable, "sentinel_password": TOKEN}]})
-    out.raised("store misplaced option", lambda: asyncio.run(Store.open(misplaced)))
+    out.raised("store misplaced option", lambda: asyncio.run(open_store(misplaced)))
     client = SyncClient(unreachable)
     out.raised("sync client", lambda: client.get(CacheKey("vllm", "m", 1, 0, 1)).result(30))
     out.add("sync client repr", repr(client))
@@ -757,7 +757,7 @@ async def _round_trip(url: str) -> None:
 
 
 async def _store_texts(config: Config) -> str:
-    store = await Store.open(config)
+    store = await open_store(config)
     key = CacheKey("vllm", "llama", 1, 0, 7)
     obj = store.allocate((2, 2, 16, 64), torch.float16)
     assert obj is not None

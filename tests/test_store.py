@@ -23,7 +23,7 @@ from kvplug import (
 )
 from kvplug.backend import Buffer
 from kvplug.config import Config
-from kvplug.store import Store
+from kvplug.store import Store, open_store
 
 
 class DictTier(BytesBackend):
@@ -84,7 +84,7 @@ def filled(allocator: kvplug.Allocator, value: float, shape=(2, 2, 16, 64)) -> M
 async def two_dict_store(**kwargs: Any) -> tuple[Store, DictTier, DictTier, FreeListAllocator]:
     allocator = FreeListAllocator(64 << 20, pin=False)
     fast, slow = DictTier(allocator=allocator), DictTier(allocator=allocator)
-    store = Store([fast, slow], allocator=allocator, **kwargs)
+    store = Store(tiers=[fast, slow], allocator=allocator, **kwargs)
     return store, fast, slow, allocator
 
 
@@ -100,8 +100,8 @@ def test_put_reaches_every_tier_and_get_prefers_the_first() -> None:
         assert hit is not None and bool((hit.tensor == 1.0).all())
         hit.release()
         stats = store.stats()
-        assert stats[store._tiers[0].name]["hits"] == 1
-        assert stats[store._tiers[1].name]["hits"] == 0
+        assert stats["tiers"][store.tier_names[0]]["hits"] == 1
+        assert stats["tiers"][store.tier_names[1]]["hits"] == 0
         await store.close()
         assert allocator.stats().used == 0
 
@@ -159,7 +159,7 @@ def test_prefetch_loads_a_contiguous_prefix_into_the_first_tier() -> None:
 
 def test_a_slow_tier_never_blocks_puts_and_its_overflow_is_counted() -> None:
     async def main() -> None:
-        store, fast, slow, allocator = await two_dict_store(queue_size=2)
+        store, fast, slow, allocator = await two_dict_store(write_behind_size=16384)
         slow.gate = asyncio.Event()
         start = time.perf_counter()
         for n in range(10):
@@ -168,9 +168,9 @@ def test_a_slow_tier_never_blocks_puts_and_its_overflow_is_counted() -> None:
             obj.release()
         assert time.perf_counter() - start < 1.0
         await asyncio.sleep(0.05)
-        slow_name = store._tiers[1].name
-        # The queue held two puts; the other eight were dropped and hold no memory.
-        assert store.stats()[slow_name]["dropped_puts"] == 8
+        slow_name = store.tier_names[1]
+        # The write-behind held two puts (16 KiB); the other eight were dropped and hold no memory.
+        assert store.stats()["tiers"][slow_name]["dropped_puts"] == 8
         assert allocator.stats().object_count == 2
         slow.gate.set()
         await store.flush()
@@ -194,12 +194,12 @@ def test_a_failing_tier_is_isolated_and_retried_after_back_off() -> None:
         health = store.health()
         assert not health[0].healthy and "dict tier is down" in (health[0].last_error or "")
         assert health[1].healthy
-        assert store.stats()[store._tiers[0].name]["errors"] == 1
+        assert store.stats()["tiers"][store.tier_names[0]]["errors"] == 1
         # Skipped while backing off: no second error, still served by the slow tier.
         hit = await store.get(key(1))
         assert hit is not None
         hit.release()
-        assert store.stats()[store._tiers[0].name]["errors"] == 1
+        assert store.stats()["tiers"][store.tier_names[0]]["errors"] == 1
         fast.failing = False
         await asyncio.sleep(0.25)
         assert await store.lookup([key(1)]) == 1
@@ -236,9 +236,9 @@ def test_remove_and_clear_per_tier() -> None:
             await store.put(key(n), obj)
             obj.release()
         await store.flush()
-        assert await store.remove(key(0), tiers=[0]) == 1
-        assert await store.remove(key(0)) == 1
-        assert await store.remove(key(0)) == 0
+        assert await store.remove(key(0), tiers=[0]) is True
+        assert await store.remove(key(0)) is True
+        assert await store.remove(key(0)) is False
         assert await store.clear(tiers=[1]) == 2
         assert len(fast.values) == 2 and not slow.values
         with pytest.raises(kvplug.ConfigError, match="no tier 5"):
@@ -252,7 +252,7 @@ def test_clear_needs_list_and_delete() -> None:
     async def main() -> None:
         allocator = FreeListAllocator(8 << 20, pin=False)
         hole = await kvplug.open_backend("blackhole://")
-        store = Store([hole], allocator=allocator)
+        store = Store(tiers=[hole], allocator=allocator)
         with pytest.raises(NotSupported, match="cannot be cleared"):
             await store.clear()
         await store.close()
@@ -263,7 +263,7 @@ def test_clear_needs_list_and_delete() -> None:
 def test_open_from_config_allocates_in_the_cpu_tier_for_zero_copy_puts() -> None:
     async def main() -> None:
         config = Config.from_dict({"local_cpu": True, "max_local_cpu_size": "32MiB"})
-        store = await Store.open(config)
+        store = await open_store(config)
         cpu: Backend = store.tiers[0]
         obj = store.allocate((2, 2, 16, 64), torch.float16)
         assert obj is not None and obj.allocator is cpu.allocator
@@ -294,7 +294,7 @@ def test_close_closes_every_tier_even_when_one_fails_and_then_says_which() -> No
         allocator = FreeListAllocator(16 << 20, pin=False)
         tiers = [DictTier(allocator=allocator), BrokenCloseTier(allocator=allocator)]
         tiers.append(DictTier(allocator=allocator))
-        store = Store(tiers, allocator=allocator)
+        store = Store(tiers=tiers, allocator=allocator)
         with pytest.raises(kvplug.BackendError, match="1 of 3 tiers failed to close") as error:
             await store.close()
         assert "goodbye" in str(error.value) and "1:dict://" in str(error.value)
@@ -322,7 +322,7 @@ class BuggyTier(DictTier):
 def test_a_bug_in_a_tier_reaches_the_caller_instead_of_being_called_a_failing_tier() -> None:
     async def main() -> None:
         allocator = FreeListAllocator(16 << 20, pin=False)
-        store = Store([BuggyTier(allocator=allocator)], allocator=allocator)
+        store = Store(tiers=[BuggyTier(allocator=allocator)], allocator=allocator)
         with pytest.raises(TypeError, match="unsupported operand"):
             await store.get(key(1))
         assert store.health()[0].healthy
@@ -337,7 +337,7 @@ def test_a_bug_in_a_queued_put_is_logged_and_the_queue_keeps_draining(
     async def main() -> None:
         allocator = FreeListAllocator(16 << 20, pin=False)
         buggy = BuggyTier(allocator=allocator)
-        store = Store([DictTier(allocator=allocator), buggy], allocator=allocator)
+        store = Store(tiers=[DictTier(allocator=allocator), buggy], allocator=allocator)
         obj = filled(allocator, 1.0)
         await store.put(key(1), obj)
         await asyncio.wait_for(store.flush(), 10)
@@ -346,7 +346,7 @@ def test_a_bug_in_a_queued_put_is_logged_and_the_queue_keeps_draining(
         obj.release()
         await asyncio.wait_for(store.flush(), 10)
         assert list(buggy.values) == [str(key(2))]
-        assert store.stats()[store.tier_names[1]]["dropped_puts"] == 1
+        assert store.stats()["tiers"][store.tier_names[1]]["dropped_puts"] == 1
         await store.close()
         assert allocator.stats().used == 0
 
@@ -362,7 +362,7 @@ def test_an_os_error_of_a_tier_is_isolated_like_any_storage_failure() -> None:
 
     async def main() -> None:
         allocator = FreeListAllocator(16 << 20, pin=False)
-        store = Store([DiskFullTier(allocator=allocator)], allocator=allocator)
+        store = Store(tiers=[DiskFullTier(allocator=allocator)], allocator=allocator)
         assert await store.get(key(1)) is None
         assert not store.health()[0].healthy
         await store.close()

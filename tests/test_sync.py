@@ -171,8 +171,8 @@ def test_a_client_over_a_tiered_store_from_config(tmp_path) -> None:
         client.run(client.backend.flush()).result(10)
         assert client.remove(key(1)).result(10) is True
         assert client.prefetch([key(1)]).result(10) == 0
-        with pytest.raises(kvplug_errors.NotSupported, match="tiered Store"):
-            client.pin(key(1))
+        with pytest.raises(kvplug_errors.NotSupported, match=r"Store \(store://\) cannot pin"):
+            client.pin(key(1)).result(10)
 
 
 class SlowToOpen(BlackholeBackend):

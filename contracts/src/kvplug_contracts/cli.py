@@ -1,4 +1,5 @@
-"""``kvplug contract URL``: the whole suite against one backend, summarised by clause.
+"""``kvplug contract URL`` (or ``--config FILE``): the whole suite against one backend, or
+against the tiered Store a config file describes, summarised by clause.
 
 Registered as a ``kvplug.commands`` entry point, so ``kvplug`` gains the command when
 kvplug-contracts is installed. pytest is imported only when the command runs.
@@ -15,7 +16,13 @@ import click
 
 
 @click.command("contract")
-@click.argument("url")
+@click.argument("url", required=False)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Check the tiered Store of this config file (the same as URL store:///ABS/PATH).",
+)
 @click.option(
     "-o",
     "--option",
@@ -40,7 +47,8 @@ import click
 @click.option("-k", "keyword", help="Only tests matching this pytest -k expression.")
 @click.option("-v", "--verbose", is_flag=True, help="List every test, not only failures.")
 def contract_command(
-    url: str,
+    url: str | None,
+    config_file: str | None,
     option_pairs: tuple[str, ...],
     xfails_file: str | None,
     timeout: float,
@@ -48,8 +56,15 @@ def contract_command(
     keyword: str | None,
     verbose: bool,
 ) -> None:
-    """Run the backend conformance suite against URL and summarise it by clause."""
+    """Run the backend conformance suite against URL (or the Store of --config FILE) and
+    summarise it by clause."""
     import pytest
+
+    if (url is None) == (config_file is None):
+        raise click.UsageError("give a backend URL or --config FILE (one of them).")
+    if config_file is not None:
+        url = f"store://{Path(config_file).resolve()}"
+    assert url is not None
 
     from kvplug.secrets import mask_url
     from kvplug_contracts.plugin import clause_verdict, describe_backend

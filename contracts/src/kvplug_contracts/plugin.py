@@ -33,6 +33,7 @@ import kvplug
 from kvplug import Backend, BytesBackend, FreeListAllocator
 from kvplug.registry import plugins, registry
 from kvplug.secrets import mask_text, mask_url, remember_in
+from kvplug.store import Store
 from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.support import (
     CLAUSES,
@@ -186,24 +187,36 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
 
 
 def describe_backend(url: str) -> list[str]:
-    """Header lines: each part of the URL chain with its plugin, version and capabilities."""
+    """Header lines: each part of the URL chain with its plugin, version and capabilities (for
+    a ``store://`` URL, each tier of its config too)."""
     lines = [f"kvplug contract suite {kvplug.__version__}: {mask_url(url)}"]
     try:
-        parts = split_chain(url)
-        infos = plugins()
-        for part in parts:
-            parsed = BackendURL.parse(part if "://" in part else f"{part}://")
-            spec = registry().resolve(parsed.scheme)
-            info = next((p for p in infos if spec in p.specs), None)
-            dist = f"{info.distribution} {info.version}".rstrip() if info else "runtime"
-            line = f"  {parsed.scheme}://: {spec.kind} {spec.name!r} from {dist}"
-            if spec.kind == "backend":
-                capabilities = registry().factory(spec).capabilities.declared()
-                line += f"; schemes {', '.join(spec.schemes)}"
-                line += f"; capabilities {', '.join(capabilities) or 'none'}"
-            lines.append(line)
+        lines += _describe_chain(url, "  ")
     except kvplug.KvplugError as error:
         lines.append(f"  cannot resolve the URL: {error}")
+    return lines
+
+
+def _describe_chain(url: str, indent: str) -> list[str]:
+    lines = []
+    infos = plugins()
+    for part in split_chain(url):
+        parsed = BackendURL.parse(part if "://" in part else f"{part}://")
+        spec = registry().resolve(parsed.scheme)
+        info = next((p for p in infos if spec in p.specs), None)
+        dist = f"{info.distribution} {info.version}".rstrip() if info else "runtime"
+        line = f"{indent}{parsed.scheme}://: {spec.kind} {spec.name!r} from {dist}"
+        if spec.kind == "backend":
+            factory = registry().factory(spec)
+            line += f"; schemes {', '.join(spec.schemes)}"
+            if issubclass(factory, Store):
+                lines.append(line + "; capabilities from its tiers:")
+                for tier in Store.config_of(parsed).tiers:
+                    lines += _describe_chain(tier.url, indent + "  ")
+                continue
+            capabilities = factory.capabilities.declared()
+            line += f"; capabilities {', '.join(capabilities) or 'none'}"
+        lines.append(line)
     return lines
 
 

@@ -21,7 +21,7 @@ from kvplug.config import Config
 from kvplug.errors import KvplugError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj, nbytes_of
-from kvplug.store import Store
+from kvplug.store import Store, open_store
 
 DEFAULT_SHAPE = (2, 32, 256, 1024)
 DEFAULT_COUNT = 32
@@ -40,6 +40,8 @@ class BenchRow:
     operation: str
     tier: str
     seconds: list[float] = field(default_factory=list)
+    """One per call; a lower tier's puts are batched, so one call may carry several chunks."""
+    chunks: int = 0
     nbytes: int = 0
     misses: int = 0
     zero_copy: bool = False
@@ -132,17 +134,18 @@ async def run_bench(
     """Put ``count`` chunks through the store, then read each tier back; every byte checked."""
     report = progress or (lambda phase, done, total: None)
     rows: dict[tuple[str, str], BenchRow] = {}
+    chunk_bytes = nbytes_of(shape, dtype)
 
     def record(tier: str, op: str, seconds: float, nbytes: int) -> None:
         row = rows.setdefault((op, tier), BenchRow(op, tier))
         row.seconds.append(seconds)
+        row.chunks += nbytes // chunk_bytes
         row.nbytes += nbytes
 
-    store = await Store.open(config, on_latency=record)
+    store = await open_store(config, on_latency=record)
     for name in store.tier_names:
         for operation in ("put", "get"):
             rows[(operation, name)] = BenchRow(operation, name)
-    chunk_bytes = nbytes_of(shape, dtype)
     run_name = f"run-{uuid.uuid4().hex[:12]}"
     keys = [CacheKey(BENCH_FMT, run_name, 1, 0, n) for n in range(count)]
     outcomes = [TierOutcome(name, count) for name in store.tier_names]
@@ -180,6 +183,7 @@ async def run_bench(
                     row.misses += 1
                 else:
                     row.seconds.append(elapsed)
+                    row.chunks += 1
                     row.nbytes += got.nbytes
                     if _checksum(got) == checksums[key] and got.shape == tuple(shape):
                         verified += 1
@@ -194,10 +198,10 @@ async def run_bench(
             await _remove_from_every_tier(store, keys, outcomes, report)
         finally:
             await store.close()
-    stats = store.stats()
+    stats = store.stats()["tiers"]
     for outcome, health, backend in zip(outcomes, store.health(), store.tiers, strict=True):
-        outcome.stored = rows[("put", outcome.tier)].count
-        outcome.returned = rows[("get", outcome.tier)].count
+        outcome.stored = rows[("put", outcome.tier)].chunks
+        outcome.returned = rows[("get", outcome.tier)].chunks
         outcome.dropped = int(stats[outcome.tier]["dropped_puts"])
         outcome.errors += int(stats[outcome.tier]["errors"])
         outcome.last_problem = outcome.last_problem or health.last_error or health.last_dropped

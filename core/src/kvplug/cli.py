@@ -351,7 +351,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
         title=f"kvplug bench: {count} chunks of {shape} {dtype} "
         f"({chunk_bytes / 2**20:.1f} MiB each)"
     )
-    for column in ("operation", "tier", "chunks", "GB/s", "p50 ms", "p99 ms", "misses"):
+    for column in ("operation", "tier", "chunks", "GB/s", "p50 ms/call", "p99 ms/call", "misses"):
         table.add_column(
             column,
             justify="left" if column in ("operation", "tier") else "right",
@@ -362,7 +362,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
         table.add_row(
             row.operation,
             row.tier,
-            str(row.count),
+            str(row.chunks),
             "-" if not measured else "zero-copy" if row.zero_copy else f"{row.gb_per_s:.2f}",
             f"{row.percentile_ms(0.5):.2f}" if measured else "-",
             f"{row.percentile_ms(0.99):.2f}" if measured else "-",

@@ -70,6 +70,8 @@ OTHER_ENV_VARS: frozenset[str] = frozenset(
 CONFIG_KEYS: tuple[str, ...] = (
     "chunk_size",
     "tiers",
+    "buffer_size",
+    "write_behind_size",
     "local_cpu",
     "max_local_cpu_size",
     "local_disk",
@@ -264,6 +266,12 @@ class Config:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     save_unfull_chunk: bool = True
     explicit_tiers: tuple[TierConfig, ...] | None = None
+    buffer_size: int | None = None
+    """Bytes of host memory a Store may use in all (its memory budget); ``None``: the cpu
+    tier's ``max_size`` when there is a cpu tier, else 2 GiB."""
+    write_behind_size: int | None = None
+    """Bytes of objects a Store may hold waiting for its lower tiers; ``None``: a quarter of
+    the memory budget."""
     local_cpu: bool = True
     max_local_cpu_size: int = DEFAULT_CPU_SIZE
     local_disk: str | None = None
@@ -334,12 +342,23 @@ class Config:
             "save_unfull_chunk": self.save_unfull_chunk,
             "tiers": [tier.to_dict() if tier.options else tier.url for tier in self.tiers],
         }
+        for name in ("buffer_size", "write_behind_size"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
         if self.extra_config:
             data["extra_config"] = dict(self.extra_config)
         return data
 
     def __hash__(self) -> int:
-        return hash((self.chunk_size, self.save_unfull_chunk, self.tiers))
+        return hash(
+            (
+                self.chunk_size,
+                self.save_unfull_chunk,
+                self.tiers,
+                self.buffer_size,
+                self.write_behind_size,
+            )
+        )
 
     def __repr__(self) -> str:
         return (
@@ -360,9 +379,10 @@ def _check_normalised(config: Config) -> None:
         raise bad("chunk_size", "a positive integer")
     if config.chunk_size <= 0:
         raise bad("chunk_size", "a positive integer")
-    for name in ("max_local_cpu_size", "max_local_disk_size", "cufile_buffer_size"):
+    optional_sizes = ("cufile_buffer_size", "buffer_size", "write_behind_size")
+    for name in ("max_local_cpu_size", "max_local_disk_size", *optional_sizes):
         value = getattr(config, name)
-        if value is None and name == "cufile_buffer_size":
+        if value is None and name in optional_sizes:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad(name, "a number of bytes (an int >= 0)")
@@ -648,6 +668,15 @@ def _to_mib_or_none(value: Any, key: str, source: str) -> int | None:
     return _size(value, key, source, MiB, "MiB")
 
 
+def _to_bytes_or_none(value: Any, key: str, source: str) -> int | None:
+    if value is None or value == "":
+        return None
+    size = _size(value, key, source, 1, "bytes")
+    if size == 0:
+        raise _bad(key, source, "a size > 0", value, "Give a size such as '1GiB', or remove it.")
+    return size
+
+
 def _to_dir_or_none(value: Any, key: str, source: str) -> str | None:
     if value is None or value == "":
         return None
@@ -777,6 +806,8 @@ def _to_tiers(value: Any, key: str, source: str) -> tuple[TierConfig, ...]:
 _COERCERS: dict[str, _Coercer] = {
     "chunk_size": _to_chunk_size,
     "tiers": _to_tiers,
+    "buffer_size": _to_bytes_or_none,
+    "write_behind_size": _to_bytes_or_none,
     "local_cpu": _to_bool,
     "max_local_cpu_size": _to_gib,
     "local_disk": _to_dir_or_none,

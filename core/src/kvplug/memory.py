@@ -34,7 +34,7 @@ import itertools
 import math
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -306,6 +306,9 @@ class AllocatorStats:
     object_count: int
     free_block_count: int
     alignment: int
+    shortages: int = 0
+    """Allocations that found no room, even after asking the reclaimer (see
+    :meth:`FreeListAllocator.set_reclaimer`)."""
 
     @property
     def free(self) -> int:
@@ -377,12 +380,22 @@ def _memory_of(device: torch.device) -> tuple[str, str]:
     return f"memory on {device}", "an amount kvplug cannot tell"
 
 
+Reclaimer = Callable[[int], int]
+"""Called as ``reclaimer(nbytes)`` when an allocation does not fit: frees memory of the
+allocator (for example by evicting cache entries that nobody else references) and returns how
+many bytes it freed, 0 when it could free none."""
+
+
 class FreeListAllocator(Allocator):
     """First-fit allocator over one buffer with an explicit, coalescing free list.
 
     Blocks are rounded up to ``alignment`` (4096 bytes by default, so O_DIRECT and cuFile can use
     the buffers directly). Host buffers are CUDA-pinned when CUDA is available (``pin=None``),
     page-aligned anonymous memory otherwise. Thread-safe.
+
+    When an allocation does not fit, the allocator asks its reclaimer (if one is set with
+    :meth:`set_reclaimer`) to free memory and tries again, until it fits or the reclaimer frees
+    nothing; only then does it return ``None`` and count a shortage.
     """
 
     def __init__(
@@ -427,6 +440,28 @@ class FreeListAllocator(Allocator):
         self._free_sizes: list[int] = [capacity]
         self._used = 0
         self._objects = 0
+        self._shortages = 0
+        self._reclaimer: Reclaimer | None = None
+
+    def set_reclaimer(self, reclaimer: Reclaimer | None) -> Reclaimer | None:
+        """Install who frees memory when an allocation does not fit (``None`` removes it) and
+        return the previous one. The reclaimer is called without the allocator's lock held, so
+        it may release objects of this allocator."""
+        with self._lock:
+            previous, self._reclaimer = self._reclaimer, reclaimer
+        return previous
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether an allocation of ``nbytes`` would fit now, asking the reclaimer for room as
+        :meth:`allocate` does (without counting a shortage)."""
+        size = self._round_up(nbytes)
+        while True:
+            with self._lock:
+                if any(block >= size for block in self._free_sizes):
+                    return True
+                reclaimer = self._reclaimer
+            if reclaimer is None or reclaimer(size) <= 0:
+                return False
 
     def _round_up(self, nbytes: int) -> int:
         return max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
@@ -439,6 +474,21 @@ class FreeListAllocator(Allocator):
     ) -> MemoryObj | None:
         nbytes = nbytes_of(shape, dtype)
         size = self._round_up(nbytes)
+        while True:
+            start = self._take(size)
+            if start is not None:
+                break
+            with self._lock:
+                reclaimer = self._reclaimer
+            if reclaimer is None or reclaimer(size) <= 0:
+                with self._lock:
+                    self._shortages += 1
+                return None
+        raw = self.buffer[start : start + nbytes]
+        return MemoryObj(raw, shape, dtype, fmt, allocator=self, offset=start, phy_size=size)
+
+    def _take(self, size: int) -> int | None:
+        """The start of a block of ``size`` bytes now taken from the free list, or None."""
         with self._lock:
             for index, block_size in enumerate(self._free_sizes):
                 if block_size >= size:
@@ -451,11 +501,8 @@ class FreeListAllocator(Allocator):
                         self._free_sizes[index] = block_size - size
                     self._used += size
                     self._objects += 1
-                    break
-            else:
-                return None
-        raw = self.buffer[start : start + nbytes]
-        return MemoryObj(raw, shape, dtype, fmt, allocator=self, offset=start, phy_size=size)
+                    return start
+            return None
 
     def _free_block(self, offset: int, size: int) -> None:
         with self._lock:
@@ -490,6 +537,7 @@ class FreeListAllocator(Allocator):
                 object_count=self._objects,
                 free_block_count=len(self._free_sizes),
                 alignment=self.alignment,
+                shortages=self._shortages,
             )
 
     def free_blocks(self) -> list[tuple[int, int]]:
@@ -549,6 +597,7 @@ __all__ = [
     "FreeListAllocator",
     "MemoryFormat",
     "MemoryObj",
+    "Reclaimer",
     "dtype_code",
     "nbytes_of",
     "shared_host_allocator",

@@ -53,6 +53,7 @@ RUNTIME_DISTRIBUTION = "<registered at runtime>"
 
 # Where each first-party scheme lives, for the install hint of a scheme nobody serves.
 FIRST_PARTY_SCHEMES: dict[str, str] = {
+    "store": "kvplug",
     "cpu": "kvplug-cpu",
     "blackhole": "kvplug-blackhole",
     "audit": "kvplug-audit",

@@ -1,36 +1,51 @@
-"""The tiered store: what an engine talks to.
+"""The tiered store: what an engine talks to, and itself a :class:`~kvplug.backend.Backend`.
 
 A :class:`Store` holds an ordered list of backends, the tiers (fastest first, as in the
-``tiers:`` config). ``put`` stores an object in the first tier at once (so it reads back
-immediately) and hands it to every other tier through a bounded queue per tier, so a slow tier
-never blocks the engine and never grows memory without bound (what a full queue drops is
-counted). ``get`` searches the tiers in order and writes a hit from
-a lower tier back into the faster ones. ``lookup`` counts the leading keys present anywhere;
-``prefetch`` loads a contiguous prefix into the first tier.
+``tiers:`` config), and one host-memory budget. It is a backend like any other: it can be
+opened by URL (``store:///etc/kvplug.yaml``), wrapped (``audit::store:///etc/kvplug.yaml``),
+checked with ``kvplug contract --config FILE`` and driven by a ``SyncClient``.
+
+**Batched per tier.** ``batched_get`` asks each tier once for the keys still missing, in lookup
+order; ``batched_put`` hands the first tier one batched call and every lower tier batched calls
+from its write-behind queue; ``batched_contains`` counts the leading keys present in any tier.
+A hit in a lower tier is written back into the faster tiers, batched too.
+
+**One memory budget.** Every object the store hands out or reads lives in one allocator, fixed
+at open: the ``allocator`` given, else a buffer of the config's ``buffer_size``, else the cpu
+tier's own buffer (its ``max_size``), else 2 GiB. Every tier reads into it. When it is full, the
+cpu tier evicts entries that nobody but itself references (never an object someone is reading);
+a get that still finds no room waits for memory up to its deadline (``timeout``) and then
+reports a miss counted as ``memory_short``.
+
+**Write-behind in bytes.** A put stores the object in the first tier before it returns and
+queues it for the lower tiers while the objects waiting hold at most ``write_behind_size``
+bytes (a quarter of the budget by default). A put is *accepted* when the first tier took it or
+it was queued; a lower tier that cannot take it is counted as a dropped put with its reason and
+has the key's older value removed, so an older value is never served after a newer one was
+accepted. A put accepted nowhere raises at once (:meth:`Store.offer` says it per key instead).
 
 A tier that fails is isolated: its error is counted, the other tiers keep serving, and it is
-tried again after an exponential back-off; :meth:`Store.health` tells its state. Per-tier
-counters and latency histograms are readable with :meth:`Store.stats` and exportable in
-Prometheus format with :meth:`Store.prometheus_text`.
+tried again after an exponential back-off; :meth:`Store.health` tells its state.
+:meth:`Store.stats` and :meth:`Store.prometheus_text` show per-tier counters and latency, the
+queued bytes, dropped puts by reason and misses by reason.
 
 Example::
 
     >>> import asyncio, torch
     >>> from kvplug.config import Config
     >>> from kvplug.keys import CacheKey
-    >>> from kvplug.store import Store
+    >>> from kvplug.store import open_store
     >>> async def main():
-    ...     store = await Store.open(Config.from_dict({"tiers": ["cpu://?max_size=64MiB"]}))
+    ...     store = await open_store(Config.from_dict({"tiers": ["cpu://?max_size=64MiB"]}))
     ...     key = CacheKey("vllm", "llama", 1, 0, 7)
     ...     obj = store.allocate((2, 4, 16, 64), torch.float16)
     ...     obj.tensor.fill_(2.0)
     ...     await store.put(key, obj)
     ...     obj.release()
-    ...     await store.flush()
     ...     hit = await store.get(key)
     ...     total = hit.tensor.sum().item()
     ...     hit.release()
-    ...     found = await store.lookup([key, key.with_hash(8)])
+    ...     found = await store.batched_contains([key, key.with_hash(8)])
     ...     await store.close()
     ...     return total, found
     >>> asyncio.run(main())
@@ -41,65 +56,105 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter as Tally
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import Field, field_validator
 
-from kvplug.backend import Backend
+from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.config import Config, load_config
 from kvplug.errors import (
     BackendClosed,
     BackendError,
+    BackendUnavailable,
     CapacityExceeded,
     ConfigError,
+    InvalidBackendURL,
+    KvplugError,
     NotSupported,
 )
 from kvplug.keys import CacheKey
-from kvplug.memory import Allocator, AllocatorStats, FreeListAllocator, MemoryFormat, MemoryObj
-from kvplug.registry import open_backend
+from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.registry import backend_class, create_backend
 from kvplug.secrets import mask_text
+from kvplug.units import GiB, format_size, parse_size
+from kvplug.url import BackendURL, split_chain
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.store")
 
-DEFAULT_QUEUE_SIZE = 64
-DEFAULT_BUFFER_SIZE = 2 << 30
+DEFAULT_BUFFER_SIZE = 2 * GiB
+WRITE_BEHIND_SHARE = 4
+"""Without ``write_behind_size``, objects waiting for lower tiers hold at most 1/4 of the
+budget."""
+MAX_STALE_REMOVALS = 100_000
+"""Removals of older values a tier may have queued (see :class:`Store`); beyond them a skipped
+overwrite is counted as ``untracked``."""
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+DROP_REASONS = (
+    "write_behind_full",
+    "tier_failing",
+    "full",
+    "tier_error",
+    "closed",
+    "untracked",
+)
+"""Why a put did not reach a tier: the write-behind queue had no room; the tier was skipped
+after failing; the tier was full (``CapacityExceeded``); the tier failed on this put; the store
+closed before it was written; too many removals were queued to track the older value."""
+MISS_REASONS = ("absent", "memory_short")
+"""Why a get missed: no tier had the key; the memory budget had no room within the deadline."""
 
 
 @runtime_checkable
-class AllocatingTier(Protocol):
-    """A tier that hands out objects in its own memory, evicting to make room (``cpu://``);
-    objects from it are stored in it without a copy."""
+class MemoryTier(Protocol):
+    """A tier that holds objects in the budget's memory and can make room in it (``cpu://``):
+    the store allocates through it, and installs :meth:`reclaim` as the budget's reclaimer."""
 
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = ...
     ) -> MemoryObj | None: ...
 
+    def reclaim(self, nbytes: int) -> int: ...
 
-class _TierAllocator(Allocator):
-    """Allocates through the first tier, so that objects read from lower tiers land in its
-    memory (and write-back into it is free) and room is made by its eviction policy."""
 
-    def __init__(self, tier: AllocatingTier, backing: Allocator) -> None:
-        self.tier = tier
-        self.backing = backing
+class StoreOptions(BackendOptions):
+    """Options of a :class:`Store` (in a ``store://`` URL's query or as keywords). ``timeout``
+    is how long a get waits for memory when the budget is full."""
 
-    def allocate(
-        self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.KV_2LTD
-    ) -> MemoryObj | None:
-        return self.tier.allocate(shape, dtype, fmt)
+    buffer_size: int | None = Field(
+        None, description="the memory budget in bytes; overrides the config's buffer_size"
+    )
+    write_behind_size: int | None = Field(
+        None, description="bytes waiting for lower tiers; overrides the config's"
+    )
+    write_batch: int = Field(16, ge=1, description="most objects in one write to a lower tier")
+    backoff: float = Field(1.0, gt=0, description="seconds a failing tier is first skipped")
+    max_backoff: float = Field(30.0, gt=0, description="longest skip of a failing tier")
+    close_timeout: float = Field(
+        5.0, ge=0, description="seconds close() waits for queued writes before dropping them"
+    )
 
-    def stats(self) -> AllocatorStats:
-        return self.backing.stats()
-
-    def _free_block(self, offset: int, size: int) -> None:  # pragma: no cover - never owns
-        raise AssertionError("objects of a tier allocator belong to the tier's own allocator")
+    @field_validator("buffer_size", "write_behind_size", mode="before")
+    @classmethod
+    def _parse_size(cls, value: object) -> int | None:
+        if value is None:
+            return None
+        size = parse_size(value, what="a Store size option")
+        if size <= 0:
+            raise ConfigError(f"a Store size option must be positive, got {value!r}.")
+        return size
 
 
 @dataclass
@@ -112,59 +167,104 @@ class TierHealth:
     retry_at: float = 0.0
     last_error: str | None = None
     last_dropped: str | None = None
-    """Why the last put that did not reach this tier was dropped (full, queue full, ...)."""
+    """Why the last put that did not reach this tier was dropped."""
 
 
 @dataclass
 class _Tier:
+    index: int
     name: str
     backend: Backend
-    queue: asyncio.Queue[tuple[CacheKey, MemoryObj]]
     health: TierHealth
+    waiting: deque[CacheKey] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
-    in_flight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    removals: int = 0
+    """Keys queued here for removal of an older value."""
+
+
+@dataclass
+class _Pending:
+    """What the write-behind still has to do for one key."""
+
+    obj: MemoryObj | None
+    """The newest accepted value (one reference held), or None once the key was removed."""
+    writes: set[int] = field(default_factory=set)
+    """Tiers that have to store ``obj``."""
+    removals: set[int] = field(default_factory=set)
+    """Tiers whose value of the key is older than the newest accepted one: removed there."""
+    busy: set[int] = field(default_factory=set)
+    """Tiers with an operation on this key in flight."""
+
+    def queued(self, tier: int) -> bool:
+        return tier in self.writes or tier in self.removals
 
 
 class StoreMetrics:
-    """Per-tier Prometheus metrics in a registry of this store's own."""
+    """The store's Prometheus metrics, in a registry of its own."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        labels = ["tier"]
+        registry = self.registry
+        tier = ["tier"]
         self.hits = Counter(
-            "kvplug_tier_hits", "gets answered by the tier", labels, registry=self.registry
+            "kvplug_tier_hits", "gets answered by the tier", tier, registry=registry
         )
-        self.misses = Counter(
-            "kvplug_tier_misses", "gets the tier missed", labels, registry=self.registry
-        )
+        self.misses = Counter("kvplug_tier_misses", "gets the tier missed", tier, registry=registry)
         self.bytes_read = Counter(
-            "kvplug_tier_read_bytes", "bytes returned by the tier", labels, registry=self.registry
+            "kvplug_tier_read_bytes", "bytes returned by the tier", tier, registry=registry
         )
         self.bytes_written = Counter(
-            "kvplug_tier_written_bytes", "bytes stored in the tier", labels, registry=self.registry
+            "kvplug_tier_written_bytes", "bytes stored in the tier", tier, registry=registry
         )
         self.errors = Counter(
-            "kvplug_tier_errors", "operations that failed", ["tier", "op"], registry=self.registry
+            "kvplug_tier_errors", "operations that failed", ["tier", "op"], registry=registry
         )
         self.dropped = Counter(
             "kvplug_tier_dropped_puts",
-            "puts not made: queue full, tier failing or full",
-            labels,
-            registry=self.registry,
+            "accepted puts that did not reach the tier, by reason",
+            ["tier", "reason"],
+            registry=registry,
         )
         self.latency = Histogram(
             "kvplug_tier_op_seconds",
-            "latency of tier operations",
+            "latency of tier operations (one batched call is one observation)",
             ["tier", "op"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.healthy = Gauge(
-            "kvplug_tier_healthy", "1 when the tier is serving", labels, registry=self.registry
+            "kvplug_tier_healthy", "1 when the tier is serving", tier, registry=registry
         )
         self.queue_depth = Gauge(
-            "kvplug_tier_queue_depth", "puts waiting for the tier", labels, registry=self.registry
+            "kvplug_tier_queue_depth", "keys waiting for the tier", tier, registry=registry
+        )
+        self.store_misses = Counter(
+            "kvplug_store_misses", "keys no tier returned, by reason", ["reason"], registry=registry
+        )
+        self.rejected = Counter(
+            "kvplug_store_rejected_puts", "puts no tier accepted", registry=registry
+        )
+        self.memory_waits = Counter(
+            "kvplug_store_memory_waits",
+            "times a get waited for room in the memory budget",
+            registry=registry,
+        )
+        self.write_behind_bytes = Gauge(
+            "kvplug_store_write_behind_bytes",
+            "bytes of objects waiting for lower tiers",
+            registry=registry,
+        )
+        self.write_behind_limit = Gauge(
+            "kvplug_store_write_behind_limit_bytes",
+            "most bytes that may wait for lower tiers",
+            registry=registry,
+        )
+        self.memory_used = Gauge(
+            "kvplug_store_memory_used_bytes", "bytes in use in the memory budget", registry=registry
+        )
+        self.memory_budget = Gauge(
+            "kvplug_store_memory_budget_bytes", "size of the memory budget", registry=registry
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -183,89 +283,191 @@ async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str
     return failures
 
 
-class Store:
-    """Ordered tiers of backends behind one get/put/lookup interface. Build it with
-    :meth:`open`; use it from one event loop (engine threads use a ``SyncClient`` pattern or
-    run it on their IO loop)."""
+def _layers(backend: Backend) -> list[Backend]:
+    """``backend`` and the backends it wraps, outermost first."""
+    chain = [backend]
+    while isinstance(inner := getattr(chain[-1], "inner", None), Backend):
+        chain.append(inner)
+    return chain
+
+
+def _memory_tier(backend: Backend) -> MemoryTier | None:
+    return next((layer for layer in _layers(backend) if isinstance(layer, MemoryTier)), None)
+
+
+def _serves_memory_tier(url: str) -> bool:
+    """Whether ``url`` (possibly a wrapper chain) opens a :class:`MemoryTier`."""
+    cls = backend_class(split_chain(url)[-1])
+    return callable(getattr(cls, "allocate", None)) and callable(getattr(cls, "reclaim", None))
+
+
+def _store_capabilities(backends: Sequence[Backend]) -> Capabilities:
+    """What a store over ``backends`` can honestly declare."""
+    each = [backend.capabilities for backend in backends]
+    return Capabilities(
+        persistent=any(c.persistent for c in each),
+        # Lower tiers are written behind: another process sees a put once the first tier has it.
+        shared_across_processes=each[0].shared_across_processes,
+        zero_copy=each[0].zero_copy,
+        native_batching=True,
+        delete=all(c.delete for c in each),
+        list=all(c.list for c in each),
+        device_memory=any(c.device_memory for c in each),
+    )
+
+
+class Store(Backend):
+    """Ordered tiers of backends behind the backend contract, with one memory budget and a
+    write-behind queue bounded in bytes (see the module documentation for the rules).
+
+    Build it from a :class:`~kvplug.config.Config` with :func:`open_store`, by URL with
+    ``kvplug.open_backend("store:///path/config.yaml")`` (``store://`` alone reads
+    :func:`~kvplug.config.load_config`), or around backends you opened yourself with
+    ``Store(tiers=[...])``. A store lives on the event loop that first uses it; engine threads
+    reach it through a :class:`~kvplug.sync.SyncClient`.
+    """
+
+    capabilities: Capabilities  # type: ignore[misc]  # per store: from its tiers
+    Options: ClassVar[type[BackendOptions]] = StoreOptions
+    options: StoreOptions
 
     def __init__(
         self,
-        backends: Sequence[Backend],
+        url: BackendURL | str = "store://",
         *,
-        allocator: Allocator,
-        queue_size: int = DEFAULT_QUEUE_SIZE,
-        backoff: float = 1.0,
-        max_backoff: float = 30.0,
+        tiers: Sequence[Backend] | None = None,
+        config: Config | None = None,
+        allocator: Allocator | None = None,
         on_latency: Callable[[str, str, float, int], None] | None = None,
+        **options: Any,
     ) -> None:
-        if not backends:
-            raise ConfigError("a Store needs at least one tier; configure tiers: [cpu://]")
-        if queue_size < 1:
-            raise ConfigError(f"queue_size must be at least 1, got {queue_size}.")
-        self.allocator = allocator
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-        self.metrics = StoreMetrics()
+        super().__init__(url, allocator=allocator, **options)
+        if self.url.scheme != "store" or self.url.hosts or self.url.username:
+            raise InvalidBackendURL(
+                f"{self.url} is not a store URL: write store:///path/to/config.yaml, or store:// "
+                "for the configuration kvplug.load_config() finds."
+            )
+        if tiers is not None and (config is not None or self.url.path):
+            raise ConfigError("give a Store its tiers or a config (or a config path), not both.")
         self.on_latency = on_latency
         """Called as ``(tier, op, seconds, nbytes)`` after each tier get and put (benchmarks)."""
-        self._closed = False
-        names = [self._tier_name(i, b) for i, b in enumerate(backends)]
-        self._tiers = [
-            _Tier(name, backend, asyncio.Queue(queue_size), TierHealth(name))
-            for name, backend in zip(names, backends, strict=True)
-        ]
-        for tier in self._tiers:
-            tier.idle.set()
-            self.metrics.healthy.labels(tier.name).set(1)
-            tier.worker = asyncio.get_running_loop().create_task(self._drain(tier))
+        self.metrics = StoreMetrics()
+        self._config = config
+        self._given_allocator = allocator
+        self._tiers: list[_Tier] = []
+        self._memory: MemoryTier | None = None
+        self._budget: Allocator | None = None
+        self._previous_reclaimer: Any = None
+        self.write_behind_limit = 0
+        """Most bytes of objects that may wait for the lower tiers."""
+        self._pending: dict[CacheKey, _Pending] = {}
+        self._pending_bytes = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opened = False
+        self._largest_object = 0
+        self._writes = 0
+        self._written_at: dict[CacheKey, int] = {}
+        self._reads: Tally[int] = Tally()
+        self._untracked_warned = False
+        self.capabilities = Capabilities()
+        if tiers is not None:
+            self._setup(list(tiers), self._budget_for(list(tiers)))
+
+    # -- opening ------------------------------------------------------------------------------
 
     @staticmethod
-    def _tier_name(index: int, backend: Backend) -> str:
-        return f"{index}:{backend.url}"  # str(BackendURL) masks its secrets
+    def config_of(url: BackendURL | str) -> Config:
+        """The config a ``store://`` URL names: the YAML file of its path, or
+        :func:`~kvplug.config.load_config` (environment and ``KVPLUG_CONFIG_FILE``) for
+        ``store://`` alone."""
+        path = BackendURL.parse(url).path
+        return Config.from_yaml(Path(path)) if path else load_config()
 
-    @classmethod
-    async def open(
-        cls,
-        config: Config | None = None,
-        *,
-        allocator: Allocator | None = None,
-        queue_size: int = DEFAULT_QUEUE_SIZE,
-        backoff: float = 1.0,
-        on_latency: Callable[[str, str, float, int], None] | None = None,
-    ) -> Store:
-        """Open every configured tier (``load_config()`` when no config is given).
+    def _configured(self) -> Config:
+        if self._config is None:
+            self._config = self.config_of(self.url)
+        return self._config
 
-        Objects come from ``allocator`` when given; otherwise from the first tier when it can
-        allocate (``cpu://``: puts of them are zero-copy there), else from a pinned host buffer
-        of 2 GiB.
-        """
-        config = config or load_config()
-        backends: list[Backend] = []
-        try:
-            for tier in config.tiers:
-                backend = await open_backend(tier.url, allocator=allocator, **dict(tier.options))
-                if allocator is None:
-                    allocator = (
-                        _TierAllocator(backend, backend.allocator)
-                        if isinstance(backend, AllocatingTier)
-                        else FreeListAllocator(
-                            DEFAULT_BUFFER_SIZE,
-                            sized_by="the Store's host buffer (pass Store.open a smaller "
-                            "allocator=)",
-                        )
-                    )
-                backends.append(backend)
-        except BaseException:
-            await _close_each([(str(backend.url), backend) for backend in backends])
-            raise
-        assert allocator is not None  # config.tiers is never empty
-        return cls(
-            backends,
-            allocator=allocator,
-            queue_size=queue_size,
-            backoff=backoff,
-            on_latency=on_latency,
+    def _budget_size(self, config: Config | None) -> int | None:
+        if self.options.buffer_size is not None:
+            return self.options.buffer_size
+        return config.buffer_size if config is not None else None
+
+    def _budget_for(self, backends: Sequence[Backend], config: Config | None = None) -> Allocator:
+        if self._given_allocator is not None:
+            return self._given_allocator
+        size = self._budget_size(config)
+        if size is not None:
+            return FreeListAllocator(size, sized_by="buffer_size (the Store's memory budget)")
+        memory = next((m for b in backends if (m := _memory_tier(b)) is not None), None)
+        if memory is not None:
+            return next(b for b in backends if _memory_tier(b) is memory).allocator
+        return FreeListAllocator(
+            DEFAULT_BUFFER_SIZE,
+            sized_by="the Store's memory budget (set buffer_size in the config)",
         )
+
+    async def open(self) -> None:
+        """Open every configured tier with the one memory budget; a failure closes what was
+        opened and raises."""
+        self.ensure_open()
+        if self._opened:
+            return
+        config = self._configured()
+        made: dict[int, Backend] = {}
+        try:
+            budget = self._given_allocator
+            if budget is None and self._budget_size(config) is not None:
+                budget = self._budget_for([], config)
+            if budget is None:
+                memory_index = next(
+                    (i for i, tier in enumerate(config.tiers) if _serves_memory_tier(tier.url)),
+                    None,
+                )
+                if memory_index is None:
+                    budget = self._budget_for([], config)
+                else:  # the budget is the cpu tier's own buffer (its max_size)
+                    tier = config.tiers[memory_index]
+                    made[memory_index] = create_backend(tier.url, **dict(tier.options))
+                    budget = made[memory_index].allocator
+            for index, tier in enumerate(config.tiers):
+                if index not in made:
+                    made[index] = create_backend(tier.url, allocator=budget, **dict(tier.options))
+            backends = [made[index] for index in range(len(config.tiers))]
+            for backend in backends:
+                await backend.open()
+        except BaseException:
+            await _close_each([(str(backend.url), backend) for backend in made.values()])
+            raise
+        self._setup(backends, budget)
+
+    def _setup(self, backends: list[Backend], budget: Allocator) -> None:
+        if not backends:
+            raise ConfigError("a Store needs at least one tier; configure tiers: [cpu://]")
+        self._budget = budget
+        self._allocator = budget
+        self._memory = next((m for b in backends if (m := _memory_tier(b)) is not None), None)
+        if self._memory is not None and isinstance(budget, FreeListAllocator):
+            self._previous_reclaimer = budget.set_reclaimer(self._memory.reclaim)
+        capacity = budget.stats().capacity
+        limit = self.options.write_behind_size
+        if limit is None and self._config is not None:
+            limit = self._config.write_behind_size
+        self.write_behind_limit = limit if limit is not None else capacity // WRITE_BEHIND_SHARE
+        self._tiers = [
+            _Tier(i, f"{i}:{backend.url}", backend, TierHealth(f"{i}:{backend.url}"))
+            for i, backend in enumerate(backends)  # str(BackendURL) masks its secrets
+        ]
+        for tier in self._tiers:
+            self.metrics.healthy.labels(tier.name).set(1)
+        self.metrics.write_behind_limit.set(self.write_behind_limit)
+        self.metrics.write_behind_bytes.set_function(lambda: self._pending_bytes)
+        self.metrics.memory_budget.set(capacity)
+        self.metrics.memory_used.set_function(lambda: budget.stats().used)
+        self.capabilities = _store_capabilities(backends)
+        self._opened = True
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -278,15 +480,36 @@ class Store:
         """``index:url`` of each tier (secrets masked), as metrics and stats label them."""
         return [tier.name for tier in self._tiers]
 
+    @property
+    def budget(self) -> Allocator:
+        """The memory budget: every object the store hands out or reads lives here."""
+        if self._budget is None:
+            raise KvplugError("this Store is not open yet; await store.open() first.")
+        return self._budget
+
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.KV_2LTD
     ) -> MemoryObj | None:
-        """An object to fill and put (``None`` when memory is exhausted)."""
-        return self.allocator.allocate(shape, dtype, fmt)
+        """An object to fill and put, in the memory budget: the cpu tier evicts entries only
+        it references to make room. ``None`` when no room can be made (never blocks)."""
+        self._ensure_open()
+        if self._memory is not None:
+            return self._memory.allocate(shape, dtype, fmt)
+        return self.budget.allocate(shape, dtype, fmt)
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise BackendClosed("this Store is closed; open a new one with Store.open().")
+            raise BackendClosed("this Store is closed; open a new one with open_store().")
+        if not self._opened:
+            raise KvplugError("this Store is not open yet; await store.open() first.")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise KvplugError(
+                "this Store belongs to another event loop; use it from the loop that opened it, "
+                "or from threads through one kvplug.sync.SyncClient."
+            )
 
     def _available(self, tier: _Tier) -> bool:
         health = tier.health
@@ -302,7 +525,9 @@ class Store:
     def _failed(self, tier: _Tier, op: str, error: BaseException) -> None:
         health = tier.health
         health.consecutive_errors += 1
-        delay = min(self.max_backoff, self.backoff * 2 ** (health.consecutive_errors - 1))
+        delay = min(
+            self.options.max_backoff, self.options.backoff * 2 ** (health.consecutive_errors - 1)
+        )
         health.retry_at = time.monotonic() + delay
         health.last_error = mask_text(f"{type(error).__name__}: {error}")
         if health.healthy:
@@ -334,164 +559,502 @@ class Store:
             self.metrics.latency.labels(tier.name, op).observe(elapsed)
         self._succeeded(tier)
         if self.on_latency is not None:
-            if isinstance(result, MemoryObj):
-                nbytes = result.nbytes
             self.on_latency(tier.name, op, elapsed, nbytes)
         return True, result
 
-    # -- writes ---------------------------------------------------------------------------------
+    def _note_write(self, key: CacheKey) -> None:
+        """Remember that ``key`` changed, for reads in flight (their write-back must not put an
+        older value over it)."""
+        self._writes += 1
+        if self._reads:
+            self._written_at[key] = self._writes
 
-    def _dropped(self, tier: _Tier, reason: str) -> None:
-        tier.health.last_dropped = mask_text(reason)
-        self.metrics.dropped.labels(tier.name).inc()
+    def _begin_read(self) -> int:
+        self._reads[self._writes] += 1
+        return self._writes
 
-    def _enqueue(self, tier: _Tier, key: CacheKey, obj: MemoryObj) -> None:
-        if not self._available(tier):
-            self._dropped(tier, f"the tier is skipped after failing ({tier.health.last_error})")
+    def _end_read(self, started: int) -> None:
+        self._reads[started] -= 1
+        if not self._reads[started]:
+            del self._reads[started]
+        if not self._reads:
+            self._written_at.clear()
+        elif len(self._written_at) > 4096:
+            oldest = min(self._reads)
+            self._written_at = {k: s for k, s in self._written_at.items() if s > oldest}
+
+    def _changed_since(self, key: CacheKey, started: int) -> bool:
+        return self._written_at.get(key, -1) > started
+
+    # -- the write-behind -----------------------------------------------------------------------
+
+    def _dropped(self, tier: _Tier, reason: str, detail: str, count: int = 1) -> None:
+        tier.health.last_dropped = mask_text(f"{reason}: {detail}")
+        self.metrics.dropped.labels(tier.name, reason).inc(count)
+
+    def _enqueue(self, tier: _Tier, key: CacheKey) -> None:
+        tier.waiting.append(key)
+        tier.wake.set()
+        self._idle.clear()
+        self.metrics.queue_depth.labels(tier.name).set(len(tier.waiting))
+        if tier.worker is None or tier.worker.done():
+            tier.worker = asyncio.get_running_loop().create_task(self._drain(tier))
+
+    def _queue_removal(self, entry: _Pending, tier: _Tier, key: CacheKey) -> None:
+        """Have ``tier`` drop its (older) value of ``key``; readers skip it there meanwhile."""
+        entry.writes.discard(tier.index)
+        if tier.index in entry.removals:
             return
-        try:
-            tier.queue.put_nowait((key, obj.retain()))
-        except asyncio.QueueFull:
-            obj.release()
-            self._dropped(tier, f"its queue was full ({tier.queue.maxsize} puts waiting)")
+        if tier.removals >= MAX_STALE_REMOVALS:
+            self._dropped(tier, "untracked", f"{MAX_STALE_REMOVALS} removals already queued")
+            if not self._untracked_warned:
+                self._untracked_warned = True
+                logger.warning(
+                    "tier %s has %d removals of older values queued; further skipped overwrites "
+                    "are not tracked, so it may return an older value of such a key",
+                    tier.name,
+                    MAX_STALE_REMOVALS,
+                )
             return
-        tier.idle.clear()
-        self.metrics.queue_depth.labels(tier.name).set(tier.queue.qsize())
+        queued = entry.queued(tier.index)
+        entry.removals.add(tier.index)
+        tier.removals += 1
+        if not queued:
+            self._enqueue(tier, key)
+
+    def _entry(self, key: CacheKey) -> _Pending:
+        entry = self._pending.get(key)
+        if entry is None:
+            entry = self._pending[key] = _Pending(None)
+        return entry
+
+    def _set_value(self, entry: _Pending, obj: MemoryObj | None) -> None:
+        old = entry.obj
+        entry.obj = obj.retain() if obj is not None else None
+        self._pending_bytes += (obj.phy_size if obj is not None else 0) - (
+            old.phy_size if old is not None else 0
+        )
+        if old is not None:
+            old.release()
+
+    def _admit(
+        self, key: CacheKey, obj: MemoryObj, targets: Sequence[_Tier], *, newer: bool = True
+    ) -> bool:
+        """Queue ``obj`` for ``targets``: True when queued for at least one of them. When
+        ``obj`` is ``newer`` than what the tiers may hold (a put, not a write-back), tiers it
+        cannot be queued for drop their older value of the key."""
+        if not targets:
+            return False
+        entry = self._pending.get(key)
+        held = entry.obj.phy_size if entry is not None and entry.obj is not None else 0
+        room = self._pending_bytes - held + obj.phy_size <= self.write_behind_limit
+        usable = [t for t in targets if self._available(t)]
+        if not (room and usable) and not newer:
+            return False
+        if room and usable:
+            entry = self._entry(key)
+            self._set_value(entry, obj)
+        elif entry is not None:
+            self._set_value(entry, None)  # an older value queued must not be served or written
+        for tier in targets:
+            if room and tier in usable:
+                assert entry is not None
+                queued = entry.queued(tier.index)
+                if tier.index in entry.removals:
+                    entry.removals.discard(tier.index)
+                    tier.removals -= 1
+                entry.writes.add(tier.index)
+                if not queued:
+                    self._enqueue(tier, key)
+                continue
+            reason = "write_behind_full" if tier in usable else "tier_failing"
+            detail = (
+                f"{format_size(self._pending_bytes)} of {format_size(self.write_behind_limit)} "
+                "waiting"
+                if reason == "write_behind_full"
+                else f"skipped after failing ({tier.health.last_error})"
+            )
+            self._dropped(tier, reason, detail)
+            self._queue_removal(self._entry(key), tier, key)
+        if entry is not None:
+            self._settle(key)
+        return room and bool(usable)
+
+    def _settle(self, key: CacheKey) -> None:
+        """Forget ``key``'s entry once nothing is queued or in flight for it."""
+        entry = self._pending.get(key)
+        if entry is None or entry.writes or entry.removals or entry.busy:
+            return
+        del self._pending[key]
+        self._set_value(entry, None)
+        if not self._pending:
+            self._idle.set()
+
+    def _take(self, tier: _Tier) -> tuple[list[tuple[CacheKey, MemoryObj]], list[CacheKey]]:
+        """The next batch for ``tier``: objects to write and keys to remove."""
+        writes: list[tuple[CacheKey, MemoryObj]] = []
+        removals: list[CacheKey] = []
+        while tier.waiting and len(writes) + len(removals) < self.options.write_batch:
+            key = tier.waiting.popleft()
+            entry = self._pending.get(key)
+            if entry is None:
+                continue
+            if tier.index in entry.removals:
+                entry.removals.discard(tier.index)
+                tier.removals -= 1
+                removals.append(key)
+            elif tier.index in entry.writes and entry.obj is not None:
+                entry.writes.discard(tier.index)
+                writes.append((key, entry.obj.retain()))
+            else:
+                continue
+            entry.busy.add(tier.index)
+        self.metrics.queue_depth.labels(tier.name).set(len(tier.waiting))
+        return writes, removals
 
     async def _drain(self, tier: _Tier) -> None:
         while True:
-            key, obj = await tier.queue.get()
-            tier.in_flight += 1
+            if not tier.waiting:
+                tier.wake.clear()
+                await tier.wake.wait()
+                continue
+            if not self._available(tier):
+                self._drop_writes(tier, "tier_failing", f"skipped ({tier.health.last_error})")
+                if tier.waiting:  # removals wait for the tier to come back
+                    await asyncio.sleep(max(0.001, tier.health.retry_at - time.monotonic()))
+                continue
+            writes, removals = self._take(tier)
             try:
-                ok, _ = await self._call(tier, "put", tier.backend.put(key, obj), obj.nbytes)
-                if ok:
-                    self.metrics.bytes_written.labels(tier.name).inc(obj.nbytes)
-            except (CapacityExceeded, BackendClosed, NotSupported) as error:
-                self._dropped(tier, f"{type(error).__name__}: {error}")
-            except Exception as error:
-                # A bug in the tier (not a store failure): nobody awaits this put to see it, so
-                # it is logged in full and counted; the worker keeps draining the queue.
-                logger.exception("tier %s raised an unexpected error on a queued put", tier.name)
-                self._dropped(tier, f"{type(error).__name__}: {error}")
-                self.metrics.errors.labels(tier.name, "put").inc()
+                if writes:
+                    await self._write(tier, writes)
+                if removals:
+                    await self._remove_older(tier, removals)
             finally:
-                obj.release()
-                tier.in_flight -= 1
-                self.metrics.queue_depth.labels(tier.name).set(tier.queue.qsize())
-                if tier.queue.empty() and not tier.in_flight:
-                    tier.idle.set()
+                for _, obj in writes:
+                    obj.release()
+                for key in [k for k, _ in writes] + removals:
+                    entry = self._pending.get(key)
+                    if entry is not None:
+                        entry.busy.discard(tier.index)
+                    self._settle(key)
+
+    def _drop_writes(self, tier: _Tier, reason: str, detail: str) -> None:
+        """Drop every write queued for ``tier``, each replaced by a removal of the older
+        value."""
+        for key in list(tier.waiting):
+            entry = self._pending.get(key)
+            if entry is not None and tier.index in entry.writes and tier.index not in entry.busy:
+                self._dropped(tier, reason, detail)
+                self._queue_removal(entry, tier, key)
+        tier.waiting = deque(k for k in tier.waiting if self._queued_here(k, tier))
+        for key in list(self._pending):
+            self._settle(key)
+        self.metrics.queue_depth.labels(tier.name).set(len(tier.waiting))
+
+    def _queued_here(self, key: CacheKey, tier: _Tier) -> bool:
+        entry = self._pending.get(key)
+        return entry is not None and entry.queued(tier.index)
+
+    async def _write(self, tier: _Tier, writes: list[tuple[CacheKey, MemoryObj]]) -> None:
+        keys = [key for key, _ in writes]
+        objs = [obj for _, obj in writes]
+        nbytes = sum(obj.nbytes for obj in objs)
+        try:
+            ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
+        except CapacityExceeded as error:
+            ok, reason, detail = False, "full", f"CapacityExceeded: {error}"
+        except BackendClosed as error:
+            ok, reason, detail = False, "closed", f"BackendClosed: {error}"
+        except Exception as error:
+            # A bug in the tier, not a storage failure: nobody awaits this put to see it, so it
+            # is logged in full and counted; the worker keeps draining the queue.
+            logger.exception("tier %s raised an unexpected error on a queued put", tier.name)
+            self.metrics.errors.labels(tier.name, "put").inc()
+            ok, reason, detail = False, "tier_error", f"{type(error).__name__}: {error}"
+        else:
+            reason, detail = "tier_error", f"{tier.health.last_error}"
+        if ok:
+            self.metrics.bytes_written.labels(tier.name).inc(nbytes)
+            return
+        # Which keys the tier kept is unknown: each written one is removed again, so that no
+        # older value outlives the newer one accepted elsewhere.
+        self._dropped(tier, reason, detail, len(keys))
+        for key in keys:
+            self._queue_removal(self._entry(key), tier, key)
+
+    async def _remove_older(self, tier: _Tier, keys: list[CacheKey]) -> None:
+        if not tier.backend.capabilities.delete:
+            return
+        results = await asyncio.gather(
+            *(self._call(tier, "remove", tier.backend.remove(key)) for key in keys),
+            return_exceptions=True,
+        )
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException) or not result[0]:
+                entry = self._entry(key)
+                self._queue_removal(entry, tier, key)  # tried again after the back-off
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    async def _put_first(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
+        """Store in the first tier now; which keys it took."""
+        first = self._tiers[0]
+        if not self._available(first):
+            self._dropped(first, "tier_failing", f"skipped ({first.health.last_error})", len(keys))
+            return [False] * len(keys)
+        nbytes = sum(obj.nbytes for obj in objs)
+        try:
+            ok, _ = await self._call(first, "put", first.backend.batched_put(keys, objs), nbytes)
+        except CapacityExceeded as error:
+            if len(keys) == 1:
+                self._dropped(first, "full", f"CapacityExceeded: {error}")
+                return [False]
+            # Which keys fitted is unknown: each is offered once more on its own.
+            return [all(await self._put_first([k], [o])) for k, o in zip(keys, objs, strict=True)]
+        if not ok:
+            self._dropped(first, "tier_error", f"{first.health.last_error}", len(keys))
+            return [False] * len(keys)
+        self.metrics.bytes_written.labels(first.name).inc(nbytes)
+        return [True] * len(keys)
+
+    async def offer(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
+        """Store each object in the first tier now and queue it for the lower tiers; whether
+        each was accepted (stored or queued). Never waits for the lower tiers. Puts that were
+        not accepted are counted (``kvplug_store_rejected_puts``) and each tier's reason too."""
+        self._ensure_open()
+        if len(keys) != len(objs):
+            raise ValueError(f"a put got {len(keys)} keys but {len(objs)} objects.")
+        for key, obj in zip(keys, objs, strict=True):
+            self._note_write(key)
+            self._largest_object = max(self._largest_object, obj.nbytes)
+        lower = self._tiers[1:]
+        in_first = await self._put_first(keys, objs)
+        accepted = []
+        for key, obj, stored in zip(keys, objs, in_first, strict=True):
+            queued = self._admit(key, obj, lower)
+            if not stored and queued:
+                # The first tier may hold an older value: it goes, readers skip it meanwhile.
+                self._queue_removal(self._entry(key), self._tiers[0], key)
+            accepted.append(stored or queued)
+        self.metrics.rejected.inc(accepted.count(False))
+        return accepted
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        """Store ``obj`` in the first tier now (so it can be read back at once) and queue it for
-        the others; the caller keeps its reference. A full first tier is counted as a dropped
-        put, not raised: the lower tiers may still take the object."""
-        self._ensure_open()
-        first, *lower = self._tiers
-        if self._available(first):
-            try:
-                ok, _ = await self._call(first, "put", first.backend.put(key, obj), obj.nbytes)
-            except CapacityExceeded as error:
-                ok = False
-                self._dropped(first, f"CapacityExceeded: {error}")
-            if ok:
-                self.metrics.bytes_written.labels(first.name).inc(obj.nbytes)
-        else:
-            self._dropped(first, f"the tier is skipped after failing ({first.health.last_error})")
-        for tier in lower:
-            self._enqueue(tier, key, obj)
+        """Store ``obj`` (see :meth:`batched_put`); the caller keeps its reference."""
+        await self.batched_put([key], [obj])
 
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        if len(keys) != len(objs):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
-        for key, obj in zip(keys, objs, strict=True):
-            await self.put(key, obj)
+        """Store the objects: in the first tier before this returns, in the lower tiers through
+        the write-behind queue. Raises :class:`~kvplug.errors.CapacityExceeded` (or
+        :class:`~kvplug.errors.BackendUnavailable` when a tier failed) naming the keys that no
+        tier accepted; the others are stored."""
+        accepted = await self.offer(keys, objs)
+        if all(accepted):
+            return
+        refused = [str(k) for k, ok in zip(keys, accepted, strict=True) if not ok]
+        reasons = "; ".join(
+            f"{t.name}: {t.health.last_dropped}" for t in self._tiers if t.health.last_dropped
+        )
+        failing = any(not t.health.healthy for t in self._tiers)
+        error = BackendUnavailable if failing else CapacityExceeded
+        raise error(
+            f"{len(refused)} of {len(keys)} puts were accepted by no tier ({', '.join(refused[:3])}"
+            f"{', ...' if len(refused) > 3 else ''}): {reasons}. Free room (release objects, "
+            "raise max_size or write_behind_size) or bring the failing tier back."
+        )
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued put has reached its tier (or failed)."""
-        waits = [tier.idle.wait() for tier in self._tiers]
-        await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        """Wait until every queued write and removal has reached its tier (or was dropped)."""
+        await asyncio.wait_for(self._idle.wait(), timeout)
 
     # -- reads ----------------------------------------------------------------------------------
 
+    def _skipped(self, key: CacheKey, tier: int) -> bool:
+        """Whether ``tier``'s value of ``key`` is older than one accepted since."""
+        entry = self._pending.get(key)
+        return entry is not None and (tier in entry.removals or tier in entry.busy)
+
+    def _has_room(self) -> bool:
+        budget = self.budget
+        if isinstance(budget, FreeListAllocator):
+            return budget.has_room(max(self._largest_object, budget.alignment))
+        return True
+
+    async def _room_by(self, deadline: float) -> bool:
+        """Wait until the budget has room for the largest object seen, up to ``deadline``."""
+        step = 0.001
+        while not self._has_room():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(step, remaining))
+            step = min(step * 2, 0.05)
+        return True
+
+    def _shortages(self) -> int:
+        return self.budget.stats().shortages
+
+    async def _get_from(
+        self, tier: _Tier, keys: list[CacheKey], deadline: float
+    ) -> tuple[list[MemoryObj | None], bool]:
+        """One tier's objects for ``keys`` (one batched call, again for keys it could not
+        allocate for once memory is free), and whether memory stayed short."""
+        results: list[MemoryObj | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        while True:
+            before = self._shortages()
+            ok, got = await self._call(
+                tier, "get", tier.backend.batched_get([keys[i] for i in todo])
+            )
+            if not ok or got is None:
+                return results, False
+            for i, obj in zip(todo, got, strict=True):
+                results[i] = obj
+                if obj is not None:
+                    self._largest_object = max(self._largest_object, obj.nbytes)
+            todo = [i for i in todo if results[i] is None]
+            if not todo or self._shortages() == before:
+                return results, False
+            # Some misses may only be a full budget (any reader's shortage counts here, so a
+            # real miss may be asked twice): wait for room, then ask again for them.
+            self.metrics.memory_waits.inc()
+            if not await self._room_by(deadline):
+                return results, True
+
+    async def _read(self, keys: Sequence[CacheKey], *, into_first: bool) -> list[MemoryObj | None]:
+        started = self._begin_read()
+        results: list[MemoryObj | None] = [None] * len(keys)
+        try:
+            missing = []
+            for i, key in enumerate(keys):
+                entry = self._pending.get(key)
+                if entry is not None and entry.obj is not None:
+                    results[i] = entry.obj.retain()
+                else:
+                    missing.append(i)
+            deadline = time.monotonic() + self.options.timeout
+            short = False
+            for tier in self._tiers:
+                asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
+                if not asked or not self._available(tier):
+                    continue
+                got, short = await self._get_from(tier, [keys[i] for i in asked], deadline)
+                hits = [(i, obj) for i, obj in zip(asked, got, strict=True) if obj is not None]
+                for i, obj in hits:
+                    results[i] = obj
+                    self.metrics.bytes_read.labels(tier.name).inc(obj.nbytes)
+                self.metrics.hits.labels(tier.name).inc(len(hits))
+                self.metrics.misses.labels(tier.name).inc(len(asked) - len(hits))
+                missing = [i for i in missing if results[i] is None]
+                if hits and tier.index:
+                    await self._write_back(
+                        tier, [(keys[i], o) for i, o in hits], started, into_first
+                    )
+                if short:
+                    break
+            if missing:
+                reason = "memory_short" if short else "absent"
+                self.metrics.store_misses.labels(reason).inc(len(missing))
+            return results
+        except BaseException:
+            for held in results:
+                if held is not None:
+                    held.release()
+            raise
+        finally:
+            self._end_read(started)
+
+    async def _write_back(
+        self,
+        source: _Tier,
+        hits: list[tuple[CacheKey, MemoryObj]],
+        started: int,
+        into_first: bool,
+    ) -> None:
+        """Copy lower-tier hits into the faster tiers: at once into host-memory tiers (no copy
+        there) and into the first tier when prefetching; through the write-behind otherwise."""
+        hits = [(k, o) for k, o in hits if not self._changed_since(k, started)]
+        if not hits:
+            return
+        for tier in self._tiers[: source.index]:
+            now = tier.backend.capabilities.zero_copy or (into_first and tier.index == 0)
+            if not now:
+                for key, obj in hits:
+                    self._admit(key, obj, [tier], newer=False)
+                continue
+            fresh = [(k, o) for k, o in hits if not self._skipped(k, tier.index)]
+            if not fresh or not self._available(tier):
+                continue
+            keys, objs = [k for k, _ in fresh], [o for _, o in fresh]
+            nbytes = sum(obj.nbytes for obj in objs)
+            with contextlib.suppress(CapacityExceeded):
+                ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
+                if ok:
+                    self.metrics.bytes_written.labels(tier.name).inc(nbytes)
+
     async def get(self, key: CacheKey) -> MemoryObj | None:
-        """The object from the first tier that has it (the caller releases it), written back
-        into the faster tiers; ``None`` when no tier has it."""
+        """The object from the first tier that has it (the caller releases it); ``None`` when
+        no tier has it, or when the memory budget had no room for it within ``timeout``."""
         self._ensure_open()
-        for index, tier in enumerate(self._tiers):
-            if not self._available(tier):
-                continue
-            ok, obj = await self._call(tier, "get", tier.backend.get(key))
-            if not ok or obj is None:
-                self.metrics.misses.labels(tier.name).inc()
-                continue
-            self.metrics.hits.labels(tier.name).inc()
-            self.metrics.bytes_read.labels(tier.name).inc(obj.nbytes)
-            for faster in self._tiers[:index]:
-                self._enqueue(faster, key, obj)
-            return obj
-        return None
+        return (await self._read([key], into_first=False))[0]
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        return [await self.get(key) for key in keys]
+        """The objects for ``keys`` (aligned with them): each tier is asked once, in order,
+        for the keys the faster ones missed."""
+        self._ensure_open()
+        return await self._read(list(keys), into_first=False)
 
     async def contains(self, key: CacheKey) -> bool:
-        return await self.lookup([key]) == 1
+        return await self.batched_contains([key]) == 1
 
-    async def lookup(self, keys: Sequence[CacheKey]) -> int:
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading ``keys`` are present in some tier (each key may be in any tier)."""
         self._ensure_open()
+        keys = list(keys)
         position = 0
         while position < len(keys):
             advance = 0
-            for tier in self._tiers:
-                if not self._available(tier):
-                    continue
-                ok, count = await self._call(
-                    tier, "contains", tier.backend.batched_contains(keys[position:])
-                )
-                if ok and count:
-                    advance = max(advance, count)
+            while position + advance < len(keys):  # keys waiting in the write-behind
+                entry = self._pending.get(keys[position + advance])
+                if entry is None or entry.obj is None:
+                    break
+                advance += 1
+            if not advance:
+                for tier in self._tiers:
+                    if not self._available(tier):
+                        continue
+                    asked = keys[position:]
+                    # A value older than an accepted one does not count: ask only up to it.
+                    fresh = next(
+                        (n for n, key in enumerate(asked) if self._skipped(key, tier.index)),
+                        len(asked),
+                    )
+                    if not fresh:
+                        continue
+                    ok, count = await self._call(
+                        tier, "contains", tier.backend.batched_contains(asked[:fresh])
+                    )
+                    if ok and count:
+                        advance = max(advance, count)
             if not advance:
                 break
             position += advance
         return position
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        """The same as :meth:`lookup`: the backend contract's name for it."""
-        return await self.lookup(keys)
+    async def lookup(self, keys: Sequence[CacheKey]) -> int:
+        """The same as :meth:`batched_contains` (LMCache's name for it)."""
+        return await self.batched_contains(keys)
 
     async def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """Load the leading present ``keys`` into the first tier, stopping at the first key no
-        tier has; returns how many of them the first tier now holds."""
+        tier has; how many of them the first tier now holds."""
         self._ensure_open()
-        first = self._tiers[0]
-        loaded = 0
-        for key in keys:
-            ok, present = await self._call(first, "contains", first.backend.contains(key))
-            if ok and present:
-                loaded += 1
-                continue
-            obj = None
-            for tier in self._tiers[1:]:
-                if not self._available(tier):
-                    continue
-                ok, obj = await self._call(tier, "get", tier.backend.get(key))
-                if ok and obj is not None:
-                    self.metrics.hits.labels(tier.name).inc()
-                    self.metrics.bytes_read.labels(tier.name).inc(obj.nbytes)
-                    break
-            if obj is None:
-                break
-            try:
-                ok, _ = await self._call(first, "put", first.backend.put(key, obj))
-            except CapacityExceeded:
-                ok = False
-            finally:
+        present = await self.batched_contains(keys)
+        objs = await self._read(list(keys[:present]), into_first=True)
+        loaded = next((n for n, obj in enumerate(objs) if obj is None), len(objs))
+        for obj in objs:
+            if obj is not None:
                 obj.release()
-            if not ok:
-                break
-            self.metrics.bytes_written.labels(first.name).inc(obj.nbytes)
-            loaded += 1
         return loaded
 
     # -- maintenance ----------------------------------------------------------------------------
@@ -506,17 +1069,39 @@ class Store:
                 )
         return [self._tiers[index] for index in tiers]
 
-    async def remove(self, key: CacheKey, tiers: Sequence[int] | None = None) -> int:
-        """Remove ``key`` from the given tiers (all by default); how many held it. Tiers that
-        cannot delete are skipped."""
+    async def remove(self, key: CacheKey, tiers: Sequence[int] | None = None) -> bool:
+        """Remove ``key`` from the given tiers (all by default) and from the write-behind;
+        whether any held it. A tier that cannot be reached now removes it once it is back."""
         self._ensure_open()
-        removed = 0
-        for tier in self._selected(tiers):
-            if not tier.backend.capabilities.delete:
-                continue
-            ok, found = await self._call(tier, "remove", tier.backend.remove(key))
-            removed += bool(ok and found)
-        return removed
+        selected = self._selected(tiers)
+        if not all(tier.backend.capabilities.delete for tier in selected):
+            raise NotSupported(
+                "these tiers cannot delete: "
+                + ", ".join(t.name for t in selected if not t.backend.capabilities.delete)
+            )
+        self._note_write(key)
+        found = False
+        entry = self._pending.get(key)
+        if entry is not None:
+            if tiers is None:
+                found = entry.obj is not None
+                self._set_value(entry, None)
+            for tier in selected:
+                entry.writes.discard(tier.index)
+                if tier.index in entry.busy:  # a write in flight lands after this removal
+                    self._queue_removal(entry, tier, key)
+
+        async def remove_from(tier: _Tier) -> bool:
+            if self._available(tier):
+                ok, removed = await self._call(tier, "remove", tier.backend.remove(key))
+                if ok:
+                    return bool(removed)
+            self._queue_removal(self._entry(key), tier, key)
+            return False
+
+        results = await asyncio.gather(*(remove_from(tier) for tier in selected))
+        self._settle(key)
+        return found or any(results)
 
     async def clear(self, tiers: Sequence[int] | None = None) -> int:
         """Remove every key from the given tiers (all by default); needs ``list`` and
@@ -536,52 +1121,111 @@ class Store:
                 removed += bool(await tier.backend.remove(key))
         return removed
 
+    def list_keys(self) -> AsyncIterator[CacheKey]:
+        """Every key stored in some tier or waiting to be written, each once."""
+        self._ensure_open()
+        if not self.capabilities.list:
+            raise NotSupported("this Store cannot list keys: not every tier declares 'list'.")
+
+        async def keys() -> AsyncIterator[CacheKey]:
+            seen: set[CacheKey] = set()
+            for key, entry in list(self._pending.items()):
+                if entry.obj is not None:
+                    seen.add(key)
+                    yield key
+            for tier in self._tiers:
+                async for key in tier.backend.list_keys():
+                    if key not in seen and not self._skipped(key, tier.index):
+                        seen.add(key)
+                        yield key
+
+        return keys()
+
     def health(self) -> list[TierHealth]:
         """Each tier's state, fastest first (copies)."""
-        return [TierHealth(**vars(tier.health)) for tier in self._tiers]
+        return [dataclasses.replace(tier.health) for tier in self._tiers]
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Per tier: hits, misses, bytes read and written, errors, dropped puts, queue depth."""
+    def stats(self) -> dict[str, Any]:
+        """Counters of the store: per tier (hits, misses, bytes, errors by operation, dropped
+        puts by reason, keys queued, health), the write-behind (bytes and keys queued, limit),
+        the memory budget (capacity, used, shortages) and misses by reason."""
         value = self.metrics.value
-        result = {}
+        tiers: dict[str, dict[str, Any]] = {}
         for tier in self._tiers:
             name = tier.name
-            errors = sum(
-                value("kvplug_tier_errors_total", tier=name, op=op)
+            errors = {
+                op: value("kvplug_tier_errors_total", tier=name, op=op)
                 for op in ("get", "put", "contains", "remove")
-            )
-            result[name] = {
+            }
+            dropped = {
+                reason: value("kvplug_tier_dropped_puts_total", tier=name, reason=reason)
+                for reason in DROP_REASONS
+            }
+            tiers[name] = {
                 "hits": value("kvplug_tier_hits_total", tier=name),
                 "misses": value("kvplug_tier_misses_total", tier=name),
                 "bytes_read": value("kvplug_tier_read_bytes_total", tier=name),
                 "bytes_written": value("kvplug_tier_written_bytes_total", tier=name),
-                "errors": errors,
-                "dropped_puts": value("kvplug_tier_dropped_puts_total", tier=name),
-                "queue_depth": float(tier.queue.qsize()),
-                "healthy": float(tier.health.healthy),
+                "errors": sum(errors.values()),
+                "errors_by_op": errors,
+                "dropped_puts": sum(dropped.values()),
+                "dropped_by_reason": dropped,
+                "queued": len(tier.waiting),
+                "healthy": tier.health.healthy,
             }
-        return result
+        budget = self.budget.stats()
+        return {
+            "tiers": tiers,
+            "write_behind": {
+                "queued_bytes": self._pending_bytes,
+                "queued_keys": len(self._pending),
+                "limit_bytes": self.write_behind_limit,
+            },
+            "memory": {
+                "budget_bytes": budget.capacity,
+                "used_bytes": budget.used,
+                "shortages": budget.shortages,
+                "waits": value("kvplug_store_memory_waits_total"),
+            },
+            "misses": {
+                reason: value("kvplug_store_misses_total", reason=reason) for reason in MISS_REASONS
+            },
+            "rejected_puts": value("kvplug_store_rejected_puts_total"),
+        }
 
     def prometheus_text(self) -> str:
         """Every metric in Prometheus' text exposition format."""
         return generate_latest(self.metrics.registry).decode()
 
-    async def close(self, timeout: float = 30.0) -> None:
-        """Finish queued puts (up to ``timeout`` seconds), then close every tier. Idempotent."""
-        if self._closed:
+    def describe(self) -> dict[str, str]:
+        return {
+            "tiers": ", ".join(self.tier_names),
+            "memory budget": format_size(self.budget.stats().capacity),
+            "write-behind limit": format_size(self.write_behind_limit),
+        }
+
+    async def close(self) -> None:
+        """Finish queued writes (up to ``close_timeout`` seconds; what is left is counted as
+        dropped), then close every tier. Idempotent."""
+        if not self.mark_closed():
             return
-        self._closed = True
-        with contextlib.suppress(TimeoutError):
-            await self.flush(timeout)
+        if self._tiers and self._pending:
+            with contextlib.suppress(TimeoutError):
+                await self.flush(self.options.close_timeout)
         for tier in self._tiers:
             if tier.worker is not None:
                 tier.worker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await tier.worker
-            while not tier.queue.empty():
-                _, obj = tier.queue.get_nowait()
-                obj.release()
-                self._dropped(tier, f"the store closed before it was written ({timeout} s)")
+            left = [k for k in tier.waiting if self._queued_here(k, tier)]
+            if left:
+                self._dropped(tier, "closed", "the store closed before it was written", len(left))
+        for entry in self._pending.values():
+            self._set_value(entry, None)
+        self._pending.clear()
+        self._idle.set()
+        if self._memory is not None and isinstance(self._budget, FreeListAllocator):
+            self._budget.set_reclaimer(self._previous_reclaimer)
         failures = await _close_each([(tier.name, tier.backend) for tier in self._tiers])
         if failures:
             raise BackendError(
@@ -590,11 +1234,31 @@ class Store:
                 "Their resources may stay in use until the process exits."
             ) from failures[0][1]
 
-    async def __aenter__(self) -> Store:
-        return self
 
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+async def open_store(
+    config: Config | str | os.PathLike[str] | None = None,
+    *,
+    allocator: Allocator | None = None,
+    **options: Any,
+) -> Store:
+    """Open a :class:`Store` over a config (a :class:`~kvplug.config.Config`, a YAML file, or
+    :func:`~kvplug.config.load_config` when None). ``allocator`` replaces the memory budget;
+    ``options`` are :class:`StoreOptions`."""
+    if config is None or isinstance(config, Config):
+        store = Store(config=config, allocator=allocator, **options)
+    else:
+        store = Store(f"store://{Path(config).resolve()}", allocator=allocator, **options)
+    await store.open()
+    return store
 
 
-__all__ = ["AllocatingTier", "Store", "StoreMetrics", "TierHealth"]
+__all__ = [
+    "DROP_REASONS",
+    "MISS_REASONS",
+    "MemoryTier",
+    "Store",
+    "StoreMetrics",
+    "StoreOptions",
+    "TierHealth",
+    "open_store",
+]

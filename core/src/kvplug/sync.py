@@ -30,20 +30,20 @@ from typing import Any, TypeVar
 
 from kvplug.backend import Backend
 from kvplug.config import Config
-from kvplug.errors import BackendClosed, BackendTimeout, KvplugError, NotSupported
+from kvplug.errors import BackendClosed, BackendTimeout, KvplugError
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.registry import open_backend
 from kvplug.secrets import mask_url
-from kvplug.store import Store
+from kvplug.store import Store, open_store
 from kvplug.url import BackendURL
 
 T = TypeVar("T")
 
 
 class SyncClient:
-    """A backend or a tiered store driven from any thread through one private event-loop
-    thread.
+    """A backend (a tiered :class:`~kvplug.store.Store` is one too) driven from any thread
+    through one private event-loop thread.
 
     Pass an opened :class:`~kvplug.backend.Backend`, a URL (opened on the client's loop), or a
     :class:`~kvplug.config.Config` (its tiers are opened as a :class:`~kvplug.store.Store`
@@ -52,7 +52,7 @@ class SyncClient:
     make a new one.
     """
 
-    backend: Backend | Store
+    backend: Backend
 
     def __init__(
         self,
@@ -74,13 +74,13 @@ class SyncClient:
             self.backend = backend
             return
         target = mask_url(str(backend)) if not isinstance(backend, Config) else "the tiers"
-        opening: Coroutine[Any, Any, Backend | Store] = (
-            Store.open(backend, allocator=allocator, **options)
+        opening: Coroutine[Any, Any, Backend] = (
+            open_store(backend, allocator=allocator, **options)
             if isinstance(backend, Config)
             else open_backend(backend, allocator=allocator, **options)
         )
 
-        async def open_within_deadline() -> Backend | Store:
+        async def open_within_deadline() -> Backend:
             # wait_for cancels an open that runs late and waits for it to unwind, and an open
             # that unwinds closes what it had opened, so nothing is left behind on this loop.
             try:
@@ -142,26 +142,13 @@ class SyncClient:
 
     def remove(self, key: CacheKey) -> concurrent.futures.Future[bool]:
         """Whether ``key`` was stored (in any tier of a Store) and is now removed."""
-        backend = self.backend
-
-        async def remove() -> bool:
-            return bool(await backend.remove(key))
-
-        return self.run(remove())
+        return self.run(self.backend.remove(key))
 
     def pin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self._single_backend("pin").pin(key))
+        return self.run(self.backend.pin(key))
 
     def unpin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self._single_backend("unpin").unpin(key))
-
-    def _single_backend(self, operation: str) -> Backend:
-        if isinstance(self.backend, Store):
-            raise NotSupported(
-                f"{operation} works on one backend, not on a tiered Store; call it on a tier: "
-                f"client.run(client.backend.tiers[0].{operation}(key))"
-            )
-        return self.backend
+        return self.run(self.backend.unpin(key))
 
     def lookup(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
         """How many leading ``keys`` are stored (in any tier of a Store)."""

@@ -43,7 +43,14 @@ from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
 from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.keys import CacheKey
-from kvplug.memory import DEFAULT_ALIGNMENT, Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.memory import (
+    DEFAULT_ALIGNMENT,
+    Allocator,
+    FreeListAllocator,
+    MemoryFormat,
+    MemoryObj,
+    nbytes_of,
+)
 from kvplug.units import GiB, format_size, host_memory, parse_size
 from kvplug.url import BackendURL
 
@@ -77,6 +84,11 @@ class CpuOptions(BackendOptions):
         if not isinstance(value, str):
             raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
         return check_policy_name(value)
+
+
+def _only_ours(obj: MemoryObj) -> bool:
+    """Whether the index holds the only reference (so evicting ``obj`` frees its memory)."""
+    return obj.ref_count == 1 and obj.pin_count == 0
 
 
 async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
@@ -267,16 +279,44 @@ class CpuBackend(Backend):
         dtype: torch.dtype,
         fmt: MemoryFormat = MemoryFormat.KV_2LTD,
     ) -> MemoryObj | None:
-        """A new object in :attr:`allocator`, evicting by policy until it fits; ``None`` when
-        nothing evictable is left. A later ``put`` of it stores it without a copy."""
+        """A new object in :attr:`allocator`, evicting by policy (:meth:`reclaim`) until it
+        fits; ``None`` when nothing reclaimable is left. A later ``put`` of it stores it without
+        a copy."""
         self.ensure_open()
+        nbytes = nbytes_of(shape, dtype)
         while True:
             obj = self.allocator.allocate(shape, dtype, fmt)
-            if obj is not None:
+            if obj is not None or not self.reclaim(nbytes):
                 return obj
-            with self._lock:
-                if not self._evict_one(exclude=None):
-                    return None
+
+    def reclaim(self, nbytes: int) -> int:
+        """Evict entries in policy order until ``nbytes`` bytes of memory are freed or no
+        candidate is left; the bytes freed.
+
+        Only entries whose memory eviction really frees are candidates: not pinned, and
+        referenced by nobody but this tier. An object a reader holds (a ``get`` result, an
+        object being read or written elsewhere) is never evicted for room, since dropping it
+        from the index would lose the entry and free nothing. A Store installs this method as
+        its memory budget's reclaimer (:meth:`kvplug.memory.FreeListAllocator.set_reclaimer`).
+        """
+        freed = 0
+        with self._lock:
+            now = time.monotonic()
+            while freed < nbytes:
+                victim = next(
+                    (
+                        key
+                        for key in self._policy.candidates()
+                        if not self._pins.is_pinned(key, now) and _only_ours(self._index[key])
+                    ),
+                    None,
+                )
+                if victim is None:
+                    break
+                freed += self._index[victim].phy_size
+                self._drop(victim)
+                self.evictions += 1
+        return freed
 
     # -- the contract -------------------------------------------------------------------------
 

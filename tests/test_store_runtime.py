@@ -1,0 +1,529 @@
+"""The Store as the engine-facing runtime: one batched call per tier, one memory budget with
+documented eviction and waiting rules, a write-behind bounded in bytes that never lets an older
+value outlive a newer one, and the Store as a Backend (URL, wrappers, SyncClient)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from test_store import DictTier
+
+import kvplug
+from kvplug import (
+    Backend,
+    BackendUnavailable,
+    CacheKey,
+    CapacityExceeded,
+    ConfigError,
+    FreeListAllocator,
+    KvplugError,
+    MemoryObj,
+)
+from kvplug.backend import Buffer
+from kvplug.config import Config
+from kvplug.store import Store, open_store
+from kvplug.sync import SyncClient
+from kvplug_cpu.backend import CpuBackend
+
+MiB = 1 << 20
+CHUNK = (2, 2, 128, 1024)  # fp16: 1 MiB
+
+
+def key(n: int) -> CacheKey:
+    return CacheKey("vllm", "runtime-test", 1, 0, n)
+
+
+def chunk(allocator: kvplug.Allocator, value: float) -> MemoryObj:
+    obj = allocator.allocate(CHUNK, torch.float16)
+    assert obj is not None, "the test's allocator is full"
+    obj.tensor.fill_(value)
+    return obj
+
+
+def value_of(obj: MemoryObj | None) -> float | None:
+    if obj is None:
+        return None
+    values = obj.tensor.unique()
+    assert values.numel() == 1, f"a mixed object: {values}"
+    return float(values.item())
+
+
+class CountingTier(DictTier):
+    """A dict tier that records every batched call it receives (the keys, in order), and whose
+    writes can be held (``put_gate``) or refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, list[int]]] = []
+        self.refuse_puts = False
+        self.put_gate: asyncio.Event | None = None
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        if self.put_gate is not None:
+            await self.put_gate.wait()
+        await super().put_bytes(key, parts)
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        self.calls.append(("get", [k.chunk_hash for k in keys]))
+        return await super().batched_get(keys)
+
+    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        self.calls.append(("put", [k.chunk_hash for k in keys]))
+        if self.refuse_puts:
+            raise CapacityExceeded("the counting tier is full")
+        await super().batched_put(keys, objs)
+
+    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        self.calls.append(("contains", [k.chunk_hash for k in keys]))
+        return await super().batched_contains(keys)
+
+    def of(self, operation: str) -> list[list[int]]:
+        return [keys for op, keys in self.calls if op == operation]
+
+
+async def counting_store(**options: Any) -> tuple[Store, CountingTier, CountingTier]:
+    allocator = FreeListAllocator(64 * MiB, pin=False)
+    fast = CountingTier(allocator=allocator)
+    slow = CountingTier(allocator=allocator)
+    return Store(tiers=[fast, slow], allocator=allocator, **options), fast, slow
+
+
+# -- batched per tier ---------------------------------------------------------------------------
+
+
+def test_batched_get_asks_each_tier_once_for_the_keys_still_missing_in_lookup_order() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store()
+        for n in (0, 2, 4):
+            obj = chunk(store.budget, float(n))
+            await fast.put(key(n), obj)
+            obj.release()
+        for n in (1, 3, 5, 6):
+            obj = chunk(store.budget, float(n))
+            await slow.put(key(n), obj)
+            obj.release()
+        got = await store.batched_get([key(n) for n in range(9)])
+        assert [value_of(o) for o in got] == [0, 1, 2, 3, 4, 5, 6, None, None]
+        assert fast.of("get") == [list(range(9))]
+        assert slow.of("get") == [[1, 3, 5, 6, 7, 8]]
+        for obj in got:
+            if obj is not None:
+                obj.release()
+        # The four hits of the lower tier go back into the first one in one batched write.
+        await store.flush()
+        assert fast.of("put") == [[1, 3, 5, 6]]
+        assert store.stats()["misses"]["absent"] == 2
+        await store.close()
+        assert store.budget.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_batched_put_is_one_call_to_the_first_tier_and_batched_writes_below() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store(write_batch=4)
+        objs = [chunk(store.budget, float(n)) for n in range(10)]
+        slow.put_gate = asyncio.Event()  # hold the lower tier so that its queue fills up
+        await store.batched_put([key(n) for n in range(10)], objs)
+        for obj in objs:
+            obj.release()
+        assert fast.of("put") == [list(range(10))]
+        slow.put_gate.set()
+        await store.flush()
+        written = slow.of("put")
+        assert sorted(n for batch in written for n in batch) == list(range(10))
+        assert all(len(batch) <= 4 for batch in written) and len(written) <= 4
+        assert await store.batched_contains([key(n) for n in range(12)]) == 10
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_batched_contains_keeps_its_prefix_meaning_across_tiers() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store()
+        obj = chunk(store.budget, 1.0)
+        for n, tier in ((0, fast), (1, slow), (2, slow), (3, fast), (5, slow)):
+            await tier.put(key(n), obj)
+        obj.release()
+        assert await store.batched_contains([key(n) for n in range(7)]) == 4
+        assert await store.batched_contains([key(5), key(4)]) == 1
+        assert await store.contains(key(3)) and not await store.contains(key(4))
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- one memory budget --------------------------------------------------------------------------
+
+
+def test_a_disk_tier_in_front_of_the_cpu_tier_reads_into_the_cpu_tiers_memory(
+    tmp_path: Path,
+) -> None:
+    """[file, cpu]: one buffer (the cpu tier's max_size), never the process-wide 2 GiB one."""
+
+    async def main() -> None:
+        config = Config.from_dict({"tiers": [f"file://{tmp_path}/disk", "cpu://?max_size=32MiB"]})
+        store = await open_store(config)
+        disk, cpu = store.tiers
+        assert isinstance(cpu, CpuBackend)
+        assert disk.allocator is cpu.allocator is store.budget
+        assert store.budget.stats().capacity == 32 * MiB
+        assert store.stats()["memory"]["budget_bytes"] == 32 * MiB
+        obj = store.allocate(CHUNK, torch.float16)
+        assert obj is not None and obj.allocator is store.budget
+        obj.tensor.fill_(3.0)
+        await store.put(key(1), obj)
+        obj.release()
+        await store.flush()
+        await cpu.remove(key(1))
+        got = await store.get(key(1))
+        assert value_of(got) == 3.0 and got is not None and got.allocator is store.budget
+        got.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_buffer_size_is_the_budget_without_a_cpu_tier_and_caps_it_with_one(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        alone = await open_store(
+            Config.from_dict({"tiers": [f"file://{tmp_path}/a"], "buffer_size": "48MiB"})
+        )
+        assert alone.budget.stats().capacity == 48 * MiB
+        assert alone.tiers[0].allocator is alone.budget
+        assert alone.write_behind_limit == 12 * MiB  # a quarter of the budget by default
+        await alone.close()
+        both = await open_store(
+            Config.from_dict(
+                {
+                    "tiers": ["cpu://?max_size=1GiB", f"file://{tmp_path}/b"],
+                    "buffer_size": "24MiB",
+                    "write_behind_size": "5MiB",
+                }
+            )
+        )
+        assert both.budget.stats().capacity == 24 * MiB
+        assert all(tier.allocator is both.budget for tier in both.tiers)
+        assert both.write_behind_limit == 5 * MiB
+        await both.close()
+
+    asyncio.run(main())
+
+
+def test_a_lower_tier_read_evicts_only_entries_that_only_the_cpu_tier_references() -> None:
+    """Budget of 6 chunks, all held by cpu entries; a read of a lower-tier key needs room: the
+    cpu tier evicts an entry nobody reads, never the one a caller is holding."""
+
+    async def main() -> None:
+        budget = FreeListAllocator(6 * MiB, pin=False)
+        cpu = CpuBackend("cpu://", allocator=budget)
+        lower = DictTier(allocator=budget)
+        store = Store(tiers=[cpu, lower], allocator=budget)
+        for n in range(6):
+            obj = chunk(budget, float(n))
+            await cpu.put(key(n), obj)
+            obj.release()
+        staged = MemoryObj.from_tensor(torch.full(CHUNK, 9.0, dtype=torch.float16))
+        await lower.put(key(9), staged)
+        held = await store.get(key(0))  # least recently used, but a caller holds it
+        assert held is not None
+        for n in range(1, 6):  # make key 0 the first eviction candidate again
+            (await cpu.get(key(n))).release()
+        got = await store.get(key(9))
+        assert value_of(got) == 9.0
+        assert await cpu.contains(key(0)), "the entry a caller holds was evicted"
+        assert not await cpu.contains(key(1)), "the least recently used free entry stays"
+        assert cpu.evictions >= 1 and budget.stats().shortages == 0
+        for obj in (held, got):
+            assert obj is not None
+            obj.release()
+        await store.close()
+        assert budget.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_a_get_waits_for_memory_then_misses_with_a_counted_reason() -> None:
+    async def main() -> None:
+        budget = FreeListAllocator(4 * MiB, pin=False)
+        lower = DictTier(allocator=budget)
+        store = Store(tiers=[lower], allocator=budget, timeout=0.3)
+        staged = MemoryObj.from_tensor(torch.full(CHUNK, 5.0, dtype=torch.float16))
+        await lower.put(key(1), staged)
+        hogs = [chunk(budget, 0.0) for _ in range(4)]  # the engine holds the whole budget
+        start = time.monotonic()
+        assert await store.get(key(1)) is None
+        waited = time.monotonic() - start
+        assert 0.25 <= waited < 5.0
+        stats = store.stats()
+        assert stats["misses"] == {"absent": 0, "memory_short": 1}
+        assert stats["memory"]["waits"] >= 1 and stats["memory"]["shortages"] >= 1
+        assert 'kvplug_store_misses_total{reason="memory_short"} 1.0' in store.prometheus_text()
+        # Memory freed while a get waits: the get is served.
+        store.options = store.options.model_copy(update={"timeout": 10.0})
+        reader = asyncio.create_task(store.get(key(1)))
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        hogs.pop().release()
+        got = await asyncio.wait_for(reader, 5)
+        assert value_of(got) == 5.0 and got is not None
+        got.release()
+        for hog in hogs:
+            hog.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- write-behind in bytes ----------------------------------------------------------------------
+
+
+def test_the_write_behind_is_bounded_in_bytes_and_says_what_it_dropped() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store(write_behind_size=3 * MiB)
+        slow.put_gate = asyncio.Event()
+        start = time.perf_counter()
+        for n in range(10):
+            obj = chunk(store.budget, float(n))
+            await store.put(key(n), obj)
+            obj.release()
+        assert time.perf_counter() - start < 2.0, "a slow tier blocked puts"
+        stats = store.stats()
+        assert stats["write_behind"]["queued_bytes"] <= 3 * MiB
+        assert stats["write_behind"]["limit_bytes"] == 3 * MiB
+        slow_stats = stats["tiers"][store.tier_names[1]]
+        assert slow_stats["dropped_by_reason"]["write_behind_full"] == 7
+        assert slow_stats["dropped_puts"] == 7
+        # The dict tiers keep bytes of their own: the budget holds only what is queued.
+        assert store.budget.stats().used <= 3 * MiB
+        text = store.prometheus_text()
+        assert "kvplug_store_write_behind_bytes 3.145728e+06" in text
+        dropped = 'kvplug_tier_dropped_puts_total{reason="write_behind_full",tier="1:dict://"}'
+        assert f"{dropped} 7.0" in text
+        slow.put_gate.set()
+        await store.flush()
+        assert len(slow.values) == 3 and len(fast.values) == 10
+        await store.close()
+        assert store.budget.stats().used == 0
+
+    asyncio.run(main())
+
+
+def test_a_put_no_tier_accepts_raises_at_once_and_offer_says_which() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store(write_behind_size=1 * MiB)
+        fast.refuse_puts = True
+        slow.put_gate = asyncio.Event()
+        objs = [chunk(store.budget, float(n)) for n in range(3)]
+        assert await store.offer([key(n) for n in range(3)], objs) == [True, False, False]
+        start = time.perf_counter()
+        with pytest.raises(CapacityExceeded, match="accepted by no tier") as refused:
+            await store.put(key(7), objs[0])
+        assert time.perf_counter() - start < 1.0
+        assert "counting tier is full" in str(refused.value)
+        assert "write_behind_full" in str(refused.value)
+        assert store.stats()["rejected_puts"] == 3
+        slow.put_gate.set()
+        for obj in objs:
+            obj.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_first_tier_with_no_other_tier_is_a_backend_unavailable_put() -> None:
+    async def main() -> None:
+        allocator = FreeListAllocator(8 * MiB, pin=False)
+        only = DictTier(allocator=allocator)
+        only.failing = True
+        store = Store(tiers=[only], allocator=allocator)
+        obj = chunk(allocator, 1.0)
+        with pytest.raises(BackendUnavailable, match="dict tier is down"):
+            await store.put(key(1), obj)
+        assert store.stats()["tiers"][store.tier_names[0]]["errors_by_op"]["put"] == 1
+        obj.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- never an older value after a newer one -----------------------------------------------------
+
+
+def test_an_overwrite_the_lower_tier_could_not_take_removes_its_older_value() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store(write_behind_size=1 * MiB)
+        old = chunk(store.budget, 1.0)
+        await store.put(key(1), old)
+        old.release()
+        await store.flush()
+        slow.put_gate = asyncio.Event()
+        blocker = chunk(store.budget, 0.0)
+        await store.put(key(2), blocker)  # fills the write-behind
+        blocker.release()
+        new = chunk(store.budget, 2.0)
+        await store.put(key(1), new)  # the lower tier cannot take it now
+        new.release()
+        await fast.remove(key(1))  # the first tier forgets the newer value
+        assert await store.get(key(1)) is None, "the lower tier's older value was served"
+        assert not await store.contains(key(1))
+        slow.put_gate.set()
+        await store.flush()
+        assert await store.get(key(1)) is None and str(key(1)) not in slow.values
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_remove_during_a_lower_tier_write_is_not_undone_by_that_write() -> None:
+    async def main() -> None:
+        store, _fast, slow = await counting_store()
+        slow.put_gate = asyncio.Event()
+        obj = chunk(store.budget, 4.0)
+        await store.put(key(1), obj)
+        obj.release()
+        await asyncio.sleep(0.05)  # the lower tier's worker has taken the write
+        assert slow.of("put") == [[1]]
+        assert await store.remove(key(1)) is True
+        assert await store.get(key(1)) is None
+        slow.put_gate.set()
+        await store.flush()
+        assert str(key(1)) not in slow.values and await store.get(key(1)) is None
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_lower_tier_hit_is_not_written_back_over_a_put_made_during_the_read() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store()
+        old = chunk(store.budget, 1.0)
+        await slow.put(key(1), old)
+        old.release()
+        slow.gate = asyncio.Event()
+        reader = asyncio.create_task(store.get(key(1)))
+        await asyncio.sleep(0.05)
+        new = chunk(store.budget, 2.0)
+        await store.put(key(1), new)
+        new.release()
+        slow.gate.set()
+        got = await reader
+        assert value_of(got) in (1.0, 2.0)
+        if got is not None:
+            got.release()
+        await store.flush()
+        latest = await store.get(key(1))
+        assert value_of(latest) == 2.0
+        assert value_of(await fast.get(key(1))) == 2.0
+        if latest is not None:
+            latest.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_first_tier_that_refuses_a_newer_value_drops_its_older_one() -> None:
+    async def main() -> None:
+        store, fast, _slow = await counting_store()
+        old = chunk(store.budget, 1.0)
+        await store.put(key(1), old)
+        old.release()
+        await store.flush()
+        fast.refuse_puts = True
+        new = chunk(store.budget, 2.0)
+        await store.put(key(1), new)  # accepted: queued for the lower tier
+        new.release()
+        for _ in range(2):
+            got = await store.get(key(1))
+            assert value_of(got) == 2.0
+            assert got is not None
+            got.release()
+            await store.flush()
+        assert str(key(1)) not in fast.values
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- a Backend ----------------------------------------------------------------------------------
+
+
+def config_file(tmp_path: Path, tiers: list[str]) -> Path:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(yaml.safe_dump({"tiers": tiers}))
+    return path
+
+
+def test_a_store_opens_by_url_is_wrapped_by_audit_and_nests_as_a_tier(tmp_path: Path) -> None:
+    inner = config_file(tmp_path, ["cpu://?max_size=16MiB", f"file://{tmp_path}/disk"])
+
+    async def main() -> None:
+        audited = await kvplug.open_backend(f"audit::store://{inner}")
+        store = audited.inner  # type: ignore[attr-defined]
+        assert isinstance(store, Store) and isinstance(store, Backend)
+        obj = store.allocate(CHUNK, torch.float16)
+        assert obj is not None
+        obj.tensor.fill_(6.0)
+        await audited.put(key(1), obj)
+        obj.release()
+        got = await audited.get(key(1))
+        assert value_of(got) == 6.0 and got is not None
+        got.release()
+        assert audited.stats()["get"] == {"hit": 1}  # type: ignore[attr-defined]
+        await audited.close()
+        outer = await open_store(Config.from_dict({"tiers": [f"store://{inner}"]}))
+        got = await outer.get(key(1))  # the inner store's disk tier kept it
+        assert value_of(got) == 6.0 and got is not None
+        got.release()
+        await outer.close()
+
+    asyncio.run(main())
+
+
+def test_a_sync_client_takes_an_opened_store(tmp_path: Path) -> None:
+    path = config_file(tmp_path, ["cpu://?max_size=16MiB"])
+    with SyncClient(f"store://{path}") as client:
+        assert isinstance(client.backend, Store)
+        obj = MemoryObj.from_tensor(torch.full((64,), 2.0))
+        client.batched_put([key(1), key(2)], [obj, obj]).result(10)
+        got = client.batched_get([key(1), key(2), key(3)]).result(10)
+        assert [value_of(o) for o in got] == [2.0, 2.0, None]
+        for o in got:
+            if o is not None:
+                o.release()
+        assert client.prefetch([key(1), key(2), key(3)]).result(10) == 2
+
+
+def test_bad_store_urls_and_configs_say_what_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(kvplug.InvalidBackendURL, match=r"store:///path/to/config\.yaml"):
+        Store("store://host:1/x.yaml")
+    with pytest.raises(ConfigError, match="not both"):
+        Store(f"store://{tmp_path}/x.yaml", tiers=[DictTier()])
+
+    async def open_missing() -> None:
+        await kvplug.open_backend(f"store://{tmp_path}/missing.yaml")
+
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
+        asyncio.run(open_missing())
+
+
+def test_a_store_refuses_a_second_event_loop() -> None:
+    allocator = FreeListAllocator(8 * MiB, pin=False)
+    store = Store(tiers=[DictTier(allocator=allocator)], allocator=allocator)
+
+    async def miss() -> None:
+        assert await store.get(key(1)) is None
+
+    asyncio.run(miss())
+    with pytest.raises(KvplugError, match="another event loop"):
+        asyncio.run(miss())
