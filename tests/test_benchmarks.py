@@ -42,3 +42,17 @@ def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
     for case in ("batched put", "batched get", "single put", "single get"):
         assert output.count(case) >= 4, case  # 2 servers x 2 shapes, plus the summary
     assert output.count("read back bit-exact through kvplug") == 4
+
+
+def test_store_benchmark_compares_the_store_with_its_tiers_and_measures_memory(
+    tmp_path: Path,
+) -> None:
+    output = run(
+        "bench_store.py",
+        *("--batches", "2", "--repeat", "1", "--tokens", "4", "--dir", str(tmp_path)),
+        *("--write-gb", "0.2", "--cpu-size", "64MiB", "--disk-size", "128MiB"),
+    )
+    for config in ("cpu+file", "cpu+redis"):
+        for operation in ("put", "get (lower tier)", "get (cpu hits)"):
+            assert f"{config}       2  {operation}" in output, (config, operation)
+    assert "peak RSS above baseline" in output and "of the 0.06 GiB budget" in output

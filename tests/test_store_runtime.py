@@ -301,6 +301,7 @@ def test_the_write_behind_is_bounded_in_bytes_and_says_what_it_dropped() -> None
         stats = store.stats()
         assert stats["write_behind"]["queued_bytes"] <= 3 * MiB
         assert stats["write_behind"]["limit_bytes"] == 3 * MiB
+        assert store.write_behind_room == 3 * MiB - stats["write_behind"]["queued_bytes"]
         slow_stats = stats["tiers"][store.tier_names[1]]
         assert slow_stats["dropped_by_reason"]["write_behind_full"] == 7
         assert slow_stats["dropped_puts"] == 7

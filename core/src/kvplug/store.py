@@ -181,6 +181,29 @@ class _Tier:
     worker: asyncio.Task[None] | None = None
     removals: int = 0
     """Keys queued here for removal of an older value."""
+    counters: _TierCounters | None = None
+
+
+@dataclass
+class _TierCounters:
+    """One tier's labelled metrics, looked up once (a label lookup costs about a microsecond,
+    the cpu tier's whole batched get a few)."""
+
+    hits: Any
+    misses: Any
+    bytes_read: Any
+    bytes_written: Any
+    latency: dict[str, Any]
+
+    @classmethod
+    def of(cls, metrics: StoreMetrics, name: str) -> _TierCounters:
+        return cls(
+            metrics.hits.labels(name),
+            metrics.misses.labels(name),
+            metrics.bytes_read.labels(name),
+            metrics.bytes_written.labels(name),
+            {op: metrics.latency.labels(name, op) for op in ("get", "put", "contains", "remove")},
+        )
 
 
 @dataclass
@@ -390,23 +413,32 @@ class Store(Backend):
             self._config = self.config_of(self.url)
         return self._config
 
-    def _budget_size(self, config: Config | None) -> int | None:
-        if self.options.buffer_size is not None:
-            return self.options.buffer_size
-        return config.buffer_size if config is not None else None
-
-    def _budget_for(self, backends: Sequence[Backend], config: Config | None = None) -> Allocator:
+    def _fixed_budget(self, config: Config | None) -> Allocator | None:
+        """The budget when it does not come from a cpu tier: the allocator given, or a buffer
+        of ``buffer_size`` (the option, else the config's)."""
         if self._given_allocator is not None:
             return self._given_allocator
-        size = self._budget_size(config)
-        if size is not None:
-            return FreeListAllocator(size, sized_by="buffer_size (the Store's memory budget)")
-        memory = next((m for b in backends if (m := _memory_tier(b)) is not None), None)
-        if memory is not None:
-            return next(b for b in backends if _memory_tier(b) is memory).allocator
+        size = self.options.buffer_size
+        if size is None and config is not None:
+            size = config.buffer_size
+        if size is None:
+            return None
+        return FreeListAllocator(size, sized_by="buffer_size (the Store's memory budget)")
+
+    @staticmethod
+    def _default_budget() -> Allocator:
         return FreeListAllocator(
             DEFAULT_BUFFER_SIZE,
             sized_by="the Store's memory budget (set buffer_size in the config)",
+        )
+
+    def _budget_for(self, backends: Sequence[Backend]) -> Allocator:
+        budget = self._fixed_budget(None)
+        if budget is not None:
+            return budget
+        return (
+            next((b.allocator for b in backends if _memory_tier(b) is not None), None)
+            or self._default_budget()
         )
 
     async def open(self) -> None:
@@ -418,20 +450,15 @@ class Store(Backend):
         config = self._configured()
         made: dict[int, Backend] = {}
         try:
-            budget = self._given_allocator
-            if budget is None and self._budget_size(config) is not None:
-                budget = self._budget_for([], config)
+            budget = self._fixed_budget(config)
             if budget is None:
-                memory_index = next(
-                    (i for i, tier in enumerate(config.tiers) if _serves_memory_tier(tier.url)),
-                    None,
-                )
-                if memory_index is None:
-                    budget = self._budget_for([], config)
-                else:  # the budget is the cpu tier's own buffer (its max_size)
-                    tier = config.tiers[memory_index]
-                    made[memory_index] = create_backend(tier.url, **dict(tier.options))
-                    budget = made[memory_index].allocator
+                memory = [i for i, tier in enumerate(config.tiers) if _serves_memory_tier(tier.url)]
+                if memory:  # the budget is the cpu tier's own buffer (its max_size)
+                    tier = config.tiers[memory[0]]
+                    made[memory[0]] = create_backend(tier.url, **dict(tier.options))
+                    budget = made[memory[0]].allocator
+                else:
+                    budget = self._default_budget()
             for index, tier in enumerate(config.tiers):
                 if index not in made:
                     made[index] = create_backend(tier.url, allocator=budget, **dict(tier.options))
@@ -481,6 +508,12 @@ class Store(Backend):
         return [tier.name for tier in self._tiers]
 
     @property
+    def write_behind_room(self) -> int:
+        """Bytes the write-behind can still take before puts are dropped for the lower tiers
+        (``write_behind_full``): an engine that prefers to hold back can look here first."""
+        return max(0, self.write_behind_limit - self._pending_bytes)
+
+    @property
     def budget(self) -> Allocator:
         """The memory budget: every object the store hands out or reads lives here."""
         if self._budget is None:
@@ -510,6 +543,11 @@ class Store(Backend):
                 "this Store belongs to another event loop; use it from the loop that opened it, "
                 "or from threads through one kvplug.sync.SyncClient."
             )
+
+    def _counters(self, tier: _Tier) -> _TierCounters:
+        if tier.counters is None:
+            tier.counters = _TierCounters.of(self.metrics, tier.name)
+        return tier.counters
 
     def _available(self, tier: _Tier) -> bool:
         health = tier.health
@@ -556,7 +594,7 @@ class Store(Backend):
             return False, None
         finally:
             elapsed = time.perf_counter() - start
-            self.metrics.latency.labels(tier.name, op).observe(elapsed)
+            self._counters(tier).latency[op].observe(elapsed)
         self._succeeded(tier)
         if self.on_latency is not None:
             self.on_latency(tier.name, op, elapsed, nbytes)
@@ -602,6 +640,7 @@ class Store(Backend):
 
     def _queue_removal(self, entry: _Pending, tier: _Tier, key: CacheKey) -> None:
         """Have ``tier`` drop its (older) value of ``key``; readers skip it there meanwhile."""
+        queued = entry.queued(tier.index)
         entry.writes.discard(tier.index)
         if tier.index in entry.removals:
             return
@@ -616,7 +655,6 @@ class Store(Backend):
                     MAX_STALE_REMOVALS,
                 )
             return
-        queued = entry.queued(tier.index)
         entry.removals.add(tier.index)
         tier.removals += 1
         if not queued:
@@ -774,7 +812,7 @@ class Store(Backend):
         else:
             reason, detail = "tier_error", f"{tier.health.last_error}"
         if ok:
-            self.metrics.bytes_written.labels(tier.name).inc(nbytes)
+            self._counters(tier).bytes_written.inc(nbytes)
             return
         # Which keys the tier kept is unknown: each written one is removed again, so that no
         # older value outlives the newer one accepted elsewhere.
@@ -814,7 +852,7 @@ class Store(Backend):
         if not ok:
             self._dropped(first, "tier_error", f"{first.health.last_error}", len(keys))
             return [False] * len(keys)
-        self.metrics.bytes_written.labels(first.name).inc(nbytes)
+        self._counters(first).bytes_written.inc(nbytes)
         return [True] * len(keys)
 
     async def offer(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
@@ -942,9 +980,10 @@ class Store(Backend):
                 hits = [(i, obj) for i, obj in zip(asked, got, strict=True) if obj is not None]
                 for i, obj in hits:
                     results[i] = obj
-                    self.metrics.bytes_read.labels(tier.name).inc(obj.nbytes)
-                self.metrics.hits.labels(tier.name).inc(len(hits))
-                self.metrics.misses.labels(tier.name).inc(len(asked) - len(hits))
+                counters = self._counters(tier)
+                counters.bytes_read.inc(sum(obj.nbytes for _, obj in hits))
+                counters.hits.inc(len(hits))
+                counters.misses.inc(len(asked) - len(hits))
                 missing = [i for i in missing if results[i] is None]
                 if hits and tier.index:
                     await self._write_back(
@@ -990,7 +1029,7 @@ class Store(Backend):
             with contextlib.suppress(CapacityExceeded):
                 ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
                 if ok:
-                    self.metrics.bytes_written.labels(tier.name).inc(nbytes)
+                    self._counters(tier).bytes_written.inc(nbytes)
 
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The object from the first tier that has it (the caller releases it); ``None`` when
