@@ -5,6 +5,7 @@ value outlive a newer one, and the Store as a Backend (URL, wrappers, SyncClient
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_store import DictTier
 
 import kvplug
@@ -528,3 +531,83 @@ def test_a_store_refuses_a_second_event_loop() -> None:
     asyncio.run(miss())
     with pytest.raises(KvplugError, match="another event loop"):
         asyncio.run(miss())
+
+
+# -- never an older value: random schedules -----------------------------------------------------
+
+OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 3)),
+        st.tuples(st.just("remove"), st.integers(0, 3)),
+        st.tuples(st.just("get"), st.integers(0, 3)),
+        st.tuples(st.just("evict"), st.integers(0, 3)),
+        st.tuples(st.just("hold"), st.booleans()),
+        st.tuples(st.just("fail"), st.booleans()),
+        st.tuples(st.just("run"), st.integers(1, 5)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=OPERATIONS)
+def test_a_get_returns_the_latest_accepted_value_or_a_miss_never_an_older_one(
+    operations: list[tuple[str, Any]],
+) -> None:
+    """Puts, removes, first-tier evictions, a lower tier that stalls or fails, and a
+    write-behind with room for one object, in any order: every get answers the value of the
+    latest accepted put of its key, or misses; never an older value, never a removed one."""
+
+    async def main() -> None:
+        store, fast, slow = await counting_store(write_behind_size=1 * MiB, backoff=0.001)
+        latest: dict[int, float | None] = {}
+        version = 0.0
+
+        async def check(n: int, when: str) -> None:
+            got = await store.get(key(n))
+            seen = value_of(got)
+            if got is not None:
+                got.release()
+            assert seen is None or seen == latest.get(n), (
+                f"{when}: key {n} read {seen}, the latest accepted value is {latest.get(n)}"
+            )
+
+        for op, arg in operations:
+            if op == "put":
+                version += 1
+                obj = chunk(store.budget, version)
+                if all(await store.offer([key(arg)], [obj])):
+                    latest[arg] = version
+                obj.release()
+            elif op == "remove":
+                with contextlib.suppress(BackendUnavailable):
+                    await store.remove(key(arg))
+                    latest[arg] = None
+            elif op == "get":
+                await check(arg, "during the run")
+            elif op == "evict":
+                await fast.remove(key(arg))
+            elif op == "hold":
+                if arg:
+                    slow.put_gate = slow.put_gate or asyncio.Event()
+                elif slow.put_gate is not None:
+                    slow.put_gate.set()
+                    slow.put_gate = None
+            elif op == "fail":
+                slow.failing = arg
+            else:
+                for _ in range(arg):
+                    await asyncio.sleep(0.002)
+        if slow.put_gate is not None:
+            slow.put_gate.set()
+        slow.failing = False
+        await asyncio.sleep(0.01)  # past the back-off
+        await asyncio.wait_for(store.flush(), 10)
+        for n in range(4):
+            await check(n, "after the queues drained")
+            await fast.remove(key(n))
+            await check(n, "from the lower tier alone")
+        await store.close()
+        assert store.budget.stats().used == 0
+
+    asyncio.run(main())

@@ -136,6 +136,7 @@ class MemoryObj:
     __slots__ = (
         "_allocator",
         "_lock",
+        "_nbytes",
         "_pin_count",
         "_raw",
         "_ref_count",
@@ -167,6 +168,7 @@ class MemoryObj:
                 f"{self.shape} {dtype}, got {raw.dtype} with {raw.numel()} elements."
             )
         self._raw: torch.Tensor | None = raw
+        self._nbytes = expected
         self._allocator = allocator
         self.offset = offset
         self.phy_size = expected if phy_size is None else phy_size
@@ -197,7 +199,7 @@ class MemoryObj:
     @property
     def nbytes(self) -> int:
         """Logical size in bytes (``numel * itemsize``)."""
-        return nbytes_of(self.shape, self.dtype)
+        return self._nbytes
 
     @property
     def is_valid(self) -> bool:
@@ -450,6 +452,11 @@ class FreeListAllocator(Allocator):
         with self._lock:
             previous, self._reclaimer = self._reclaimer, reclaimer
         return previous
+
+    @property
+    def shortages(self) -> int:
+        """Allocations that found no room (as in :meth:`stats`, without taking the lock)."""
+        return self._shortages
 
     def has_room(self, nbytes: int) -> bool:
         """Whether an allocation of ``nbytes`` would fit now, asking the reclaimer for room as

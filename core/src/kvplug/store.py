@@ -909,6 +909,8 @@ class Store(Backend):
 
     def _skipped(self, key: CacheKey, tier: int) -> bool:
         """Whether ``tier``'s value of ``key`` is older than one accepted since."""
+        if not self._pending:
+            return False
         entry = self._pending.get(key)
         return entry is not None and (tier in entry.removals or tier in entry.busy)
 
@@ -930,7 +932,10 @@ class Store(Backend):
         return True
 
     def _shortages(self) -> int:
-        return self.budget.stats().shortages
+        budget = self.budget
+        return (
+            budget.shortages if isinstance(budget, FreeListAllocator) else budget.stats().shortages
+        )
 
     async def _get_from(
         self, tier: _Tier, keys: list[CacheKey], deadline: float
@@ -939,40 +944,48 @@ class Store(Backend):
         allocate for once memory is free), and whether memory stayed short."""
         results: list[MemoryObj | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        while True:
-            before = self._shortages()
-            ok, got = await self._call(
-                tier, "get", tier.backend.batched_get([keys[i] for i in todo])
-            )
-            if not ok or got is None:
-                return results, False
-            for i, obj in zip(todo, got, strict=True):
-                results[i] = obj
+        try:
+            while True:
+                before = self._shortages()
+                ok, got = await self._call(
+                    tier, "get", tier.backend.batched_get([keys[i] for i in todo])
+                )
+                if not ok or got is None:
+                    return results, False
+                for i, obj in zip(todo, got, strict=True):
+                    results[i] = obj
+                    if obj is not None:
+                        self._largest_object = max(self._largest_object, obj.nbytes)
+                todo = [i for i in todo if results[i] is None]
+                if not todo or self._shortages() == before:
+                    return results, False
+                # Some misses may only be a full budget (any reader's shortage counts here, so
+                # a real miss may be asked twice): wait for room, then ask again for them.
+                self.metrics.memory_waits.inc()
+                if not await self._room_by(deadline):
+                    return results, True
+        except BaseException:
+            for obj in results:
                 if obj is not None:
-                    self._largest_object = max(self._largest_object, obj.nbytes)
-            todo = [i for i in todo if results[i] is None]
-            if not todo or self._shortages() == before:
-                return results, False
-            # Some misses may only be a full budget (any reader's shortage counts here, so a
-            # real miss may be asked twice): wait for room, then ask again for them.
-            self.metrics.memory_waits.inc()
-            if not await self._room_by(deadline):
-                return results, True
+                    obj.release()
+            raise
 
     async def _read(self, keys: Sequence[CacheKey], *, into_first: bool) -> list[MemoryObj | None]:
         started = self._begin_read()
         results: list[MemoryObj | None] = [None] * len(keys)
         try:
-            missing = []
-            for i, key in enumerate(keys):
-                entry = self._pending.get(key)
-                if entry is not None and entry.obj is not None:
-                    results[i] = entry.obj.retain()
-                else:
-                    missing.append(i)
+            missing = list(range(len(keys)))
+            if self._pending:
+                for i, key in enumerate(keys):
+                    entry = self._pending.get(key)
+                    if entry is not None and entry.obj is not None:
+                        results[i] = entry.obj.retain()
+                missing = [i for i in missing if results[i] is None]
             deadline = time.monotonic() + self.options.timeout
             short = False
             for tier in self._tiers:
+                if not missing:
+                    break
                 asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
                 if not asked or not self._available(tier):
                     continue
@@ -981,9 +994,11 @@ class Store(Backend):
                 for i, obj in hits:
                     results[i] = obj
                 counters = self._counters(tier)
-                counters.bytes_read.inc(sum(obj.nbytes for _, obj in hits))
-                counters.hits.inc(len(hits))
-                counters.misses.inc(len(asked) - len(hits))
+                if hits:
+                    counters.hits.inc(len(hits))
+                    counters.bytes_read.inc(sum(obj.nbytes for _, obj in hits))
+                if len(hits) < len(asked):
+                    counters.misses.inc(len(asked) - len(hits))
                 missing = [i for i in missing if results[i] is None]
                 if hits and tier.index:
                     await self._write_back(
