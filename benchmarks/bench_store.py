@@ -64,20 +64,29 @@ def release(objs: Sequence[MemoryObj | None]) -> None:
 
 
 async def timed_pairs(
-    direct: Callable[[], Awaitable[Any]], through: Callable[[], Awaitable[Any]], repeat: int
+    direct: Callable[[], Awaitable[Any]],
+    through: Callable[[], Awaitable[Any]],
+    repeat: int,
+    prepare: Callable[[], Awaitable[Any]] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Seconds of each pass of ``direct`` and ``through``, after a warm-up of each,
-    alternating which goes first."""
+    """Seconds of each pass of ``direct`` and ``through`` (after ``prepare``, untimed), after
+    a warm-up of each, alternating which goes first."""
+
+    async def timed_through() -> float:
+        if prepare is not None:
+            await prepare()
+        return await timed(through)
+
     await direct()  # warm-up: threads, connections, first touch of memory
-    await through()
+    await timed_through()
     direct_times: list[float] = []
     store_times: list[float] = []
     for rep in range(repeat):
         if rep % 2 == 0:
             direct_times.append(await timed(direct))
-            store_times.append(await timed(through))
+            store_times.append(await timed_through())
         else:
-            store_times.append(await timed(through))
+            store_times.append(await timed_through())
             direct_times.append(await timed(direct))
     return direct_times, store_times
 
@@ -106,9 +115,11 @@ async def compare_batch(
     async def direct_get() -> None:
         release(await lower.batched_get(keys))
 
-    async def store_get() -> None:
+    async def forget_in_cpu() -> None:
         for k in keys:  # only the lower tier holds them: the cpu tier misses, then takes them
             await cpu.remove(k)
+
+    async def store_get() -> None:
         release(await store.batched_get(keys))
 
     async def cpu_get() -> None:
@@ -118,11 +129,11 @@ async def compare_batch(
         release(await store.batched_get(keys))
 
     rows = []
-    for operation, direct, through in (
-        ("put", direct_put, store_put),
-        ("get (lower tier)", direct_get, store_get),
+    for operation, direct, through, prepare in (
+        ("put", direct_put, store_put, None),
+        ("get (lower tier)", direct_get, store_get, forget_in_cpu),
     ):
-        direct_times, store_times = await timed_pairs(direct, through, repeat)
+        direct_times, store_times = await timed_pairs(direct, through, repeat, prepare)
         direct_s, store_s = statistics.median(direct_times), statistics.median(store_times)
         passes = [d / s for d, s in zip(direct_times, store_times, strict=True)]
         rows.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -609,5 +610,158 @@ def test_a_get_returns_the_latest_accepted_value_or_a_miss_never_an_older_one(
             await check(n, "from the lower tier alone")
         await store.close()
         assert store.budget.stats().used == 0
+
+    asyncio.run(main())
+
+
+# -- races found in review: reads, puts, removes and close overlapping ---------------------------
+
+
+class SlowCpu(CpuBackend):
+    """A host-memory tier whose batched reads and writes take a few milliseconds."""
+
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        await asyncio.sleep(0.01)
+        return await super().batched_get(keys)
+
+    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        await asyncio.sleep(0.01)
+        await super().batched_put(keys, objs)
+
+
+class CopyingCpu(CpuBackend):
+    """A host-memory tier that declares no zero-copy, as a disk tier would not."""
+
+    capabilities = dataclasses.replace(CpuBackend.capabilities, zero_copy=False)
+
+
+def small(allocator: kvplug.Allocator, value: float) -> MemoryObj:
+    obj = allocator.allocate((1024,), torch.float16)
+    assert obj is not None
+    obj.tensor.fill_(value)
+    return obj
+
+
+async def opened(*tiers: CpuBackend) -> list[CpuBackend]:
+    for tier in tiers:
+        await tier.open()
+    return list(tiers)
+
+
+@pytest.mark.parametrize("reader_first", [True, False])
+def test_a_read_overlapping_a_put_never_writes_the_older_value_back(reader_first: bool) -> None:
+    async def main() -> None:
+        first, lower = await opened(
+            CpuBackend("cpu://?max_size=1MiB"), SlowCpu("cpu://?max_size=1MiB")
+        )
+        store = Store(tiers=[first, lower])
+        old = small(lower.allocator, 1.0)
+        await lower.put(key(1), old)
+        old.release()
+        new = small(store.budget, 2.0)
+
+        async def read() -> None:
+            got = await store.get(key(1))
+            assert value_of(got) in (1.0, 2.0)
+            if got is not None:
+                got.release()
+
+        tasks = [store.put(key(1), new), read()]
+        await asyncio.gather(*(reversed(tasks) if reader_first else tasks))
+        new.release()
+        await store.flush(5)
+        got = await store.get(key(1))
+        assert value_of(got) == 2.0, "the older value was written back over the put"
+        assert got is not None
+        got.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_back_never_revives_a_key_removed_while_it_ran() -> None:
+    async def main() -> None:
+        tiers = await opened(
+            CpuBackend("cpu://?max_size=1MiB"),
+            CopyingCpu("cpu://?max_size=1MiB"),
+            SlowCpu("cpu://?max_size=1MiB"),
+        )
+        removal: list[asyncio.Task[bool]] = []
+
+        def on_latency(tier: str, op: str, seconds: float, nbytes: int) -> None:
+            if tier.startswith("2:") and op == "get" and not removal:
+                removal.append(asyncio.get_running_loop().create_task(store.remove(key(1))))
+
+        store = Store(tiers=tiers, on_latency=on_latency)
+        old = small(tiers[2].allocator, 1.0)
+        await tiers[2].put(key(1), old)
+        old.release()
+        got = await store.get(key(1))
+        assert value_of(got) == 1.0 and got is not None
+        got.release()
+        assert await removal[0] is True
+        assert await store.get(key(1)) is None
+        await store.flush(5)
+        assert await store.get(key(1)) is None
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_first_tier_that_copies_keeps_the_newest_value_after_a_write_back() -> None:
+    async def main() -> None:
+        first, lower = await opened(
+            CopyingCpu("cpu://?max_size=1MiB"), CpuBackend("cpu://?max_size=1MiB")
+        )
+        store = Store(tiers=[first, lower])
+        old = small(lower.allocator, 1.0)
+        await lower.put(key(1), old)
+        old.release()
+        got = await store.get(key(1))
+        assert got is not None
+        got.release()
+        new = small(store.budget, 2.0)
+        await store.put(key(1), new)
+        new.release()
+        await store.flush(5)
+        for tier in (None, first):
+            got = await (store.get(key(1)) if tier is None else tier.get(key(1)))
+            assert value_of(got) == 2.0
+            assert got is not None
+            got.release()
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_read_in_flight_when_the_store_closes_leaves_no_worker_and_no_entry() -> None:
+    removes: list[CacheKey] = []
+
+    class CountingRemoves(CopyingCpu):
+        async def remove(self, key: CacheKey) -> bool:
+            removes.append(key)
+            return await super().remove(key)
+
+    async def main() -> None:
+        first, lower = await opened(
+            CountingRemoves("cpu://?max_size=1MiB"), SlowCpu("cpu://?max_size=1MiB")
+        )
+        store = Store(tiers=[first, lower])
+        old = small(lower.allocator, 1.0)
+        await lower.put(key(1), old)
+        old.release()
+        reader = asyncio.ensure_future(store.get(key(1)))
+        await asyncio.sleep(0)
+        await store.close()
+        try:
+            got = await reader
+        except kvplug.BackendClosed:
+            got = None
+        if got is not None:
+            got.release()
+        await asyncio.sleep(0.2)
+        assert not store._pending and store._pending_bytes == 0
+        assert not any(t.worker is not None and not t.worker.done() for t in store._tiers)
+        assert len(removes) <= 1
 
     asyncio.run(main())

@@ -62,7 +62,7 @@ import os
 import time
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -127,6 +127,9 @@ class MemoryTier(Protocol):
     ) -> MemoryObj | None: ...
 
     def reclaim(self, nbytes: int) -> int: ...
+
+    @property
+    def allocator(self) -> Allocator: ...
 
 
 class StoreOptions(BackendOptions):
@@ -393,6 +396,7 @@ class Store(Backend):
         self._writes = 0
         self._written_at: dict[CacheKey, int] = {}
         self._reads: Tally[int] = Tally()
+        self._writing: Tally[CacheKey] = Tally()
         self._untracked_warned = False
         self.capabilities = Capabilities()
         if tiers is not None:
@@ -476,6 +480,8 @@ class Store(Backend):
         self._budget = budget
         self._allocator = budget
         self._memory = next((m for b in backends if (m := _memory_tier(b)) is not None), None)
+        if self._memory is not None and self._memory.allocator is not budget:
+            self._memory = None  # its evictions would free nothing in the budget
         if self._memory is not None and isinstance(budget, FreeListAllocator):
             self._previous_reclaimer = budget.set_reclaimer(self._memory.reclaim)
         capacity = budget.stats().capacity
@@ -622,7 +628,23 @@ class Store(Backend):
             self._written_at = {k: s for k, s in self._written_at.items() if s > oldest}
 
     def _changed_since(self, key: CacheKey, started: int) -> bool:
-        return self._written_at.get(key, -1) > started
+        """Whether a put or remove of ``key`` began after ``started`` or is under way."""
+        return key in self._writing or self._written_at.get(key, -1) > started
+
+    @contextlib.contextmanager
+    def _changing(self, keys: Sequence[CacheKey]) -> Iterator[None]:
+        """Mark ``keys`` as being put or removed, before and after (see :meth:`_changed_since`)."""
+        for key in keys:
+            self._note_write(key)
+            self._writing[key] += 1
+        try:
+            yield
+        finally:
+            for key in keys:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+                self._note_write(key)  # reads that began meanwhile must not undo it
 
     # -- the write-behind -----------------------------------------------------------------------
 
@@ -631,6 +653,8 @@ class Store(Backend):
         self.metrics.dropped.labels(tier.name, reason).inc(count)
 
     def _enqueue(self, tier: _Tier, key: CacheKey) -> None:
+        if self._closed:
+            return  # an operation that was in flight when the store closed
         tier.waiting.append(key)
         tier.wake.set()
         self._idle.clear()
@@ -681,9 +705,11 @@ class Store(Backend):
         """Queue ``obj`` for ``targets``: True when queued for at least one of them. When
         ``obj`` is ``newer`` than what the tiers may hold (a put, not a write-back), tiers it
         cannot be queued for drop their older value of the key."""
-        if not targets:
+        if not targets or self._closed:
             return False
         entry = self._pending.get(key)
+        if entry is not None and not newer:
+            return False  # a put or remove of the key is under way: it wins
         held = entry.obj.phy_size if entry is not None and entry.obj is not None else 0
         room = self._pending_bytes - held + obj.phy_size <= self.write_behind_limit
         usable = [t for t in targets if self._available(t)]
@@ -693,7 +719,9 @@ class Store(Backend):
             entry = self._entry(key)
             self._set_value(entry, obj)
         elif entry is not None:
-            self._set_value(entry, None)  # an older value queued must not be served or written
+            # An older value queued must be neither served nor written.
+            self._set_value(entry, None)
+            entry.writes.clear()
         for tier in targets:
             if room and tier in usable:
                 assert entry is not None
@@ -714,8 +742,7 @@ class Store(Backend):
             )
             self._dropped(tier, reason, detail)
             self._queue_removal(self._entry(key), tier, key)
-        if entry is not None:
-            self._settle(key)
+        self._settle(key)
         return room and bool(usable)
 
     def _settle(self, key: CacheKey) -> None:
@@ -828,9 +855,12 @@ class Store(Backend):
             return_exceptions=True,
         )
         for key, result in zip(keys, results, strict=True):
-            if isinstance(result, BaseException) or not result[0]:
-                entry = self._entry(key)
-                self._queue_removal(entry, tier, key)  # tried again after the back-off
+            if isinstance(result, BaseException):
+                # Closed, or a bug in the tier: retrying cannot help. Counted, like a drop.
+                reason = "closed" if isinstance(result, BackendClosed) else "tier_error"
+                self._dropped(tier, reason, f"removing an older value: {result!r}")
+            elif not result[0]:
+                self._queue_removal(self._entry(key), tier, key)  # again after the back-off
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -862,17 +892,26 @@ class Store(Backend):
         self._ensure_open()
         if len(keys) != len(objs):
             raise ValueError(f"a put got {len(keys)} keys but {len(objs)} objects.")
-        for key, obj in zip(keys, objs, strict=True):
-            self._note_write(key)
+        for obj in objs:
             self._largest_object = max(self._largest_object, obj.nbytes)
-        lower = self._tiers[1:]
-        in_first = await self._put_first(keys, objs)
+        with self._changing(keys):
+            return self._accept(keys, objs, await self._put_first(keys, objs))
+
+    def _accept(
+        self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj], in_first: list[bool]
+    ) -> list[bool]:
+        """Queue each object for the lower tiers; whether each was accepted anywhere."""
+        first, lower = self._tiers[0], self._tiers[1:]
         accepted = []
         for key, obj, stored in zip(keys, objs, in_first, strict=True):
+            entry = self._pending.get(key)
+            if stored and entry is not None and 0 in entry.removals and 0 not in entry.busy:
+                entry.removals.discard(0)  # the older value it was to remove is gone already
+                first.removals -= 1
             queued = self._admit(key, obj, lower)
             if not stored and queued:
                 # The first tier may hold an older value: it goes, readers skip it meanwhile.
-                self._queue_removal(self._entry(key), self._tiers[0], key)
+                self._queue_removal(self._entry(key), first, key)
             accepted.append(stored or queued)
         self.metrics.rejected.inc(accepted.count(False))
         return accepted
@@ -944,18 +983,18 @@ class Store(Backend):
         allocate for once memory is free), and whether memory stayed short."""
         results: list[MemoryObj | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        asking = keys
         try:
             while True:
                 before = self._shortages()
-                ok, got = await self._call(
-                    tier, "get", tier.backend.batched_get([keys[i] for i in todo])
-                )
+                ok, got = await self._call(tier, "get", tier.backend.batched_get(asking))
                 if not ok or got is None:
                     return results, False
                 for i, obj in zip(todo, got, strict=True):
-                    results[i] = obj
                     if obj is not None:
-                        self._largest_object = max(self._largest_object, obj.nbytes)
+                        results[i] = obj
+                        if obj.nbytes > self._largest_object:
+                            self._largest_object = obj.nbytes
                 todo = [i for i in todo if results[i] is None]
                 if not todo or self._shortages() == before:
                     return results, False
@@ -964,13 +1003,14 @@ class Store(Backend):
                 self.metrics.memory_waits.inc()
                 if not await self._room_by(deadline):
                     return results, True
+                asking = [keys[i] for i in todo]
         except BaseException:
             for obj in results:
                 if obj is not None:
                     obj.release()
             raise
 
-    async def _read(self, keys: Sequence[CacheKey], *, into_first: bool) -> list[MemoryObj | None]:
+    async def _read(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         started = self._begin_read()
         results: list[MemoryObj | None] = [None] * len(keys)
         try:
@@ -986,24 +1026,29 @@ class Store(Backend):
             for tier in self._tiers:
                 if not missing:
                     break
-                asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
+                asked = missing
+                if self._pending:
+                    asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
                 if not asked or not self._available(tier):
                     continue
                 got, short = await self._get_from(tier, [keys[i] for i in asked], deadline)
-                hits = [(i, obj) for i, obj in zip(asked, got, strict=True) if obj is not None]
-                for i, obj in hits:
-                    results[i] = obj
+                hits = 0
+                nbytes = 0
+                for i, obj in zip(asked, got, strict=True):
+                    if obj is not None:
+                        results[i] = obj
+                        hits += 1
+                        nbytes += obj.nbytes
                 counters = self._counters(tier)
                 if hits:
-                    counters.hits.inc(len(hits))
-                    counters.bytes_read.inc(sum(obj.nbytes for _, obj in hits))
-                if len(hits) < len(asked):
-                    counters.misses.inc(len(asked) - len(hits))
+                    counters.hits.inc(hits)
+                    counters.bytes_read.inc(nbytes)
+                if hits < len(asked):
+                    counters.misses.inc(len(asked) - hits)
                 missing = [i for i in missing if results[i] is None]
                 if hits and tier.index:
-                    await self._write_back(
-                        tier, [(keys[i], o) for i, o in hits], started, into_first
-                    )
+                    found = [(keys[i], obj) for i in asked if (obj := results[i]) is not None]
+                    await self._write_back(tier, found, started)
                 if short:
                     break
             if missing:
@@ -1023,40 +1068,49 @@ class Store(Backend):
         source: _Tier,
         hits: list[tuple[CacheKey, MemoryObj]],
         started: int,
-        into_first: bool,
     ) -> None:
-        """Copy lower-tier hits into the faster tiers: at once into host-memory tiers (no copy
-        there) and into the first tier when prefetching; through the write-behind otherwise."""
-        hits = [(k, o) for k, o in hits if not self._changed_since(k, started)]
-        if not hits:
-            return
+        """Copy lower-tier hits into the faster tiers: at once into the first tier and into
+        host-memory tiers (no copy there), through the write-behind into the others. A key
+        written or removed since the read began is left alone, and a value written back while
+        such a write happened is taken out again (it may be the older one)."""
         for tier in self._tiers[: source.index]:
-            now = tier.backend.capabilities.zero_copy or (into_first and tier.index == 0)
-            if not now:
-                for key, obj in hits:
-                    self._admit(key, obj, [tier], newer=False)
-                continue
-            fresh = [(k, o) for k, o in hits if not self._skipped(k, tier.index)]
+            fresh = [
+                (k, o)
+                for k, o in hits
+                if not self._changed_since(k, started)
+                and k not in self._pending
+                and not self._skipped(k, tier.index)
+            ]
             if not fresh or not self._available(tier):
+                continue
+            if not (tier.index == 0 or tier.backend.capabilities.zero_copy):
+                for key, obj in fresh:
+                    self._admit(key, obj, [tier], newer=False)
                 continue
             keys, objs = [k for k, _ in fresh], [o for _, o in fresh]
             nbytes = sum(obj.nbytes for obj in objs)
-            with contextlib.suppress(CapacityExceeded):
+            try:
                 ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
-                if ok:
-                    self._counters(tier).bytes_written.inc(nbytes)
+            except CapacityExceeded:
+                ok = False
+            if ok:
+                self._counters(tier).bytes_written.inc(nbytes)
+            for key in keys:
+                if self._changed_since(key, started):
+                    with contextlib.suppress(BackendError, OSError):
+                        await tier.backend.remove(key)
 
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The object from the first tier that has it (the caller releases it); ``None`` when
         no tier has it, or when the memory budget had no room for it within ``timeout``."""
         self._ensure_open()
-        return (await self._read([key], into_first=False))[0]
+        return (await self._read([key]))[0]
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """The objects for ``keys`` (aligned with them): each tier is asked once, in order,
         for the keys the faster ones missed."""
         self._ensure_open()
-        return await self._read(list(keys), into_first=False)
+        return await self._read(list(keys))
 
     async def contains(self, key: CacheKey) -> bool:
         return await self.batched_contains([key]) == 1
@@ -1104,7 +1158,7 @@ class Store(Backend):
         tier has; how many of them the first tier now holds."""
         self._ensure_open()
         present = await self.batched_contains(keys)
-        objs = await self._read(list(keys[:present]), into_first=True)
+        objs = await self._read(list(keys[:present]))
         loaded = next((n for n, obj in enumerate(objs) if obj is None), len(objs))
         for obj in objs:
             if obj is not None:
@@ -1133,11 +1187,14 @@ class Store(Backend):
                 "these tiers cannot delete: "
                 + ", ".join(t.name for t in selected if not t.backend.capabilities.delete)
             )
-        self._note_write(key)
+        with self._changing([key]):
+            return await self._remove(key, selected, everywhere=tiers is None)
+
+    async def _remove(self, key: CacheKey, selected: list[_Tier], *, everywhere: bool) -> bool:
         found = False
         entry = self._pending.get(key)
         if entry is not None:
-            if tiers is None:
+            if everywhere:
                 found = entry.obj is not None
                 self._set_value(entry, None)
             for tier in selected:
@@ -1281,6 +1338,9 @@ class Store(Backend):
         if self._memory is not None and isinstance(self._budget, FreeListAllocator):
             self._budget.set_reclaimer(self._previous_reclaimer)
         failures = await _close_each([(tier.name, tier.backend) for tier in self._tiers])
+        for entry in self._pending.values():  # from operations still in flight during close
+            self._set_value(entry, None)
+        self._pending.clear()
         if failures:
             raise BackendError(
                 f"{len(failures)} of {len(self._tiers)} tiers failed to close (the others are "
