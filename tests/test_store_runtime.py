@@ -765,3 +765,37 @@ def test_a_read_in_flight_when_the_store_closes_leaves_no_worker_and_no_entry() 
         assert len(removes) <= 1
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("released_after", [0.2, None])
+def test_write_behind_wait_holds_a_put_for_room_up_to_its_limit(
+    released_after: float | None,
+) -> None:
+    """With ``write_behind_wait`` a put waits for the write-behind to drain (the engine is
+    throttled, the lower tier gets every chunk); past the wait it is dropped as usual."""
+
+    async def main() -> None:
+        store, _fast, slow = await counting_store(write_behind_size=1 * MiB, write_behind_wait=1.0)
+        slow.put_gate = asyncio.Event()
+        first, second = chunk(store.budget, 1.0), chunk(store.budget, 2.0)
+        await store.put(key(1), first)
+        if released_after is not None:
+            asyncio.get_running_loop().call_later(released_after, slow.put_gate.set)
+        start = time.monotonic()
+        await store.put(key(2), second)
+        waited = time.monotonic() - start
+        dropped = store.stats()["tiers"][store.tier_names[1]]["dropped_by_reason"]
+        if released_after is None:
+            assert 0.9 <= waited < 5.0 and dropped["write_behind_full"] == 1
+            slow.put_gate.set()
+        else:
+            assert 0.15 <= waited < 0.9 and dropped["write_behind_full"] == 0
+        await store.flush(5)
+        assert sorted(slow.values) == sorted(
+            str(key(n)) for n in ((1, 2) if released_after is not None else (1,))
+        )
+        for obj in (first, second):
+            obj.release()
+        await store.close()
+
+    asyncio.run(main())

@@ -142,6 +142,12 @@ class StoreOptions(BackendOptions):
     write_behind_size: int | None = Field(
         None, description="bytes waiting for lower tiers; overrides the config's"
     )
+    write_behind_wait: float = Field(
+        0.0,
+        ge=0,
+        description="seconds a put may wait for write-behind room before the lower tiers' "
+        "writes are dropped (0: never waits)",
+    )
     write_batch: int = Field(16, ge=1, description="most objects in one write to a lower tier")
     backoff: float = Field(1.0, gt=0, description="seconds a failing tier is first skipped")
     max_backoff: float = Field(30.0, gt=0, description="longest skip of a failing tier")
@@ -390,6 +396,7 @@ class Store(Backend):
         self._pending_bytes = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._room_freed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened = False
         self._largest_object = 0
@@ -698,6 +705,7 @@ class Store(Backend):
         )
         if old is not None:
             old.release()
+            self._room_freed.set()
 
     def _admit(
         self, key: CacheKey, obj: MemoryObj, targets: Sequence[_Tier], *, newer: bool = True
@@ -895,7 +903,23 @@ class Store(Backend):
         for obj in objs:
             self._largest_object = max(self._largest_object, obj.nbytes)
         with self._changing(keys):
-            return self._accept(keys, objs, await self._put_first(keys, objs))
+            in_first = await self._put_first(keys, objs)
+            if self.options.write_behind_wait and len(self._tiers) > 1:
+                await self._room_for(sum(obj.phy_size for obj in objs))
+            return self._accept(keys, objs, in_first)
+
+    async def _room_for(self, nbytes: int) -> None:
+        """Wait up to ``write_behind_wait`` seconds until the write-behind has ``nbytes`` of
+        room (or is empty, for more than its limit)."""
+        needed = min(nbytes, self.write_behind_limit)
+        deadline = time.monotonic() + self.options.write_behind_wait
+        while self.write_behind_room < needed and not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._room_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room_freed.wait(), remaining)
 
     def _accept(
         self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj], in_first: list[bool]
