@@ -35,6 +35,13 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 .venv/bin/kvplug contract "redis://127.0.0.1:$redis_port"
+# Whole tiers configs as one Store: cpu in front of a disk, cpu in front of that redis-server.
+printf 'tiers:\n  - cpu://?max_size=256MiB\n  - file://%s/store-disk\n' "$acme_dir" \
+  >"$acme_dir/cpu-file.yaml"
+.venv/bin/kvplug contract --config "$acme_dir/cpu-file.yaml"
+printf 'tiers:\n  - cpu://?max_size=256MiB\n  - redis://127.0.0.1:%s\n' "$redis_port" \
+  >"$acme_dir/cpu-redis.yaml"
+.venv/bin/kvplug contract --config "$acme_dir/cpu-redis.yaml"
 # And a valkey-server (Debian's, from scripts/setup.sh) the same way.
 valkey_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
 valkey_server=$("$PY" -c 'from kvplug_valkey.testing import valkey_server_binary as b; print(b())')
