@@ -313,7 +313,7 @@ def test_query_secrets_never_reach_tier_names_metrics_health_or_audit_lines(
     with caplog.at_level(logging.DEBUG):
         texts = asyncio.run(scenario())
     everything = "\n".join(texts) + caplog.text
-    assert "op=put" in caplog.text and "token=***" in everything
+    assert "op=batched_put" in caplog.text and "token=***" in everything
     assert token not in everything and api_key not in everything
 
 

@@ -799,3 +799,33 @@ def test_write_behind_wait_holds_a_put_for_room_up_to_its_limit(
         await store.close()
 
     asyncio.run(main())
+
+
+def test_flush_does_not_wait_for_a_failing_tier_and_its_removals_run_when_it_is_back() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store(backoff=0.2)
+        old = chunk(store.budget, 1.0)
+        await store.put(key(1), old)
+        old.release()
+        await store.flush(5)
+        slow.failing = True
+        new = chunk(store.budget, 2.0)
+        await store.put(key(1), new)  # the lower tier fails it: its older value must go
+        new.release()
+        start = time.monotonic()
+        await store.flush(5)
+        assert time.monotonic() - start < 2.0, "flush waited for a failing tier"
+        assert store.stats()["write_behind"]["queued_removals"] == 1
+        assert str(key(1)) in slow.values  # the older value, skipped by reads meanwhile
+        await fast.remove(key(1))
+        assert await store.get(key(1)) is None
+        slow.failing = False
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if str(key(1)) not in slow.values:
+                break
+        assert str(key(1)) not in slow.values, "the removal never ran once the tier was back"
+        assert store.stats()["write_behind"]["queued_removals"] == 0
+        await store.close()
+
+    asyncio.run(main())

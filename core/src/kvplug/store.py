@@ -394,8 +394,8 @@ class Store(Backend):
         """Most bytes of objects that may wait for the lower tiers."""
         self._pending: dict[CacheKey, _Pending] = {}
         self._pending_bytes = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._progress = asyncio.Event()
+        """Set whenever the write-behind may have become flushed (see :meth:`flush`)."""
         self._room_freed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened = False
@@ -590,6 +590,7 @@ class Store(Backend):
                 delay,
             )
         health.healthy = False
+        self._progress.set()
         self.metrics.errors.labels(tier.name, op).inc()
         self.metrics.healthy.labels(tier.name).set(0)
 
@@ -664,7 +665,6 @@ class Store(Backend):
             return  # an operation that was in flight when the store closed
         tier.waiting.append(key)
         tier.wake.set()
-        self._idle.clear()
         self.metrics.queue_depth.labels(tier.name).set(len(tier.waiting))
         if tier.worker is None or tier.worker.done():
             tier.worker = asyncio.get_running_loop().create_task(self._drain(tier))
@@ -754,14 +754,15 @@ class Store(Backend):
         return room and bool(usable)
 
     def _settle(self, key: CacheKey) -> None:
-        """Forget ``key``'s entry once nothing is queued or in flight for it."""
+        """Let go of ``key``'s value once no write needs it (removals may wait long for a
+        failing tier), and of the entry once nothing is queued or in flight for it."""
         entry = self._pending.get(key)
-        if entry is None or entry.writes or entry.removals or entry.busy:
+        if entry is None or entry.writes or entry.busy:
             return
-        del self._pending[key]
         self._set_value(entry, None)
-        if not self._pending:
-            self._idle.set()
+        if not entry.removals:
+            del self._pending[key]
+        self._progress.set()
 
     def _take(self, tier: _Tier) -> tuple[list[tuple[CacheKey, MemoryObj]], list[CacheKey]]:
         """The next batch for ``tier``: objects to write and keys to remove."""
@@ -810,6 +811,7 @@ class Store(Backend):
                     if entry is not None:
                         entry.busy.discard(tier.index)
                     self._settle(key)
+                self._progress.set()
 
     def _drop_writes(self, tier: _Tier, reason: str, detail: str) -> None:
         """Drop every write queued for ``tier``, each replaced by a removal of the older
@@ -823,6 +825,7 @@ class Store(Backend):
         for key in list(self._pending):
             self._settle(key)
         self.metrics.queue_depth.labels(tier.name).set(len(tier.waiting))
+        self._progress.set()
 
     def _queued_here(self, key: CacheKey, tier: _Tier) -> bool:
         entry = self._pending.get(key)
@@ -964,9 +967,28 @@ class Store(Backend):
             "raise max_size or write_behind_size) or bring the failing tier back."
         )
 
+    def _flushed(self) -> bool:
+        """Nothing left to write, and no removal left but those waiting for a tier that is
+        failing (they are retried when it is back, whoever waits)."""
+        return all(
+            not entry.writes
+            and not entry.busy
+            and all(not self._tiers[index].health.healthy for index in entry.removals)
+            for entry in self._pending.values()
+        )
+
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued write and removal has reached its tier (or was dropped)."""
-        await asyncio.wait_for(self._idle.wait(), timeout)
+        """Wait until every queued write has reached its tier (or was dropped) and every
+        removal of an older value has been made, except on tiers that are failing now."""
+
+        async def flushed() -> None:
+            while True:
+                self._progress.clear()
+                if self._flushed():
+                    return
+                await self._progress.wait()
+
+        await asyncio.wait_for(flushed(), timeout)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -1314,6 +1336,7 @@ class Store(Backend):
             "write_behind": {
                 "queued_bytes": self._pending_bytes,
                 "queued_keys": len(self._pending),
+                "queued_removals": sum(tier.removals for tier in self._tiers),
                 "limit_bytes": self.write_behind_limit,
             },
             "memory": {
@@ -1358,7 +1381,7 @@ class Store(Backend):
         for entry in self._pending.values():
             self._set_value(entry, None)
         self._pending.clear()
-        self._idle.set()
+        self._progress.set()
         if self._memory is not None and isinstance(self._budget, FreeListAllocator):
             self._budget.set_reclaimer(self._previous_reclaimer)
         failures = await _close_each([(tier.name, tier.backend) for tier in self._tiers])
