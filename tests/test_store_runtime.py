@@ -829,3 +829,26 @@ def test_flush_does_not_wait_for_a_failing_tier_and_its_removals_run_when_it_is_
         await store.close()
 
     asyncio.run(main())
+
+
+def test_a_second_remove_is_false_while_the_lower_tier_still_finishes_the_first() -> None:
+    """A remove right after a put whose lower-tier write is in flight: the write lands after
+    the tier's remove, its removal is queued; a second remove must still say False."""
+
+    async def main() -> None:
+        store, _fast, slow = await counting_store()
+        slow.put_gate = asyncio.Event()
+        obj = chunk(store.budget, 1.0)
+        await store.put(key(1), obj)
+        obj.release()
+        await asyncio.sleep(0.05)  # the lower tier's worker holds the write
+        assert await store.remove(key(1)) is True
+        slow.put_gate.set()
+        await asyncio.sleep(0)  # the write lands in the lower tier, its removal is queued
+        assert await store.remove(key(1)) is False
+        assert await store.get(key(1)) is None
+        await store.flush(5)
+        assert str(key(1)) not in slow.values
+        await store.close()
+
+    asyncio.run(main())

@@ -1237,6 +1237,9 @@ class Store(Backend):
             return await self._remove(key, selected, everywhere=tiers is None)
 
     async def _remove(self, key: CacheKey, selected: list[_Tier], *, everywhere: bool) -> bool:
+        # What a tier holds while a write or removal of the key is under way there is the
+        # write-behind's business: it does not make the key present (a second remove is False).
+        unsettled = {tier.index for tier in selected if self._skipped(key, tier.index)}
         found = False
         entry = self._pending.get(key)
         if entry is not None:
@@ -1252,7 +1255,7 @@ class Store(Backend):
             if self._available(tier):
                 ok, removed = await self._call(tier, "remove", tier.backend.remove(key))
                 if ok:
-                    return bool(removed)
+                    return bool(removed) and tier.index not in unsettled
             self._queue_removal(self._entry(key), tier, key)
             return False
 
