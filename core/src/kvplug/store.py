@@ -185,12 +185,12 @@ class _Tier:
     name: str
     backend: Backend
     health: TierHealth
+    counters: _TierCounters
     waiting: deque[CacheKey] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
     removals: int = 0
     """Keys queued here for removal of an older value."""
-    counters: _TierCounters | None = None
 
 
 @dataclass
@@ -497,8 +497,9 @@ class Store(Backend):
             limit = self._config.write_behind_size
         self.write_behind_limit = limit if limit is not None else capacity // WRITE_BEHIND_SHARE
         self._tiers = [
-            _Tier(i, f"{i}:{backend.url}", backend, TierHealth(f"{i}:{backend.url}"))
-            for i, backend in enumerate(backends)  # str(BackendURL) masks its secrets
+            _Tier(i, name, backend, TierHealth(name), _TierCounters.of(self.metrics, name))
+            for i, backend in enumerate(backends)
+            for name in [f"{i}:{backend.url}"]  # str(BackendURL) masks its secrets
         ]
         for tier in self._tiers:
             self.metrics.healthy.labels(tier.name).set(1)
@@ -557,11 +558,6 @@ class Store(Backend):
                 "or from threads through one kvplug.sync.SyncClient."
             )
 
-    def _counters(self, tier: _Tier) -> _TierCounters:
-        if tier.counters is None:
-            tier.counters = _TierCounters.of(self.metrics, tier.name)
-        return tier.counters
-
     def _available(self, tier: _Tier) -> bool:
         health = tier.health
         return health.healthy or time.monotonic() >= health.retry_at
@@ -608,7 +604,7 @@ class Store(Backend):
             return False, None
         finally:
             elapsed = time.perf_counter() - start
-            self._counters(tier).latency[op].observe(elapsed)
+            tier.counters.latency[op].observe(elapsed)
         self._succeeded(tier)
         if self.on_latency is not None:
             self.on_latency(tier.name, op, elapsed, nbytes)
@@ -850,7 +846,7 @@ class Store(Backend):
         else:
             reason, detail = "tier_error", f"{tier.health.last_error}"
         if ok:
-            self._counters(tier).bytes_written.inc(nbytes)
+            tier.counters.bytes_written.inc(nbytes)
             return
         # Which keys the tier kept is unknown: each written one is removed again, so that no
         # older value outlives the newer one accepted elsewhere.
@@ -893,7 +889,7 @@ class Store(Backend):
         if not ok:
             self._dropped(first, "tier_error", f"{first.health.last_error}", len(keys))
             return [False] * len(keys)
-        self._counters(first).bytes_written.inc(nbytes)
+        first.counters.bytes_written.inc(nbytes)
         return [True] * len(keys)
 
     async def offer(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
@@ -1085,7 +1081,7 @@ class Store(Backend):
                         results[i] = obj
                         hits += 1
                         nbytes += obj.nbytes
-                counters = self._counters(tier)
+                counters = tier.counters
                 if hits:
                     counters.hits.inc(hits)
                     counters.bytes_read.inc(nbytes)
@@ -1140,7 +1136,7 @@ class Store(Backend):
             except CapacityExceeded:
                 ok = False
             if ok:
-                self._counters(tier).bytes_written.inc(nbytes)
+                tier.counters.bytes_written.inc(nbytes)
             for key in keys:
                 if self._changed_since(key, started):
                     with contextlib.suppress(BackendError, OSError):
