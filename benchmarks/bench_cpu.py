@@ -31,7 +31,7 @@ SHAPES = {
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "bench-cpu", 1, 0, n)
+    return CacheKey("bench-cpu", 1, 0, n)
 
 
 async def kvplug_round(

@@ -32,7 +32,7 @@ CHUNK = 2 * 32 * 256 * 1024 * 2
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "bench-disk", 1, 0, n)
+    return CacheKey("bench-disk", 1, 0, n)
 
 
 async def kvplug_pass(directory: Path, chunks: int, depth: int) -> tuple[float, float]:

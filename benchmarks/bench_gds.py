@@ -38,7 +38,7 @@ HEADER = 4096
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "bench-gds", 1, 0, n)
+    return CacheKey("bench-gds", 1, 0, n)
 
 
 async def kvplug_pass(

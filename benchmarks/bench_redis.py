@@ -122,7 +122,7 @@ class Timings:
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "bench-redis", 1, 0, n)
+    return CacheKey("bench-redis", 1, 0, n)
 
 
 def batches(count: int, size: int) -> list[range]:

@@ -50,7 +50,7 @@ MiB = 1 << 20
 
 
 def key(n: int, run: str) -> CacheKey:
-    return CacheKey("vllm", f"bench-store-{run}", 1, 0, n)
+    return CacheKey(f"bench-store-{run}", 1, 0, n)
 
 
 async def timed(operation: Callable[[], Awaitable[Any]]) -> float:

@@ -57,9 +57,9 @@ fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 "${PIP[@]}" --upgrade pip
-# The CPU build: plain `torch` would pull a multi-GB CUDA build. GPU users keep their own torch;
-# the distributions only declare a range.
-"${PIP[@]}" "torch==2.13.0"
+# The CPU build (scripts/constraints.txt): plain `torch` would pull a multi-GB CUDA build. GPU
+# users keep their own torch; the distributions only declare a range.
+"${PIP[@]}" -c scripts/constraints.txt torch
 
 "${PIP[@]}" -r requirements-dev.txt
 
@@ -70,3 +70,28 @@ done
 "${PIP[@]}" "${editable[@]}"
 
 echo "kvplug is set up in $VENV ($("$VENV/bin/python" -c 'import kvplug; print(kvplug.__version__)'))"
+
+# One venv per tested LMCache release (integrations/lmcache/tested-versions.txt), for the
+# integration's tests: LMCache pinned, torch held at the CPU build, kvplug installed editable.
+# A venv whose stamp matches is reused, so a re-run is fast.
+while read -r version; do
+  case $version in '' | '#'*) continue ;; esac
+  engine_venv=".venv-lmcache-$version"
+  stamp="lmcache==$version $(cat scripts/constraints.txt integrations/lmcache/pyproject.toml | cksum)"
+  if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" != "$stamp" ]; then
+    echo "setup: building $engine_venv (lmcache==$version, about a minute and 2 GB)"
+    rm -rf "$engine_venv"
+    "$PYTHON" -m venv "$engine_venv"
+    ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
+      -c scripts/constraints.txt)
+    "${ENGINE_PIP[@]}" --upgrade pip
+    "${ENGINE_PIP[@]}" torch "lmcache==$version" pytest hypothesis hiredis
+    "${ENGINE_PIP[@]}" "${editable[@]}" -e integrations/lmcache
+    "$engine_venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' || {
+      echo "setup: $engine_venv has torch $("$engine_venv/bin/python" -c 'import torch; print(torch.__version__)'), not the CPU build 2.13.0" >&2
+      exit 1
+    }
+    echo "$stamp" >"$engine_venv/.kvplug-stamp"
+  fi
+done <integrations/lmcache/tested-versions.txt
+echo "LMCache venvs: $(ls -d .venv-lmcache-* | tr '\n' ' ')"

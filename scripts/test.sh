@@ -15,6 +15,12 @@ echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here too.
 "$PY" -m pytest -p no:cacheprovider "$@"
 
+echo "== the LMCache integration against LMCache's own code, in each tested release's venv"
+for version in $(grep -v '^#' integrations/lmcache/tested-versions.txt); do
+  echo "-- lmcache==$version"
+  ".venv-lmcache-$version/bin/python" -m pytest -p no:cacheprovider integrations/lmcache </dev/null
+done
+
 echo "== the contract suite through the CLI, against every built-in backend and the example"
 acme_dir=$(mktemp -d)
 redis_pid=

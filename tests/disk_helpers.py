@@ -25,7 +25,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def key(i: int, model: str = "llama") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, i)
+    return CacheKey(model, 1, 0, i)
 
 
 def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ def same(expected: MemoryObj, got: MemoryObj | None) -> bool:
 
 
 def keys_of(model: str, count: int, start: int = 0) -> list[CacheKey]:
-    return [CacheKey("vllm", model, 1, 0, n) for n in range(start, start + count)]
+    return [CacheKey(model, 1, 0, n) for n in range(start, start + count)]
 
 
 def new_model() -> str:

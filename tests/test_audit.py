@@ -36,7 +36,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def key(i: int) -> CacheKey:
-    return CacheKey("vllm", "llama", 1, 0, i)
+    return CacheKey("llama", 1, 0, i)
 
 
 def filled(value: int, nbytes: int = 4096) -> MemoryObj:

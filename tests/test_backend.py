@@ -56,7 +56,7 @@ class NoDelete(DictBytes):
 
 
 def key(n: int, model: str = "m") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, n)
+    return CacheKey(model, 1, 0, n)
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_damaged_value_is_a_counted_miss_and_removed(allocator, damage) -> None:
     obj = filled(allocator, (2, 2, 8, 16), torch.float16, 2)
     run(backend.put(key(1), obj))
     obj.release()
-    stored = bytearray(backend.values["vllm@m@1@0@1"])
+    stored = bytearray(backend.values["m@1@0@1@half"])
     if damage == "flip_payload":
         stored[-1] ^= 0x40
     elif damage == "flip_header":
@@ -122,10 +122,10 @@ def test_damaged_value_is_a_counted_miss_and_removed(allocator, damage) -> None:
         stored += b"\0"
     else:
         stored = bytearray(b"not a frame at all")
-    backend.values["vllm@m@1@0@1"] = bytes(stored)
+    backend.values["m@1@0@1@half"] = bytes(stored)
     assert run(backend.get(key(1))) is None
     assert backend.corrupt_objects == 1
-    assert "vllm@m@1@0@1" not in backend.values
+    assert "m@1@0@1@half" not in backend.values
     assert allocator.stats().used == 0
 
 
@@ -166,7 +166,7 @@ def test_batched_defaults_align_and_count_prefixes(allocator) -> None:
 def test_batched_get_releases_what_it_read_when_one_get_fails(allocator) -> None:
     class FailsOnSecond(DictBytes):
         async def get_bytes(self, key: str) -> Buffer | None:
-            if key.endswith("@2"):
+            if key.endswith("@2@half"):
                 raise ConnectionError("lost")
             return await super().get_bytes(key)
 
@@ -189,7 +189,7 @@ def test_keys_of_other_namespaces_do_not_collide(allocator) -> None:
     a = filled(allocator, (16,), torch.float32, 1)
     run(backend.put(key(1, "model-a"), a))
     assert run(backend.get(key(1, "model-b"))) is None
-    assert run(backend.contains(CacheKey("vllm", "model-a", 2, 1, 1))) is False
+    assert run(backend.contains(CacheKey("model-a", 2, 1, 1))) is False
     a.release()
 
 
@@ -198,7 +198,7 @@ def test_options_merge_url_query_and_explicit_values() -> None:
     assert isinstance(backend.options, BytesBackendOptions)
     assert backend.options.timeout == 4.0
     assert backend.options.key_prefix == "a:"
-    assert backend.key_string(key(9)) == "a:vllm@m@1@0@9"
+    assert backend.key_string(key(9)) == "a:m@1@0@9@half"
 
 
 def test_unknown_and_invalid_options_are_explained() -> None:

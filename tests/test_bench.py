@@ -133,7 +133,7 @@ def test_bench_names_a_tier_that_refuses_every_put_with_counts_and_the_last_erro
 
 def test_bench_removes_what_it_wrote_and_never_touches_an_engines_chunks(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    engine_key = CacheKey("vllm", "kvplug-bench", 1, 0, 0)  # what older runs wrote under
+    engine_key = CacheKey("kvplug-bench", 1, 0, 0)  # what older runs wrote under
 
     async def keys_on_disk(put: bool = False) -> list[CacheKey]:
         backend = await kvplug.open_backend(f"file://{disk}")

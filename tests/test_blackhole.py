@@ -28,7 +28,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def key(i: int) -> CacheKey:
-    return CacheKey("vllm", "llama", 1, 0, i)
+    return CacheKey("llama", 1, 0, i)
 
 
 async def open_blackhole(url: str = "blackhole://") -> BlackholeBackend:

@@ -207,7 +207,7 @@ BROKEN = [
     Broken("works-after-close", 11, "did not raise BackendClosed", True, frozenset({5})),
     Broken("second-close-raises", 11, "a second close of a closed backend raised BackendClosed"),
     Broken("ignores-model-name", 12, "a key escaped its namespace"),
-    Broken("ignores-worker-id", 12, "@2@0@7' was never written", True),
+    Broken("ignores-worker-id", 12, "@2@0@7@half' was never written", True),
     Broken("declares-pin-but-cannot", 13, "declares 'pin' but pin of a stored key raised"),
     Broken("undeclared-delete-works", 13, "'delete' is not declared, so remove", True),
     Broken("forgets-on-close", 14, "after close and reopen, contains of key 0 of 4 is False"),

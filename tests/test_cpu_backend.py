@@ -36,7 +36,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def key(i: int, model: str = "llama") -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, i)
+    return CacheKey(model, 1, 0, i)
 
 
 def filled(nbytes: int, value: int) -> MemoryObj:
@@ -340,7 +340,7 @@ def test_keys_of_other_models_and_workers_are_isolated() -> None:
         backend = await open_cpu()
         await backend.put(key(1, model="a"), filled(4 * KiB, 1))
         assert await backend.get(key(1, model="b")) is None
-        assert await backend.get(CacheKey("vllm", "a", 2, 1, 1)) is None
+        assert await backend.get(CacheKey("a", 2, 1, 1)) is None
         await backend.close()
 
     run(main())

@@ -313,7 +313,7 @@ def batch(allocator, first):
         obj = allocator.allocate((SIZE,), torch.uint8, MemoryFormat.BINARY_BUFFER)
         generator = torch.Generator().manual_seed(n)
         obj.raw.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=generator))
-        keys.append(CacheKey("vllm", "crash", 1, 0, n))
+        keys.append(CacheKey("crash", 1, 0, n))
         objs.append(obj)
     return keys, objs
 
@@ -375,7 +375,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_torn(
         assert disk.corrupt_objects == 0
         found = sorted(k.chunk_hash for k in [k async for k in disk.list_keys()])
         for n in found:
-            back = await read_back(disk, CacheKey("vllm", "crash", 1, 0, n))
+            back = await read_back(disk, CacheKey("crash", 1, 0, n))
             assert back is not None, f"key {n} listed but not readable"
             assert torch.equal(back, seeded_bytes(size, n)), f"key {n} is torn"
         await disk.close()
@@ -601,7 +601,7 @@ def test_hostile_keys_never_create_files_outside_the_directories(
         disk = await open_disk(f"file://{root}", allocator)
         for n, model in enumerate(HOSTILE):
             await put_seeded(disk, allocator, key(n, model), 4096, seed=n)
-            tagged = CacheKey("vllm", "m", 1, 0, n, (("..", "../" * 20),))
+            tagged = CacheKey("m", 1, 0, n, tags=(("..", "../" * 20),))
             await put_seeded(disk, allocator, tagged, 4096, seed=100 + n)
         for n, model in enumerate(HOSTILE):
             back = await read_back(disk, key(n, model))

@@ -251,7 +251,7 @@ async def main(scheme, root):
         from kvplug_gds.standin import PosixStandIn
         options["file_io"] = PosixStandIn()
     tier = await kvplug.open_backend(f"{scheme}://{root}", allocator=allocator, **options)
-    keys = [CacheKey("vllm", "fifo", 1, 0, n) for n in range(8)]
+    keys = [CacheKey("fifo", 1, 0, n) for n in range(8)]
     for n, key in enumerate(keys):
         obj = allocator.allocate((5000,), torch.uint8, MemoryFormat.BINARY_BUFFER)
         obj.raw.fill_(n)
@@ -539,7 +539,7 @@ async def main(scheme, root):
         from kvplug_gds.standin import PosixStandIn
         options["file_io"] = PosixStandIn()
     tier = await kvplug.open_backend(f"{scheme}://{root}", allocator=allocator, **options)
-    keys = [CacheKey("vllm", "perm", 1, 0, n) for n in range(64)]
+    keys = [CacheKey("perm", 1, 0, n) for n in range(64)]
     first = keys[0]
     subdir = lambda k: object_name(k.to_string())[0]
     other = next(k for k in keys if subdir(k) != subdir(first))
@@ -825,7 +825,7 @@ async def main(scheme, root):
     print("ready", flush=True)
     n = 0
     while True:
-        await tier.put(CacheKey("vllm", "writer", 1, 0, n % 2), obj)
+        await tier.put(CacheKey("writer", 1, 0, n % 2), obj)
         n += 1
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))

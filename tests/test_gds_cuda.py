@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 
 
 def key(i: int) -> CacheKey:
-    return CacheKey("vllm", "llama-gds", 1, 0, i)
+    return CacheKey("llama-gds", 1, 0, i)
 
 
 def fill(obj: MemoryObj, seed: int) -> torch.Tensor:

@@ -9,11 +9,20 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug.errors import ConfigError
-from kvplug.keys import CacheKey, InvalidKey, chain_hash, chunk_hashes, chunk_keys
+from kvplug.keys import (
+    LMCACHE_DTYPE_NAMES,
+    CacheKey,
+    InvalidKey,
+    chain_hash,
+    chunk_hashes,
+    chunk_keys,
+    lmcache_dtype_name,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B"
 
@@ -21,56 +30,81 @@ MODEL = "meta-llama/Llama-3.1-8B"
 # --------------------------------------------------------------------------- string form
 
 
-def test_string_form_is_lmcache_compatible() -> None:
-    key = CacheKey("vllm", MODEL, 1, 0, -123)
-    assert str(key) == "vllm@meta-llama/Llama-3.1-8B@1@0@-123"
+def test_string_form_is_lmcache_0_5s() -> None:
+    key = CacheKey(MODEL, 1, 0, -0x123)
+    assert str(key) == "meta-llama/Llama-3.1-8B@1@0@-123@half"
     assert key.to_string() == str(key)
-    assert key.namespace == "vllm@meta-llama/Llama-3.1-8B@1@0"
+    assert key.namespace == "meta-llama/Llama-3.1-8B@1@0"
+    assert key.chunk_hash_hex == "-123"
 
 
-def test_string_form_with_tags_in_insertion_order() -> None:
-    key = CacheKey("vllm", MODEL, 4, 3, 99, (("user", "alice"), ("lora", "a1")))
-    assert str(key) == "vllm@meta-llama/Llama-3.1-8B@4@3@99@user%alice@lora%a1"
+def test_string_form_with_dtype_and_tags_in_insertion_order() -> None:
+    key = CacheKey(MODEL, 4, 3, 0x99, "bfloat16", (("user", "alice"), ("lora", "a1")))
+    assert str(key) == "meta-llama/Llama-3.1-8B@4@3@99@bfloat16@user%alice@lora%a1"
     assert CacheKey.parse(str(key)) == key
 
 
+def test_a_bytes_hash_is_written_as_hex_with_its_leading_zeros() -> None:
+    key = CacheKey(MODEL, 1, 0, bytes.fromhex("000a1f"))
+    assert str(key) == "meta-llama/Llama-3.1-8B@1@0@000a1f@half"
+    parsed = CacheKey.parse(str(key))
+    assert parsed.chunk_hash == bytes.fromhex("000a1f")
+    assert parsed == key
+
+
+def test_keys_with_one_string_form_are_one_key_and_others_are_not() -> None:
+    # LMCache names a chunk by its hex text, so the int and the bytes spelling of one hash are
+    # one stored object; leading zero bytes make another hash.
+    assert CacheKey(MODEL, 1, 0, b"\x1f") == CacheKey(MODEL, 1, 0, 0x1F)
+    assert hash(CacheKey(MODEL, 1, 0, b"\x1f")) == hash(CacheKey(MODEL, 1, 0, 0x1F))
+    assert CacheKey(MODEL, 1, 0, b"\x00\x1f") != CacheKey(MODEL, 1, 0, 0x1F)
+    assert CacheKey(MODEL, 1, 0, 7, "half") != CacheKey(MODEL, 1, 0, 7, "bfloat16")
+
+
 def test_tags_given_as_mapping_become_a_tuple() -> None:
-    key = CacheKey("vllm", MODEL, 1, 0, 5, {"user": "alice"})  # type: ignore[arg-type]
+    key = CacheKey(MODEL, 1, 0, 5, tags={"user": "alice"})  # type: ignore[arg-type]
     assert key.tags == (("user", "alice"),)
-    assert str(key).endswith("@5@user%alice")
-    assert hash(key) == hash(CacheKey("vllm", MODEL, 1, 0, 5, (("user", "alice"),)))
+    assert str(key).endswith("@5@half@user%alice")
+    assert hash(key) == hash(CacheKey(MODEL, 1, 0, 5, tags=(("user", "alice"),)))
 
 
 def test_parse_lmcache_examples() -> None:
-    key = CacheKey.parse("vllm@meta-llama/Llama-3.1-8B@1@0@-123")
-    assert key == CacheKey("vllm", MODEL, 1, 0, -123)
-    tagged = CacheKey.parse("vllm@meta-llama/Llama-3.1-8B@1@0@123@user%alice")
+    key = CacheKey.parse("meta-llama/Llama-3.1-8B@1@0@-123@half")
+    assert key == CacheKey(MODEL, 1, 0, -0x123)
+    tagged = CacheKey.parse("meta-llama/Llama-3.1-8B@1@0@7b@float@user%alice")
     assert tagged.tags == (("user", "alice"),)
-    assert tagged.chunk_hash == 123
+    assert (tagged.chunk_hash, tagged.dtype) == (0x7B, "float")
 
 
 def test_tag_value_may_contain_percent_and_model_may_contain_percent() -> None:
-    key = CacheKey.parse("vllm@m%odel@2@1@7@k%v%w")
+    key = CacheKey.parse("m%odel@2@1@7@half@k%v%w")
     assert key.model_name == "m%odel"
     assert key.tags == (("k", "v%w"),)
-    assert str(key) == "vllm@m%odel@2@1@7@k%v%w"
+    assert str(key) == "m%odel@2@1@7@half@k%v%w"
 
 
 def test_keys_are_hashable_ordered_and_immutable() -> None:
-    a = CacheKey("vllm", MODEL, 1, 0, 1)
-    b = CacheKey("vllm", MODEL, 1, 0, 2)
+    a = CacheKey(MODEL, 1, 0, 1)
+    b = CacheKey(MODEL, 1, 0, 2)
     assert a < b
+    assert sorted([b, a]) == [a, b]
     assert len({a, b, CacheKey.parse(str(a))}) == 2
     with pytest.raises(AttributeError):
         a.chunk_hash = 3  # type: ignore[misc]
 
 
-def test_with_hash_keeps_namespace_and_tags() -> None:
-    key = CacheKey("sglang", MODEL, 8, 7, 1, (("user", "bob"),))
+def test_with_hash_keeps_namespace_dtype_and_tags() -> None:
+    key = CacheKey(MODEL, 8, 7, 1, "bfloat16", (("user", "bob"),))
     other = key.with_hash(-42)
     assert other.chunk_hash == -42
-    assert other.namespace == key.namespace
-    assert other.tags == key.tags
+    assert (other.namespace, other.dtype, other.tags) == (key.namespace, key.dtype, key.tags)
+
+
+def test_lmcache_dtype_names() -> None:
+    assert lmcache_dtype_name(torch.float16) == "half"
+    assert lmcache_dtype_name(torch.float8_e4m3fn) == "fp8_e4m3fn"
+    with pytest.raises(InvalidKey, match="no LMCache key name"):
+        lmcache_dtype_name(torch.complex64)
 
 
 # --------------------------------------------------------------------------- round trip
@@ -78,7 +112,6 @@ def test_with_hash_keeps_namespace_and_tags() -> None:
 _FIELD_ALPHABET = st.characters(
     codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="@%"
 )
-_fmt = st.text(_FIELD_ALPHABET, min_size=1, max_size=12)
 _model = st.text(
     st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="@"),
     min_size=1,
@@ -92,11 +125,11 @@ _tag_value = _model
 def cache_keys(draw: st.DrawFn) -> CacheKey:
     world = draw(st.integers(1, 1024))
     return CacheKey(
-        draw(_fmt),
         draw(_model),
         world,
         draw(st.integers(0, world - 1)),
-        draw(st.integers(-(1 << 63), (1 << 63) - 1)),
+        draw(st.integers(-(1 << 63), (1 << 63) - 1) | st.binary(min_size=1, max_size=40)),
+        draw(st.sampled_from(sorted(LMCACHE_DTYPE_NAMES.values()))),
         tuple(draw(st.lists(st.tuples(_tag_key, _tag_value), max_size=3))),
     )
 
@@ -110,8 +143,22 @@ def test_random_keys_round_trip(key: CacheKey) -> None:
     assert str(parsed) == text
 
 
+@settings(max_examples=300, deadline=None)
+@given(cache_keys(), cache_keys())
+def test_distinct_keys_have_distinct_string_forms(a: CacheKey, b: CacheKey) -> None:
+    same_fields = (a.model_name, a.world_size, a.worker_id, a.chunk_hash_hex, a.dtype, a.tags) == (
+        b.model_name,
+        b.world_size,
+        b.worker_id,
+        b.chunk_hash_hex,
+        b.dtype,
+        b.tags,
+    )
+    assert (str(a) == str(b)) == same_fields == (a == b)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.text(max_size=60))
+@given(st.text(max_size=60) | st.from_regex(r"m@1@0@-?[0-9a-fA-F]{0,6}@half", fullmatch=True))
 def test_parse_of_arbitrary_text_is_invalid_key_or_canonical(text: str) -> None:
     try:
         key = CacheKey.parse(text)
@@ -127,30 +174,34 @@ def test_parse_of_arbitrary_text_is_invalid_key_or_canonical(text: str) -> None:
     ("text", "message"),
     [
         ("", "fields"),
-        ("vllm@model@1@0", "at least five"),
-        ("vllm", "at least five"),
-        ("vllm@model@one@0@5", "world_size 'one' is not an integer"),
-        ("vllm@model@1@zero@5", "worker_id 'zero' is not an integer"),
-        ("vllm@model@1@0@0x10", "chunk_hash '0x10' is not an integer"),
-        ("vllm@model@1@0@1.5", "chunk_hash"),
-        ("vllm@model@1@0@", "chunk_hash '' is not an integer"),
-        ("vllm@model@@0@5", "world_size '' is not an integer"),
-        ("vllm@model@1_0@0@5", "world_size"),
-        ("vllm@model@+1@0@5", "world_size"),
-        ("vllm@model@ 1@0@5", "world_size"),
-        ("vllm@model@01@0@5", "world_size"),
-        ("vllm@model@1@0@-0", "chunk_hash"),
-        ("vllm@model@1@0@\u0661", "chunk_hash"),
-        ("vllm@model@1@0@5@user", "tag 'user' has no '%'"),
-        ("vllm@model@1@0@5@user%alice@", "tag '' has no '%'"),
-        ("vllm@model@1@0@5@%alice", "tags key"),
-        ("vllm@model@1@0@5@user%", "tags value"),
-        ("@model@1@0@5", "fmt"),
-        ("vllm@@1@0@5", "model_name"),
-        ("vllm@model@0@0@5", "world_size must be >= 1"),
-        ("vllm@model@2@2@5", "worker_id must be in"),
-        ("vllm@model@2@-1@5", "worker_id must be in"),
-        ("vllm@mo\ndel@1@0@5", "control characters"),
+        ("model@1@0@5", "at least five"),
+        ("model", "at least five"),
+        ("model@one@0@5@half", "world_size 'one' is not an integer"),
+        ("model@1@zero@5@half", "worker_id 'zero' is not an integer"),
+        ("model@1@0@0x10@half", "chunk hash '0x10'"),
+        ("model@1@0@1.5@half", "chunk hash"),
+        ("model@1@0@@half", "chunk hash ''"),
+        ("model@1@0@AB@half", "lowercase"),
+        ("model@1@0@0ab@half", "two digits a byte"),
+        ("model@1@0@-0@half", "chunk hash"),
+        ("model@1@0@-01@half", "chunk hash"),
+        ("model@1@0@\u0661@half", "chunk hash"),
+        ("model@@0@5@half", "world_size '' is not an integer"),
+        ("model@1_0@0@5@half", "world_size"),
+        ("model@+1@0@5@half", "world_size"),
+        ("model@ 1@0@5@half", "world_size"),
+        ("model@01@0@5@half", "world_size"),
+        ("model@1@0@5@float16", "not one of LMCache's dtype names"),
+        ("model@1@0@5@half@3", "per-layer keys"),
+        ("model@1@0@5@half@user", "field 'user' after the dtype has no '%'"),
+        ("model@1@0@5@half@user%alice@", "field '' after the dtype"),
+        ("model@1@0@5@half@%alice", "tags key"),
+        ("model@1@0@5@half@user%", "tags value"),
+        ("@1@0@5@half", "model_name"),
+        ("model@0@0@5@half", "world_size must be >= 1"),
+        ("model@2@2@5@half", "worker_id must be in"),
+        ("model@2@-1@5@half", "worker_id must be in"),
+        ("mo\ndel@1@0@5@half", "control characters"),
     ],
 )
 def test_parse_rejects_malformed_keys(text: str, message: str) -> None:
@@ -162,7 +213,7 @@ def test_parse_rejects_malformed_keys(text: str, message: str) -> None:
 
 def test_parse_of_non_string_is_invalid_key() -> None:
     with pytest.raises(InvalidKey, match="bytes"):
-        CacheKey.parse(b"vllm@m@1@0@5")  # type: ignore[arg-type]
+        CacheKey.parse(b"m@1@0@5@half")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -170,29 +221,23 @@ def test_parse_of_non_string_is_invalid_key() -> None:
     [
         ({"model_name": "org@model"}, "model_name"),
         ({"model_name": ""}, "non-empty"),
-        ({"fmt": "vl@lm"}, "fmt"),
-        ({"fmt": "v%llm"}, "fmt"),
-        ({"fmt": ""}, "non-empty"),
         ({"model_name": "a\x00b"}, "control characters"),
         ({"world_size": 2, "worker_id": 2}, "worker_id must be in [0, world_size=2)"),
         ({"world_size": 0}, "world_size must be >= 1"),
         ({"worker_id": -1}, "worker_id"),
         ({"world_size": "1"}, "world_size must be an int"),
-        ({"chunk_hash": 1.0}, "chunk_hash must be an int"),
+        ({"chunk_hash": 1.0}, "chunk_hash must be an int or non-empty bytes"),
         ({"chunk_hash": True}, "chunk_hash must be an int"),
+        ({"chunk_hash": b""}, "non-empty bytes"),
+        ({"chunk_hash": "ab"}, "chunk_hash must be an int"),
+        ({"dtype": "float16"}, "lmcache_dtype_name"),
         ({"tags": (("us%er", "alice"),)}, "tags key"),
         ({"tags": (("user", "al@ice"),)}, "tags value"),
         ({"tags": (("user", ""),)}, "tags value"),
     ],
 )
 def test_construction_rejects_invalid_fields(kwargs: dict, message: str) -> None:
-    fields = {
-        "fmt": "vllm",
-        "model_name": MODEL,
-        "world_size": 1,
-        "worker_id": 0,
-        "chunk_hash": 0,
-    } | kwargs
+    fields = {"model_name": MODEL, "world_size": 1, "worker_id": 0, "chunk_hash": 0} | kwargs
     with pytest.raises(InvalidKey) as info:
         CacheKey(**fields)
     assert message in str(info.value)
@@ -315,7 +360,7 @@ def test_chunk_hashes_rejects_bad_arguments() -> None:
 
 
 def test_chunk_keys_ranges_and_keys() -> None:
-    template = CacheKey("vllm", MODEL, 2, 1, 0, (("user", "alice"),))
+    template = CacheKey(MODEL, 2, 1, 0, tags=(("user", "alice"),))
     tokens = list(range(600))
     result = list(chunk_keys(tokens, template, chunk_size=256))
     assert [(s, e) for s, e, _ in result] == [(0, 256), (256, 512), (512, 600)]

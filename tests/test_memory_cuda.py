@@ -79,7 +79,7 @@ def test_cpu_tier_stores_a_gpu_object_as_a_host_copy() -> None:
     obj = gpu.allocate((2, 2, 32, 64), torch.float16)
     assert obj is not None
     obj.tensor.normal_()
-    key = CacheKey("vllm", "cuda-test", 1, 0, 1)
+    key = CacheKey("cuda-test", 1, 0, 1)
 
     async def main() -> None:
         cpu = await kvplug.open_backend("cpu://?max_size=64MiB")

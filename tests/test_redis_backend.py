@@ -268,7 +268,7 @@ def test_one_key_per_chunk_holds_the_whole_frame(server: RedisServer) -> None:
     run(scenario())
     with server.client() as client:
         raw = [k.decode() for k in client.scan_iter(match=f"*{model}*")]
-        assert raw == [f"kvplug:vllm@{model}@1@0@0"]
+        assert raw == [f"kvplug:{model}@1@0@0@half"]
         value = client.get(raw[0])
         assert value is not None and value[:4] == b"KVPF"
         assert client.ttl(raw[0]) == -1

@@ -73,7 +73,7 @@ def release(*objs: MemoryObj | None) -> None:
 
 def keys_of(count: int) -> list[CacheKey]:
     model = f"model-{uuid.uuid4().hex[:10]}"
-    return [CacheKey("vllm", model, 1, 0, n) for n in range(count)]
+    return [CacheKey(model, 1, 0, n) for n in range(count)]
 
 
 def direct_of(backend: object) -> DirectReads:

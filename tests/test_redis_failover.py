@@ -67,7 +67,7 @@ def plain_group(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
 
 
 def key_of(model: str, n: int) -> CacheKey:
-    return CacheKey("vllm", model, 1, 0, n)
+    return CacheKey(model, 1, 0, n)
 
 
 def version_of(n: int, version: int) -> MemoryObj:

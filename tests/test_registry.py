@@ -28,7 +28,7 @@ from kvplug.registry import PluginWarning, create_backend, reset_registry
 from kvplug_blackhole.backend import BlackholeBackend
 
 DISTS = Path(__file__).parent / "dists"
-KEY = CacheKey("vllm", "registry-test", 1, 0, 7)
+KEY = CacheKey("registry-test", 1, 0, 7)
 
 
 def _pip_install_target(target: Path, *dists: str) -> None:

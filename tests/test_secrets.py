@@ -291,7 +291,7 @@ def test_query_secrets_never_reach_tier_names_metrics_health_or_audit_lines(
 
     async def scenario() -> list[str]:
         store = await open_store(Config.from_dict({"tiers": [url]}))
-        key = CacheKey("vllm", "llama", 1, 0, 7)
+        key = CacheKey("llama", 1, 0, 7)
         obj = store.allocate((2, 2, 16, 8), torch.float16)
         assert obj is not None
         await store.put(key, obj)
@@ -456,13 +456,13 @@ def test_mask_data_masks_secret_keys_at_any_depth_and_urls_in_values() -> None:
 def test_mask_text_masks_urls_assignments_and_mapping_items_in_free_text() -> None:
     text = (
         "open redis://app:pw1@h:1 failed; password=829371645 "
-        "{'sentinel_password': 'pw3', \"api_key\": \"pw4\"} op=get key=vllm@llama@1@0@7"
+        "{'sentinel_password': 'pw3', \"api_key\": \"pw4\"} op=get key=llama@1@0@7@half"
     )
     masked = mask_text(text)
     for secret in ("pw1", "829371645", "pw3", "pw4"):
         assert secret not in masked
     assert "redis://app:***@h:1" in masked and "password=***" in masked
-    assert "key=vllm@llama@1@0@7" in masked  # a cache key in an audit line is not a secret
+    assert "key=llama@1@0@7@half" in masked  # a cache key in an audit line is not a secret
 
 
 def test_remembered_secrets_are_hidden_wherever_they_turn_up() -> None:
@@ -743,7 +743,7 @@ def _python_scenarios(out: Collected, server: Any) -> None:
     misplaced = Config.from_dict({"tiers": [{"url": unreachable, "sentinel_password": TOKEN}]})
     out.raised("store misplaced option", lambda: asyncio.run(open_store(misplaced)))
     client = SyncClient(unreachable)
-    out.raised("sync client", lambda: client.get(CacheKey("vllm", "m", 1, 0, 1)).result(30))
+    out.raised("sync client", lambda: client.get(CacheKey("m", 1, 0, 1)).result(30))
     out.add("sync client repr", repr(client))
     client.close()
 
@@ -751,14 +751,14 @@ def _python_scenarios(out: Collected, server: Any) -> None:
 async def _round_trip(url: str) -> None:
     backend = await open_backend(url)
     try:
-        await backend.get(CacheKey("vllm", "m", 1, 0, 1))
+        await backend.get(CacheKey("m", 1, 0, 1))
     finally:
         await backend.close()
 
 
 async def _store_texts(config: Config) -> str:
     store = await open_store(config)
-    key = CacheKey("vllm", "llama", 1, 0, 7)
+    key = CacheKey("llama", 1, 0, 7)
     obj = store.allocate((2, 2, 16, 64), torch.float16)
     assert obj is not None
     await store.put(key, obj)

@@ -71,7 +71,7 @@ class DictTier(BytesBackend):
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "store-test", 1, 0, n)
+    return CacheKey("store-test", 1, 0, n)
 
 
 def filled(allocator: kvplug.Allocator, value: float, shape=(2, 2, 16, 64)) -> MemoryObj:

@@ -41,7 +41,7 @@ CHUNK = (2, 2, 128, 1024)  # fp16: 1 MiB
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "runtime-test", 1, 0, n)
+    return CacheKey("runtime-test", 1, 0, n)
 
 
 def chunk(allocator: kvplug.Allocator, value: float) -> MemoryObj:

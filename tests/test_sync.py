@@ -30,7 +30,7 @@ from kvplug_blackhole.backend import BlackholeBackend
 
 
 def key(n: int) -> CacheKey:
-    return CacheKey("vllm", "sync-test", 1, 0, n)
+    return CacheKey("sync-test", 1, 0, n)
 
 
 @pytest.fixture

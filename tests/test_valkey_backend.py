@@ -249,7 +249,7 @@ def test_one_valkey_key_per_chunk_holds_the_whole_frame(server: ValkeyServer) ->
     run(put_one())
     with valkey.Valkey(host="127.0.0.1", port=server.port) as client:
         names = [k.decode() for k in client.scan_iter(match=f"*{model}*")]
-        assert names == [f"kvplug:vllm@{model}@1@0@0"]
+        assert names == [f"kvplug:{model}@1@0@0@half"]
         value = client.get(names[0])
         assert isinstance(value, bytes) and value[:4] == b"KVPF"
 

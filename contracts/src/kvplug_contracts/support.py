@@ -108,7 +108,7 @@ class Keyspace:
         self.model = f"kvplug-contract/{digest}-{uuid.uuid4().hex[:12]}"
 
     def key(self, n: int, *, worker_id: int = 0, world_size: int = 1, **tags: str) -> CacheKey:
-        return CacheKey("vllm", self.model, world_size, worker_id, n, tuple(tags.items()))
+        return CacheKey(self.model, world_size, worker_id, n, tags=tuple(tags.items()))
 
     def keys(self, count: int, start: int = 0) -> list[CacheKey]:
         return [self.key(n) for n in range(start, start + count)]

@@ -26,7 +26,7 @@ from kvplug.store import Store, open_store
 DEFAULT_SHAPE = (2, 32, 256, 1024)
 DEFAULT_COUNT = 32
 FLUSH_TIMEOUT = 60.0
-BENCH_FMT = "kvplug-bench"
+BENCH_MODEL = "kvplug-bench"
 """The keys' ``fmt``: no engine writes it, so a run never touches an engine's chunks."""
 
 Progress = Callable[[str, int, int], None]
@@ -147,7 +147,7 @@ async def run_bench(
         for operation in ("put", "get"):
             rows[(operation, name)] = BenchRow(operation, name)
     run_name = f"run-{uuid.uuid4().hex[:12]}"
-    keys = [CacheKey(BENCH_FMT, run_name, 1, 0, n) for n in range(count)]
+    keys = [CacheKey(f"{BENCH_MODEL}/{run_name}", 1, 0, n) for n in range(count)]
     outcomes = [TierOutcome(name, count) for name in store.tier_names]
     checksums: dict[CacheKey, int] = {}
     verified = mismatches = 0
@@ -209,7 +209,7 @@ async def run_bench(
             rows[(operation, outcome.tier)].zero_copy = backend.capabilities.zero_copy
     ordered = sorted(rows.values(), key=lambda r: (r.operation != "put", r.tier))
     return BenchResult(
-        ordered, chunk_bytes, verified, mismatches, outcomes, f"{BENCH_FMT}@{run_name}"
+        ordered, chunk_bytes, verified, mismatches, outcomes, f"{BENCH_MODEL}/{run_name}@1@0"
     )
 
 
@@ -230,7 +230,7 @@ async def _remove_from_every_tier(
 
 
 __all__ = [
-    "BENCH_FMT",
+    "BENCH_MODEL",
     "BenchResult",
     "BenchRow",
     "TierOutcome",

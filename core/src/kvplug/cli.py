@@ -35,7 +35,7 @@ from kvplug.units import format_size
 
 T = TypeVar("T")
 console = Console()
-CHECK_FMT = "kvplug-check"
+CHECK_MODEL = "kvplug-check"
 """The keys' ``fmt`` in ``kvplug check``: no engine writes it."""
 
 
@@ -170,7 +170,7 @@ async def _check(
             size = format_size(nbytes_of(shape, dtype))
             what = f"a {size} object (shape {list(shape)} {dtype})"
             for round_index in range(rounds):
-                key = CacheKey(CHECK_FMT, "check-model", 1, 0, shape_index * rounds + round_index)
+                key = CacheKey(CHECK_MODEL, 1, 0, shape_index * rounds + round_index)
                 obj = allocator.allocate(shape, dtype, MemoryFormat.KV_2LTD)
                 if obj is None:
                     raise KvplugError("the check's own buffer is too small for the shape")
@@ -204,7 +204,7 @@ async def _check(
                         await _timed(samples, f"remove {size}", backend.remove(key))
                 finally:
                     obj.release()
-        if await backend.get(CacheKey(CHECK_FMT, "check-model", 1, 0, -1)) is not None:
+        if await backend.get(CacheKey(CHECK_MODEL, 1, 0, -1)) is not None:
             raise KvplugError(f"{shown}: get() of a key never stored did not miss")
     finally:
         await _timed(samples, "close", backend.close())

@@ -1,8 +1,10 @@
 """Cache keys and stable chunk hashing.
 
 A :class:`CacheKey` names one chunk of KV cache of one model, one tensor-parallel rank. Its
-string form is LMCache's, ``fmt@model@world_size@worker_id@chunk_hash[@key%value...]``, so keys
-cross the ``lm://`` wire and are shared with LMCache deployments.
+string form is exactly what LMCache 0.5.x writes for its ``CacheEngineKey``,
+``model@world_size@worker_id@<hex chunk hash>@<dtype name>[@key%value...]``, so a Redis, file
+or lm:// store can be shared with LMCache deployments, and every engine's key maps onto it with
+no truncation (see ``docs/concepts.md``, "Keys").
 
 Example::
 
@@ -10,17 +12,24 @@ Example::
     >>> hashes = chunk_hashes(list(range(600)), chunk_size=256)
     >>> len(hashes)
     3
-    >>> key = CacheKey("vllm", "meta-llama/Llama-3.1-8B", 1, 0, hashes[0])
+    >>> key = CacheKey("meta-llama/Llama-3.1-8B", 1, 0, 0x1F2E, dtype="bfloat16")
+    >>> str(key)
+    'meta-llama/Llama-3.1-8B@1@0@1f2e@bfloat16'
     >>> CacheKey.parse(str(key)) == key
     True
+    >>> CacheKey("m", 1, 0, b"\\x00\\x1f").to_string()  # a bytes hash keeps its leading zeros
+    'm@1@0@001f@half'
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import xxhash
 
 from kvplug.errors import ConfigError
@@ -28,9 +37,41 @@ from kvplug.errors import ConfigError
 DEFAULT_CHUNK_SIZE = 256
 _INT64_SPAN = 1 << 64
 
+LMCACHE_DTYPE_NAMES: Mapping[torch.dtype, str] = {
+    torch.float16: "half",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+    torch.float8_e4m3fn: "fp8_e4m3fn",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+}
+"""The dtype names LMCache writes in its key strings, by torch dtype."""
+
+_DTYPE_NAMES = frozenset(LMCACHE_DTYPE_NAMES.values())
+_HEX = re.compile(r"-?[0-9a-f]+")
+
 
 class InvalidKey(ConfigError):
     """A key string or key field cannot be used."""
+
+
+def lmcache_dtype_name(dtype: torch.dtype) -> str:
+    """The name LMCache writes for ``dtype`` in a key string (``torch.float16`` -> ``"half"``)."""
+    try:
+        return LMCACHE_DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidKey(
+            f"{dtype} has no LMCache key name; the supported dtypes are "
+            f"{', '.join(str(d) for d in LMCACHE_DTYPE_NAMES)}."
+        ) from None
 
 
 def _check_field(name: str, value: str, forbidden: str) -> None:
@@ -45,21 +86,58 @@ def _check_field(name: str, value: str, forbidden: str) -> None:
         )
 
 
-@dataclass(frozen=True, order=True)
-class CacheKey:
-    """The identity of one stored chunk; immutable, hashable, ordered field by field."""
+def _hash_text(chunk_hash: int | bytes) -> str:
+    if isinstance(chunk_hash, bytes):
+        return chunk_hash.hex()
+    return f"{chunk_hash:x}"
 
-    fmt: str
+
+def _parse_hash(text: str, key_text: str) -> int | bytes:
+    if _HEX.fullmatch(text):
+        if text.startswith("-"):
+            if not text.startswith(("-0", "--")):
+                return int(text, 16)
+        elif text == "0" or not text.startswith("0"):
+            return int(text, 16)
+        elif len(text) % 2 == 0:
+            return bytes.fromhex(text)
+    raise InvalidKey(
+        f"key {key_text!r}: chunk hash {text!r} is not in the form to_string writes: lowercase "
+        "hex of an int (no leading zeros, '-' for negative) or of bytes (two digits a byte)."
+    )
+
+
+@functools.total_ordering
+@dataclass(frozen=True, eq=False)
+class CacheKey:
+    """The identity of one stored chunk; immutable and hashable.
+
+    Two keys are equal when their string forms are equal (as in an LMCache store): the chunk
+    hash is compared as its hex text, so ``b"\\x1f"`` and ``0x1f`` name the same chunk while
+    ``b"\\x00\\x1f"`` does not. Keys sort by their string form.
+
+    Fields:
+        model_name: the model id; may contain ``/``, not ``@``.
+        world_size: the number of workers that split the KV cache (tensor-parallel size).
+        worker_id: this worker's rank, ``0 <= worker_id < world_size``.
+        chunk_hash: the prefix hash of the chunk, an ``int`` (LMCache in-process, kvplug's own
+            :func:`chunk_hashes`) or ``bytes`` (LMCache MP, SGLang, vLLM), kept whole.
+        dtype: LMCache's name of the KV cache dtype (``"half"``, ``"bfloat16"``, ...; see
+            :data:`LMCACHE_DTYPE_NAMES` and :func:`lmcache_dtype_name`).
+        tags: ordered ``(key, value)`` pairs, written ``@key%value`` after the dtype.
+    """
+
     model_name: str
     world_size: int
     worker_id: int
-    chunk_hash: int
+    chunk_hash: int | bytes
+    dtype: str = "half"
     tags: tuple[tuple[str, str], ...] = field(default=())
+    _text: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_field("fmt", self.fmt, "@%")
         _check_field("model_name", self.model_name, "@")
-        for name in ("world_size", "worker_id", "chunk_hash"):
+        for name in ("world_size", "worker_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidKey(f"CacheKey.{name} must be an int, got {value!r}.")
@@ -70,38 +148,74 @@ class CacheKey:
                 f"CacheKey.worker_id must be in [0, world_size={self.world_size}), "
                 f"got {self.worker_id}."
             )
+        chunk_hash = self.chunk_hash
+        if not (
+            (isinstance(chunk_hash, int) and not isinstance(chunk_hash, bool))
+            or (isinstance(chunk_hash, bytes) and chunk_hash)
+        ):
+            raise InvalidKey(
+                f"CacheKey.chunk_hash must be an int or non-empty bytes, got {chunk_hash!r}."
+            )
+        if self.dtype not in _DTYPE_NAMES:
+            raise InvalidKey(
+                f"CacheKey.dtype {self.dtype!r} is not one of LMCache's dtype names "
+                f"{sorted(_DTYPE_NAMES)}; use kvplug.keys.lmcache_dtype_name(torch_dtype)."
+            )
         if isinstance(self.tags, Mapping):
             object.__setattr__(self, "tags", tuple(self.tags.items()))
         for tag_key, tag_value in self.tags:
             _check_field("tags key", tag_key, "@%")
             _check_field("tags value", tag_value, "@")
+        text = f"{self.namespace}@{_hash_text(chunk_hash)}@{self.dtype}"
+        object.__setattr__(self, "_text", text + "".join(f"@{k}%{v}" for k, v in self.tags))
 
     @property
     def namespace(self) -> str:
-        """``fmt@model@world_size@worker_id``: the key space this key lives in."""
-        return f"{self.fmt}@{self.model_name}@{self.world_size}@{self.worker_id}"
+        """``model@world_size@worker_id``: the key space this key lives in."""
+        return f"{self.model_name}@{self.world_size}@{self.worker_id}"
+
+    @property
+    def chunk_hash_hex(self) -> str:
+        """The chunk hash as the string form writes it."""
+        return _hash_text(self.chunk_hash)
 
     def to_string(self) -> str:
-        """LMCache's string form: ``fmt@model@world_size@worker_id@chunk_hash[@k%v...]``."""
-        base = f"{self.namespace}@{self.chunk_hash}"
-        return base + "".join(f"@{k}%{v}" for k, v in self.tags)
+        """LMCache's string form: ``model@world_size@worker_id@hexhash@dtype[@k%v...]``."""
+        return self._text
 
     __str__ = to_string
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheKey):
+            return NotImplemented
+        return self._text == other._text
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, CacheKey):
+            return NotImplemented
+        return self._text < other._text
+
+    def __hash__(self) -> int:
+        return hash(self._text)
+
     @classmethod
     def parse(cls, text: str) -> CacheKey:
-        """Parse the string form; raises :class:`InvalidKey` naming what is wrong."""
+        """Parse the string form; raises :class:`InvalidKey` naming what is wrong.
+
+        Only the canonical text that :meth:`to_string` writes is accepted, so two strings never
+        name one key: ``CacheKey.parse(s).to_string() == s`` for every accepted ``s``.
+        """
         if not isinstance(text, str):
             raise InvalidKey(f"a key string is needed, got {type(text).__name__}.")
         parts = text.split("@")
         if len(parts) < 5:
             raise InvalidKey(
                 f"key {text!r} has {len(parts)} '@'-separated fields; a key has at least five: "
-                "fmt@model@world_size@worker_id@chunk_hash."
+                "model@world_size@worker_id@chunk_hash@dtype."
             )
-        fmt, model_name, world, worker, chunk = parts[:5]
+        model_name, world, worker, chunk, dtype = parts[:5]
         numbers = []
-        for name, raw in (("world_size", world), ("worker_id", worker), ("chunk_hash", chunk)):
+        for name, raw in (("world_size", world), ("worker_id", worker)):
             # Only the canonical form that to_string writes: int() alone would also take
             # "+1", " 1", "1_0", "01" and non-ASCII digits, so two strings could name one key.
             value = int(raw, 10) if raw.isascii() and raw.lstrip("-").isdigit() else None
@@ -114,14 +228,18 @@ class CacheKey:
         for raw_tag in parts[5:]:
             tag_key, sep, tag_value = raw_tag.partition("%")
             if not sep:
-                raise InvalidKey(f"key {text!r}: tag {raw_tag!r} has no '%' between key and value.")
+                raise InvalidKey(
+                    f"key {text!r}: field {raw_tag!r} after the dtype has no '%' between a tag's "
+                    "key and value (LMCache's per-layer keys, which put a layer id there, are "
+                    "not kvplug keys)."
+                )
             tags.append((tag_key, tag_value))
-        return cls(fmt, model_name, numbers[0], numbers[1], numbers[2], tuple(tags))
+        return cls(model_name, numbers[0], numbers[1], _parse_hash(chunk, text), dtype, tuple(tags))
 
-    def with_hash(self, chunk_hash: int) -> CacheKey:
-        """The same namespace and tags with another chunk hash."""
+    def with_hash(self, chunk_hash: int | bytes) -> CacheKey:
+        """The same namespace, dtype and tags with another chunk hash."""
         return CacheKey(
-            self.fmt, self.model_name, self.world_size, self.worker_id, chunk_hash, self.tags
+            self.model_name, self.world_size, self.worker_id, chunk_hash, self.dtype, self.tags
         )
 
 
@@ -184,4 +302,12 @@ def chunk_keys(
         yield start, min(start + chunk_size, total), template.with_hash(chunk_hash)
 
 
-__all__ = ["CacheKey", "InvalidKey", "chain_hash", "chunk_hashes", "chunk_keys"]
+__all__ = [
+    "LMCACHE_DTYPE_NAMES",
+    "CacheKey",
+    "InvalidKey",
+    "chain_hash",
+    "chunk_hashes",
+    "chunk_keys",
+    "lmcache_dtype_name",
+]

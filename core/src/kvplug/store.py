@@ -37,7 +37,7 @@ Example::
     >>> from kvplug.store import open_store
     >>> async def main():
     ...     store = await open_store(Config.from_dict({"tiers": ["cpu://?max_size=64MiB"]}))
-    ...     key = CacheKey("vllm", "llama", 1, 0, 7)
+    ...     key = CacheKey("llama", 1, 0, 7)
     ...     obj = store.allocate((2, 4, 16, 64), torch.float16)
     ...     obj.tensor.fill_(2.0)
     ...     await store.put(key, obj)

@@ -10,7 +10,7 @@ Example::
     >>> from kvplug import CacheKey, MemoryObj
     >>> from kvplug.sync import SyncClient
     >>> with SyncClient("cpu://?max_size=64MiB") as client:
-    ...     key = CacheKey("vllm", "demo-model", 1, 0, 42)
+    ...     key = CacheKey("demo-model", 1, 0, 42)
     ...     client.put(key, MemoryObj.from_tensor(torch.ones(4, 8))).result()
     ...     obj = client.get(key).result()
     ...     total = obj.tensor.sum().item()

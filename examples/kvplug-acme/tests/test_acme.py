@@ -23,7 +23,7 @@ from kvplug import (
 )
 from kvplug_acme import AcmeBackend
 
-KEY = CacheKey("vllm", "llama", 1, 0, 42)
+KEY = CacheKey("llama", 1, 0, 42)
 
 
 def _ones(n: int = 16) -> MemoryObj:
@@ -64,7 +64,7 @@ def test_data_written_by_another_process_is_read_here_while_open(tmp_path: Path)
 
         async def main():
             backend = await kvplug.open_backend({url!r})
-            key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+            key = kvplug.CacheKey("llama", 1, 0, 42)
             tensor = torch.arange(64, dtype=torch.float32).reshape(2, 32)
             await backend.put(key, kvplug.MemoryObj.from_tensor(tensor))
             await backend.close()

@@ -408,6 +408,6 @@ class RemoveContract:
             if present != (got is not None):
                 violated(
                     7,
-                    f"for key {key.chunk_hash} contains is {present} but get "
+                    f"for key {key.chunk_hash_hex} contains is {present} but get "
                     f"{'missed' if got is None else 'hit'}",
                 )

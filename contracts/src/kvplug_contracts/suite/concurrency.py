@@ -91,7 +91,7 @@ class ConcurrencyContract:
                 if len(got) != 2:
                     problems.append(f"batched_get of 2 keys returned {len(got)} results")
                 for key, obj in zip(pair, got, strict=False):
-                    problem = _compare(keys[key], obj, f"batched_get of key {key.chunk_hash}")
+                    problem = _compare(keys[key], obj, f"batched_get of key {key.chunk_hash_hex}")
                     if problem:
                         problems.append(problem)
             finally:
@@ -118,7 +118,7 @@ class ConcurrencyContract:
             got = run(backend.batched_get(ordered))
             try:
                 for key, obj in zip(ordered, got, strict=False):
-                    problem = _compare(keys[key], obj, f"key {key.chunk_hash} after all tasks")
+                    problem = _compare(keys[key], obj, f"key {key.chunk_hash_hex} after all tasks")
                     if problem:
                         problems.append(problem)
             finally:
@@ -203,7 +203,7 @@ class ConcurrencyContract:
                         held = [k for k, _ in mine]
                         got_list = wait(client.batched_get(held), what)
                         for (k, want), got in zip(mine, got_list, strict=False):
-                            problem = _compare(want, got, f"{what}: key {k.chunk_hash} later")
+                            problem = _compare(want, got, f"{what}: key {k.chunk_hash_hex} later")
                             if problem:
                                 problems.append(problem)
                         release_all(got_list)

@@ -168,7 +168,7 @@ async def _listed(backend: Backend) -> list[CacheKey]:
 
 
 def _check_listing(
-    run: Run, backend: Backend, expected: set[CacheKey], models: set[str], hashes: set[int]
+    run: Run, backend: Backend, expected: set[CacheKey], models: set[str], hashes: set[str]
 ) -> None:
     """list_keys, filtered to this test's models and hashes, is exactly ``expected``."""
     if not backend.capabilities.list:
@@ -176,7 +176,7 @@ def _check_listing(
     listed = [
         key
         for key in _call(run, "list_keys", _listed(backend))
-        if key.model_name in models and key.chunk_hash in hashes
+        if key.model_name in models and key.chunk_hash_hex in hashes
     ]
     unexpected = sorted(_show(k) for k in set(listed) - expected)
     missing = sorted(_show(k) for k in expected - set(listed))
@@ -215,8 +215,8 @@ def _unique_hash(keyspace: Keyspace) -> int:
 
 
 class IsolationContract:
-    """Clause 12: keys are isolated per model name, worker, world size, format and tags; no key
-    content escapes into paths or other key spaces."""
+    """Clause 12: keys are isolated per model name, worker, world size, chunk hash, dtype and
+    tags; no key content escapes into paths or other key spaces."""
 
     @clause(12)
     def test_one_chunk_hash_in_other_namespaces_is_another_key(
@@ -224,22 +224,24 @@ class IsolationContract:
     ) -> None:
         _require_retention(run, backend, keyspace, allocator)
         model = keyspace.model
-        base = CacheKey("vllm", model, 1, 0, 7)
+        base = CacheKey(model, 1, 0, 7)
         variants = [
-            CacheKey("vllm", f"{model}-other", 1, 0, 7),
-            CacheKey("vllm", f"{model}/sub", 1, 0, 7),
-            CacheKey("vllm", f"{model}/1/0", 1, 0, 7),
-            CacheKey("vllm", model, 2, 0, 7),
-            CacheKey("vllm", model, 2, 1, 7),
-            CacheKey("vllm", model, 4, 3, 7),
-            CacheKey("sglang", model, 1, 0, 7),
-            CacheKey("vllm-v1", model, 1, 0, 7),
-            CacheKey("vllm", model, 1, 0, 7, (("lora", "a"),)),
-            CacheKey("vllm", model, 1, 0, 7, (("lora", "b"),)),
-            CacheKey("vllm", model, 1, 0, 7, (("lora", "a"), ("rank", "1"))),
-            CacheKey("vllm", model, 1, 0, 7, (("rank", "1"), ("lora", "a"))),
-            CacheKey("vllm", model, 1, 0, 70),
-            CacheKey("vllm", model, 1, 0, -7),
+            CacheKey(f"{model}-other", 1, 0, 7),
+            CacheKey(f"{model}/sub", 1, 0, 7),
+            CacheKey(f"{model}/1/0", 1, 0, 7),
+            CacheKey(model, 2, 0, 7),
+            CacheKey(model, 2, 1, 7),
+            CacheKey(model, 4, 3, 7),
+            CacheKey(model, 1, 0, 7, "bfloat16"),
+            CacheKey(model, 1, 0, 7, "fp8_e4m3fn"),
+            CacheKey(model, 1, 0, b"\x07"),
+            CacheKey(model, 1, 0, b"\x00\x07"),
+            CacheKey(model, 1, 0, 7, tags=(("lora", "a"),)),
+            CacheKey(model, 1, 0, 7, tags=(("lora", "b"),)),
+            CacheKey(model, 1, 0, 7, tags=(("lora", "a"), ("rank", "1"))),
+            CacheKey(model, 1, 0, 7, tags=(("rank", "1"), ("lora", "a"))),
+            CacheKey(model, 1, 0, 70),
+            CacheKey(model, 1, 0, -7),
         ]
         objs = {
             key: make_obj(allocator, SHAPE, torch.float16, seed=510 + n)
@@ -255,7 +257,7 @@ class IsolationContract:
             _expect_own(
                 run, backend, {**objs, base: replacement}, f"after overwriting {_show(base)}"
             )
-            _check_listing(run, backend, set(objs), {k.model_name for k in objs}, {7, 70, -7})
+            _check_listing(run, backend, set(objs), {k.model_name for k in objs}, {k.chunk_hash_hex for k in objs})
             if backend.capabilities.delete:
                 _call(run, f"remove of {_show(base)}", backend.remove(base))
                 _expect_absent(run, backend, [base], {}, "after its remove")
@@ -287,11 +289,11 @@ class IsolationContract:
             *(f"{model}/{name}" for name in HOSTILE_MODEL_NAMES),
             *prefix_names,
         )
-        hostile = [CacheKey("vllm", name, 1, 0, chunk) for name in hostile_names]
-        hostile += [CacheKey("vllm", model, 1, 0, chunk, tags) for tags in HOSTILE_TAGS]
-        targets = [CacheKey("vllm", name, 1, 0, chunk) for name in TARGET_MODEL_NAMES]
-        targets += [CacheKey("vllm", f"{model}/{name}", 1, 0, chunk) for name in TARGET_MODEL_NAMES]
-        targets.append(CacheKey("vllm", model, 1, 0, chunk))
+        hostile = [CacheKey(name, 1, 0, chunk) for name in hostile_names]
+        hostile += [CacheKey(model, 1, 0, chunk, tags=tags) for tags in HOSTILE_TAGS]
+        targets = [CacheKey(name, 1, 0, chunk) for name in TARGET_MODEL_NAMES]
+        targets += [CacheKey(f"{model}/{name}", 1, 0, chunk) for name in TARGET_MODEL_NAMES]
+        targets.append(CacheKey(model, 1, 0, chunk))
         objs = {
             key: make_obj(allocator, SHAPE, torch.float16, seed=600 + n)
             for n, key in enumerate(hostile)
@@ -313,7 +315,7 @@ class IsolationContract:
                 backend,
                 set(everything),
                 {k.model_name for k in everything},
-                {chunk},
+                {k.chunk_hash_hex for k in everything},
             )
         finally:
             release_all([*objs.values(), *target_objs.values()])

@@ -639,9 +639,9 @@ class CapabilityContract:
         if mine != stored:
             violated(
                 13,
-                f"list_keys yielded chunk hashes {sorted(k.chunk_hash for k in mine)} of this "
+                f"list_keys yielded chunk hashes {sorted(k.chunk_hash_hex for k in mine)} of this "
                 f"test's keys; stored (contains is True): "
-                f"{sorted(k.chunk_hash for k in stored)}",
+                f"{sorted(k.chunk_hash_hex for k in stored)}",
             )
 
     @clause(13)

@@ -294,7 +294,7 @@ class PinContract:
                 run(small.put(key, obj))
                 result = run(small.pin(key))
                 if result is not True:
-                    violated(8, f"pin of stored key {key.chunk_hash} returned {result!r}, not True")
+                    violated(8, f"pin of stored key {key} returned {result!r}, not True")
             for n, key in enumerate(filler_keys):
                 _put_or_full(run, small, key, filler, f"put {n + 1} of {count} into {options}")
             for n, (key, obj) in enumerate(zip(pinned_keys, pinned, strict=True)):
@@ -559,7 +559,7 @@ class PersistenceContract:
                     release_all([got])
             if second.capabilities.list:
                 listed = run(_collect(second, keyspace.model))
-                missing = [k.chunk_hash for k in keys if k not in listed]
+                missing = [k.chunk_hash_hex for k in keys if k not in listed]
                 if missing:
                     violated(14, f"after close and reopen, list_keys lacks keys {missing}")
         finally:

@@ -20,7 +20,7 @@ Example::
     >>> import asyncio, tempfile, torch, kvplug
     >>> async def main(path):
     ...     acme = await kvplug.open_backend(f"acme://{path}/kv.sqlite")
-    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     key = kvplug.CacheKey("llama", 1, 0, 42)
     ...     await acme.put(key, kvplug.MemoryObj.from_tensor(torch.ones(2, 8)))
     ...     await acme.close()
     ...     again = await kvplug.open_backend(f"acme://{path}/kv.sqlite")  # persistent

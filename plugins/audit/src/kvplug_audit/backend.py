@@ -25,7 +25,7 @@ Options:
 
 Each operation logs one line, for example::
 
-    op=get key=vllm@llama@1@0@42 size=65536 latency_ms=0.012 outcome=hit backend=cpu://
+    op=get key=llama@1@0@2a@half size=65536 latency_ms=0.012 outcome=hit backend=cpu://
 
 with ``outcome`` one of ``hit``, ``miss``, ``ok``, ``corrupt``, ``injected`` or
 ``error:<ExceptionName>``. URLs are logged as ``str(url)`` shows them: password and
@@ -36,7 +36,7 @@ Example::
     >>> import asyncio, torch, kvplug
     >>> async def main():
     ...     audited = await kvplug.open_backend("audit::cpu://?max_size=64MiB")
-    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     key = kvplug.CacheKey("llama", 1, 0, 42)
     ...     await audited.put(key, kvplug.MemoryObj.from_tensor(torch.ones(8)))
     ...     hit = await audited.get(key)
     ...     hit.release()

@@ -10,7 +10,7 @@ Example::
     >>> import asyncio, torch, kvplug
     >>> async def main():
     ...     hole = await kvplug.open_backend("blackhole://")
-    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 7)
+    ...     key = kvplug.CacheKey("llama", 1, 0, 7)
     ...     await hole.put(key, kvplug.MemoryObj.from_tensor(torch.ones(4)))
     ...     found = await hole.get(key)
     ...     await hole.close()

@@ -14,7 +14,7 @@ Example::
     >>> import asyncio, torch, kvplug
     >>> async def main():
     ...     cpu = await kvplug.open_backend("cpu://?max_size=64MiB")
-    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     key = kvplug.CacheKey("llama", 1, 0, 42)
     ...     obj = cpu.allocator.allocate((2, 4, 16, 8), torch.float16)
     ...     obj.tensor.fill_(1.0)
     ...     await cpu.put(key, obj)          # zero-copy: obj lives in cpu's allocator

@@ -27,7 +27,7 @@ Example::
     >>> import asyncio, tempfile, torch, kvplug
     >>> async def main(path):
     ...     disk = await kvplug.open_backend(f"file://{path}/kv?max_size=64MiB")
-    ...     key = kvplug.CacheKey("vllm", "llama", 1, 0, 42)
+    ...     key = kvplug.CacheKey("llama", 1, 0, 42)
     ...     obj = disk.allocator.allocate((2, 4, 16, 8), torch.float16)
     ...     obj.tensor.fill_(1.0)
     ...     await disk.put(key, obj)            # written with O_DIRECT from obj's own memory

@@ -43,10 +43,10 @@ Example::
     >>> from kvplug.memory import MemoryFormat
     >>> payload = bytes(100)
     >>> frame = encode_header((100,), torch.uint8, MemoryFormat.BINARY_BUFFER, "naive", payload)
-    >>> block = encode_block(frame, "vllm@llama@1@0@42")
+    >>> block = encode_block(frame, "llama@1@0@2a@half")
     >>> header = decode_block(block)
     >>> header.key_text, header.frame.payload_len, header.file_length
-    ('vllm@llama@1@0@42', 100, 8192)
+    ('llama@1@0@2a@half', 100, 8192)
     >>> object_name(header.key_text)[0] == digest(header.key_text)[:2]
     True
 """

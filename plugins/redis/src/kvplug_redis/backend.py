@@ -14,7 +14,7 @@ URL forms (options go in the query or in code/config, which win)::
     redis+cluster://[user[:password]@]h1:7000,h2:7001    a Redis Cluster
 
 **Storage.** One Redis string per chunk, under ``key_prefix`` + the key's LMCache string form
-(``kvplug:vllm@llama@1@0@42``). The value is kvplug's whole frame (header, checksums,
+(``kvplug:llama@1@0@2a@half``). The value is kvplug's whole frame (header, checksums,
 payload), written by one ``SET`` (``SET ... PX`` with a ``ttl``), so data and metadata never
 disagree and a reader sees the old value or the new one, never a mix. Batched operations are
 one non-transactional pipeline (one round trip; per node on a cluster). ``list_keys`` uses

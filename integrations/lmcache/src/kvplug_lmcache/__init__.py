@@ -1,0 +1,1 @@
+"""kvplug inside LMCache."""
