@@ -414,6 +414,35 @@ def test_a_flipped_byte_reads_as_a_counted_miss_and_the_file_is_removed(
     run(scenario())
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-dest", "unaligned-dest"])
+def test_get_into_reads_into_the_callers_memory_and_a_damaged_file_is_a_counted_miss(
+    tmp_path: Path, allocator: FreeListAllocator, aligned: bool
+) -> None:
+    async def scenario() -> None:
+        disk = await open_disk(f"file://{tmp_path}", allocator)
+        await put_seeded(disk, allocator, key(1), 3 * BLOCK, seed=1)
+        await put_seeded(disk, allocator, key(2), 3 * BLOCK, seed=2)
+        # An engine's buffer: page-aligned (O_DIRECT straight into it) or one byte off
+        # (through a bounce buffer).
+        backing = MemoryObj.from_tensor(torch.zeros(4 * BLOCK + 1, dtype=torch.uint8))
+        offset = (-backing.data_ptr()) % BLOCK + (0 if aligned else 1)
+        dest = MemoryObj.from_tensor(backing.raw[offset : offset + 3 * BLOCK])
+        assert await disk.get_into(key(1), dest)
+        assert torch.equal(dest.raw, seeded_bytes(3 * BLOCK, 1))
+        assert dest.ref_count == 1
+        path = Path(disk.stored_files(key(2))[0])
+        data = bytearray(path.read_bytes())
+        data[BLOCK + 100] ^= 0x04
+        path.write_bytes(bytes(data))
+        assert not await disk.get_into(key(2), dest)
+        assert disk.corrupt_objects == 1
+        assert not path.exists() and not await disk.contains(key(2))
+        assert not await disk.get_into(key(3), dest)
+        await disk.close()
+
+    run(scenario())
+
+
 def test_enospc_from_the_write_raises_capacity_exceeded_and_leaves_no_temp_file(
     tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -276,6 +276,62 @@ class Backend(abc.ABC):
             raise error
         return [r for r in results if not isinstance(r, BaseException)]
 
+    async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        """Read the bytes stored under ``key`` into ``dest``'s memory (an engine's own buffer).
+
+        True when ``dest`` now holds exactly the stored bytes; False for a miss, for a stored
+        object whose size is not ``dest.nbytes``, and for anything :meth:`get` would turn into
+        a miss (clause 6). After False, ``dest``'s contents are undefined: use it only after
+        True. The stored shape, dtype and format are not checked: the caller knows its layout.
+
+        ``dest`` stays the caller's; the backend retains it while it may write into it, so a
+        caller that stopped waiting (a deadline) can wait for ``dest.ref_count`` to drop back
+        before reusing the buffer. The default reads with :meth:`get` and copies once; a
+        backend that can read straight into the caller's memory overrides it.
+
+        Example::
+
+            >>> import asyncio, torch, kvplug
+            >>> async def demo() -> list[bool]:
+            ...     backend = await kvplug.open_backend("cpu://")
+            ...     key = kvplug.CacheKey("llama", 1, 0, 7)
+            ...     await backend.put(key, kvplug.MemoryObj.from_tensor(torch.ones(8)))
+            ...     dest = kvplug.MemoryObj.from_tensor(torch.zeros(8))
+            ...     hits = [await backend.get_into(key, dest), bool(dest.tensor.sum() == 8)]
+            ...     short = kvplug.MemoryObj.from_tensor(torch.zeros(4))
+            ...     hits.append(await backend.get_into(key, short))
+            ...     await backend.close()
+            ...     return hits
+            >>> asyncio.run(demo())
+            [True, True, False]
+        """
+        got = await self.get(key)
+        if got is None:
+            return False
+        try:
+            if got.nbytes != dest.nbytes:
+                return False
+            dest.raw.copy_(got.raw)
+            return True
+        finally:
+            got.release()
+
+    async def batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        """:meth:`get_into` of each pair, concurrently; aligned with ``keys``. Raises the first
+        error after all have finished."""
+        if len(keys) != len(dests):
+            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
+        results = await asyncio.gather(
+            *(self.get_into(k, d) for k, d in zip(keys, dests, strict=True)),
+            return_exceptions=True,
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        return [r is True for r in results]
+
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``put`` of each pair, concurrently. Raises the first error after all have finished."""
         if len(keys) != len(objs):

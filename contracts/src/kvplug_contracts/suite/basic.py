@@ -172,6 +172,37 @@ class RoundTripContract:
         finally:
             obj.release()
 
+    @clause(2)
+    def test_round_trip_into_the_callers_memory_is_bit_exact(
+        self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
+    ) -> None:
+        obj = make_obj(allocator, (2, 4, 64, 256), torch.bfloat16, seed=11)
+        # The caller's buffers have their own layout: only the size has to match.
+        dests = [
+            make_obj(allocator, (obj.nbytes,), torch.uint8, MemoryFormat.BINARY, seed=n)
+            for n in (12, 13, 14)
+        ]
+        short = make_obj(allocator, (obj.nbytes // 2,), torch.uint8, MemoryFormat.BINARY)
+        key, absent = keyspace.key(0), keyspace.key(1)
+        try:
+            run(backend.put(key, obj))
+            if (missed := run(backend.get_into(absent, dests[0]))) is not False:
+                violated(1, f"get_into of a key never stored returned {missed!r}, not False")
+            if (wrong := run(backend.get_into(key, short))) is not False:
+                violated(2, f"get_into into an object of half the stored size returned {wrong!r}")
+            if (hit := run(backend.get_into(key, dests[0]))) is not True:
+                violated(2, f"get_into right after put returned {hit!r}, not True")
+            hits = run(backend.batched_get_into([absent, key], dests[1:]))
+            if hits != [False, True]:
+                violated(4, f"batched_get_into of [absent, stored] returned {hits!r}")
+            for dest in (dests[0], dests[2]):
+                if not torch.equal(dest.raw.cpu(), obj.raw.cpu()):
+                    violated(2, "get_into wrote other bytes than the put stored")
+                if dest.ref_count != 1:
+                    violated(5, f"get_into still holds the caller's object ({dest.ref_count})")
+        finally:
+            release_all([obj, *dests, short])
+
 
 class OverwriteContract:
     """Clause 3: overwriting replaces or keeps the old value atomically; never a mix."""

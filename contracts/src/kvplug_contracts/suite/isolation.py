@@ -257,7 +257,13 @@ class IsolationContract:
             _expect_own(
                 run, backend, {**objs, base: replacement}, f"after overwriting {_show(base)}"
             )
-            _check_listing(run, backend, set(objs), {k.model_name for k in objs}, {k.chunk_hash_hex for k in objs})
+            _check_listing(
+                run,
+                backend,
+                set(objs),
+                {k.model_name for k in objs},
+                {k.chunk_hash_hex for k in objs},
+            )
             if backend.capabilities.delete:
                 _call(run, f"remove of {_show(base)}", backend.remove(base))
                 _expect_absent(run, backend, [base], {}, "after its remove")

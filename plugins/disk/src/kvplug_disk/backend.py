@@ -84,7 +84,7 @@ from kvplug.errors import (
 from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey, InvalidKey
-from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj, nbytes_of
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.fileops import (
@@ -1481,12 +1481,16 @@ class DiskBackend(Backend):
         return obj
 
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: IndexEntry
+        self, key: CacheKey, key_text: str, entry: IndexEntry, into: MemoryObj | None
     ) -> MemoryObj | ObjectHeader | None:
-        obj = self._allocate_for(key, entry)
+        """Read ``entry`` into a new object, or into ``into`` (the caller's, never released
+        here) when its size is the stored object's."""
+        if into is not None and nbytes_of(entry.shape, entry.dtype) != into.nbytes:
+            return None
+        obj = into if into is not None else self._allocate_for(key, entry)
         if obj is None:
             return None
-        keep = False
+        keep = obj is into
         transfer: _Transfer | None = None
         try:
             transfer = self._plan(
@@ -1525,13 +1529,15 @@ class DiskBackend(Backend):
             if not keep:
                 obj.release()
 
-    def _read(self, key: CacheKey, entry: IndexEntry) -> MemoryObj | None:
-        """The whole get, on a worker thread."""
+    def _read(
+        self, key: CacheKey, entry: IndexEntry, into: MemoryObj | None = None
+    ) -> MemoryObj | None:
+        """The whole get (into a new object, or into ``into``), on a worker thread."""
         self._check_open_worker()
         key_text = key.to_string()
         result: MemoryObj | None = None
         for _ in range(3):
-            outcome = self._read_once(key, key_text, entry)
+            outcome = self._read_once(key, key_text, entry, into)
             if isinstance(outcome, ObjectHeader):
                 entry = self._adopt(key, entry, outcome)
                 continue
@@ -1585,6 +1591,26 @@ class DiskBackend(Backend):
                 self.misses += 1
                 return None
         return await self._run("get", partial(self._read, key, entry), abandoned=release_read)
+
+    async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        """The stored bytes read straight into ``dest`` (with O_DIRECT when ``dest`` is
+        block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`."""
+        self.ensure_open()
+        await self._ready()
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.misses += 1
+                return False
+        dest.retain()
+
+        def read() -> bool:
+            try:
+                return self._read(key, entry, dest) is not None
+            finally:
+                dest.release()
+
+        return await self._run("get", read, not_run=dest.release)
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its

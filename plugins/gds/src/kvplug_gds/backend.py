@@ -53,8 +53,8 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import BackendOptions, Capabilities
-from kvplug.errors import BackendError, ConfigError, CorruptObject
+from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.errors import BackendError, ConfigError, CorruptObject, NotSupported
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
@@ -726,9 +726,15 @@ class GdsBackend(DiskBackend):
         count = read_all(fd, [memoryview(buffer)], 0)
         return checked_header(memoryview(buffer)[:count], size)
 
+    # Reads go through cuFile into memory this backend allocates (GPU or registered host
+    # memory), then one copy into the caller's.
+    get_into = Backend.get_into
+
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: IndexEntry
+        self, key: CacheKey, key_text: str, entry: IndexEntry, into: MemoryObj | None = None
     ) -> MemoryObj | ObjectHeader | None:
+        if into is not None:
+            raise NotSupported("gds:// reads into its own memory; get_into copies from there")
         try:
             return self._read_path(key, key_text, entry, entry.path)
         except _Replaced:
