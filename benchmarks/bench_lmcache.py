@@ -22,12 +22,18 @@ Runs in a venv of the set-up's (``scripts/setup.sh`` builds one per tested LMCac
 
 from __future__ import annotations
 
+import os
+
+# LMCache reports usage to a server of its own unless told not to; this talks to loopback only.
+os.environ.update({"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"})
+
 import argparse
 import json
 import logging
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -45,6 +51,7 @@ from lmcache.v1.distributed.api import (
     PrefetchTaskSpec,
 )
 from lmcache.v1.distributed.config import parse_args
+from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.storage_manager import StorageManager
 
 SHAPE = (2, 32, 256, 1024)
@@ -96,20 +103,35 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.002)
 
 
-def in_l2(manager: StorageManager, keys: list[ObjectKey]) -> bool:
-    """Whether every adapter has every key, asked through the adapters' own lookup."""
-    for _, adapter in manager.l2_adapters():
-        task = adapter.submit_lookup_and_lock_task(keys, {})
-        while (bitmap := adapter.query_lookup_and_lock_result(task)) is None:
-            time.sleep(0.0002)
-        found = [bitmap.test(i) for i in range(len(keys))]
-        adapter.submit_unlock([key for key, hit in zip(keys, found, strict=True) if hit])
-        if not all(found):
-            return False
-    return True
+class StoredKeys(L2AdapterListener):  # type: ignore[misc]  # lmcache is untyped
+    """What the L2 adapters report stored: the store's end, seen as LMCache's own listeners
+    see it, without asking the store anything while it works."""
+
+    def __init__(self) -> None:
+        self._stored: set[ObjectKey] = set()
+        self._changed = threading.Condition()
+
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        with self._changed:
+            self._stored.update(keys)
+            self._changed.notify_all()
+
+    def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        with self._changed:
+            self._stored.difference_update(keys)
+
+    def wait_for(self, keys: list[ObjectKey]) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._stored.issuperset(keys), DEADLINE_S):
+                raise TimeoutError(f"the store into L2 did not finish within {DEADLINE_S} s")
 
 
-def one_pass(manager: StorageManager, chunks: int, layout: MemoryLayoutDesc) -> tuple[float, float]:
+def one_pass(
+    manager: StorageManager, stored: StoredKeys, chunks: int, layout: MemoryLayoutDesc
+) -> tuple[float, float]:
     """(store seconds, prefetch seconds) for ``chunks`` fresh chunks, every byte checked."""
     model = f"bench-lmcache-{uuid.uuid4().hex[:12]}"
     keys = [ObjectKey(n.to_bytes(8, "big"), model, 0) for n in range(chunks)]
@@ -120,11 +142,8 @@ def one_pass(manager: StorageManager, chunks: int, layout: MemoryLayoutDesc) -> 
     for n, key in enumerate(keys):
         data = reserved[key].tensor.view(torch.int16)
         data.fill_(n)
-        data[n] = -1 - n  # every chunk different from the others
+        data.view(-1)[n] = -1 - n  # every chunk different from the others
         expected[key] = reserved[key].tensor.clone()
-
-    def stored() -> bool:
-        return in_l2(manager, keys)
 
     def settled() -> bool:
         controller = manager.report_status()["store_controller"]
@@ -132,7 +151,7 @@ def one_pass(manager: StorageManager, chunks: int, layout: MemoryLayoutDesc) -> 
 
     start = time.perf_counter()
     manager.finish_write(keys)
-    wait_for(stored, "the store into L2")
+    stored.wait_for(keys)
     store_s = time.perf_counter() - start
 
     wait_for(settled, "the store controller letting go of L1")
@@ -169,12 +188,15 @@ def compare(medium: Medium, chunks: int, repeat: int, l1_gb: float) -> dict[str,
         "kvplug": manager_with(medium.kvplug, l1_gb),
         "lmcache": manager_with(medium.lmcache, l1_gb),
     }
+    listeners = {name: StoredKeys() for name in managers}
+    for name, manager in managers.items():
+        manager.register_l2_listener(listeners[name])
     timings = {name: Timings() for name in managers}
     try:
         for round_index in range(repeat + 1):  # round 0 warms both up and is not counted
             order = list(managers) if round_index % 2 else list(reversed(managers))
             for name in order:
-                store_s, prefetch_s = one_pass(managers[name], chunks, layout)
+                store_s, prefetch_s = one_pass(managers[name], listeners[name], chunks, layout)
                 if round_index:
                     timings[name].store.append(store_s)
                     timings[name].prefetch.append(prefetch_s)

@@ -1,0 +1,1038 @@
+"""Any kvplug backend as an L2 adapter of LMCache's multi-process (MP) server.
+
+LMCache loads it through its ``plugin`` L2 adapter type::
+
+    lmcache server --l1-size-gb 20 --eviction-policy LRU --l2-adapter '{
+        "type": "plugin",
+        "module_path": "kvplug_lmcache.l2_adapter",
+        "class_name": "KvplugL2Adapter",
+        "adapter_params": {"url": "redis://cache-1:6379", "options": {"timeout": 5}}
+    }'
+
+``adapter_params`` (see :class:`KvplugL2AdapterConfig`): exactly one of ``url`` (any kvplug
+URL: ``cpu://?max_size=8GiB``, ``file:///var/cache/kv``, ``redis://host:6379``,
+``store:///etc/kvplug.yaml``, ...) or ``config`` (the path of a kvplug tiers YAML), and
+optionally ``options`` (kvplug backend or Store options), ``capacity``, ``task_timeout``,
+``lock_ttl``, ``check_on_start`` and ``pin_locked``.
+
+How LMCache's calls map onto kvplug (one batched kvplug call per task, on the
+:class:`~kvplug.sync.SyncClient`'s IO thread, which is the adapter's own IO thread):
+
+* **store**: one ``batched_put``. LMCache's L1 buffers are wrapped without a copy
+  (:meth:`kvplug.MemoryObj.from_tensor` over their bytes), except for backends that keep the
+  put objects (a ``cpu://`` tier, a Store of several tiers: ``needs_private_copy``), which get
+  one copy into the backend's own memory. A task is reported done only once kvplug holds no
+  reference to LMCache's buffers any more, also when it failed or timed out.
+* **lookup and lock**: per-key presence, gathered concurrently in one coroutine; each lookup
+  that finds a key takes one lock on it (two lookups, two locks).
+* **load**: one ``batched_get_into`` straight into LMCache's buffers (``file://`` reads there
+  and verifies the checksum in place; other backends copy once). A stored object whose size
+  differs from the buffer is a failed load for that key; nothing is written.
+* **unlock**: gives back exactly the locks taken; a key never locked is ignored; never raises.
+  A lock also ends by itself after ``lock_ttl`` seconds (300 by default), so a lookup whose
+  result LMCache never collected (a request aborted meanwhile) does not hold its keys forever.
+
+Locked keys stay readable: on a backend that can pin (the ``cpu://`` tier) a locked key is
+pinned, so the backend does not evict it, until its last lock goes (or the backend's
+``pin_ttl`` passes, 300 s by default). On every backend, :meth:`KvplugL2Adapter.delete` (LMCache's
+L2 eviction) skips locked keys. A backend that cannot pin may still drop a locked key by its
+own means (its size cap, Redis ``maxmemory``, another process); the load then reports that key
+as failed, which LMCache handles as a miss.
+
+A backend that is down makes lookups and loads miss and stores fail (LMCache keeps the data
+in L1 and logs the failure); every task ends within ``task_timeout`` seconds, and the adapter
+works again as soon as kvplug's backend does (kvplug backends recover without a reopen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import contextlib
+import difflib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvplug.backend import Backend
+from kvplug.errors import (
+    BackendClosed,
+    BackendTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    ConfigError,
+    KvplugError,
+)
+from kvplug.eviction import PinTable
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.store import Store
+from kvplug.sync import SyncClient
+from kvplug.units import parse_size
+from kvplug_lmcache.common import needs_private_copy, open_client
+from kvplug_lmcache.keys import OBJECT_DTYPE, cache_key_to_object_key, object_key_to_cache_key
+
+try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
+    from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
+except ImportError:  # LMCache 0.5.6
+    MemoryResidency = MemorySegment = MemoryTags = None
+
+logger = logging.getLogger("kvplug.lmcache")
+T = TypeVar("T")
+
+DEFAULT_TASK_TIMEOUT = 60.0
+"""Seconds one store, lookup or load task may take before it is reported failed."""
+DEFAULT_LOCK_TTL = 300.0
+"""Seconds a lock lasts when LMCache never gives it back."""
+MAX_UNCLAIMED = 100_000
+"""Results of tasks LMCache never asked for kept at most (the oldest go first)."""
+_RELEASE_POLL = 0.005
+_PROBE_KEY = CacheKey("kvplug-lmcache-probe", 1, 0, b"\x00", OBJECT_DTYPE)
+_PARAMS = {
+    "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
+    "config": "the path of a kvplug tiers YAML (instead of url)",
+    "options": "kvplug backend options (or Store options with config), a mapping",
+    "capacity": "bytes the adapter reports as its capacity (int or '100GiB'); default: the "
+    "backend's max_size when it has one, else 0 (unknown)",
+    "task_timeout": f"seconds a store, lookup or load may take (default {DEFAULT_TASK_TIMEOUT})",
+    "lock_ttl": f"seconds a lock lasts unless unlocked earlier (default {DEFAULT_LOCK_TTL})",
+    "check_on_start": "fail at start when the backend is unreachable (default true)",
+    "pin_locked": "pin locked keys on backends that can pin (default true)",
+}
+
+
+class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcache is untyped
+    """The ``adapter_params`` of :class:`KvplugL2Adapter`, checked when LMCache builds it.
+
+    Fields:
+        url: any kvplug URL (``cpu://?max_size=8GiB``, ``file:///var/cache/kv``,
+            ``redis://host:6379``, ``store:///etc/kvplug.yaml``, ...).
+        config: the path of a kvplug tiers YAML; give exactly one of ``url`` and ``config``.
+        options: kvplug backend options (Store options with ``config``), e.g.
+            ``{"timeout": 5}``.
+        capacity: bytes reported as the adapter's capacity (an int or ``"100GiB"``); with a
+            capacity LMCache's aggregate L2 eviction can run (``"eviction"`` in the adapter
+            JSON). Default: the backend's ``max_size`` when it has one (cpu, file, a Store of
+            such tiers), else 0, which LMCache reads as unknown.
+        task_timeout: seconds one store, lookup or load may take before it is reported as
+            failed (default 60).
+        lock_ttl: seconds a lookup's lock lasts unless it is unlocked earlier (default 300);
+            a bound for locks whose lookup result LMCache never collected.
+        check_on_start: when true (the default), a backend that does not answer at start
+            fails the adapter (and ``lmcache server``) with kvplug's message; when false the
+            adapter starts anyway and its loads miss until the backend answers.
+        pin_locked: pin locked keys on backends that can pin (default true).
+
+    Example::
+
+        >>> config = KvplugL2AdapterConfig.from_dict(
+        ...     {"url": "cpu://?max_size=64MiB", "capacity": "64MiB"}
+        ... )
+        >>> config.url, config.capacity, config.task_timeout
+        ('cpu://?max_size=64MiB', 67108864, 60.0)
+        >>> try:
+        ...     KvplugL2AdapterConfig.from_dict({"urll": "cpu://"})
+        ... except ConfigError as error:
+        ...     print(str(error).split(" Valid")[0])
+        KvplugL2Adapter adapter_params has no field 'urll'. Did you mean 'url'?
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        config: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        capacity: int | None = None,
+        task_timeout: float = DEFAULT_TASK_TIMEOUT,
+        lock_ttl: float = DEFAULT_LOCK_TTL,
+        check_on_start: bool = True,
+        pin_locked: bool = True,
+    ) -> None:
+        self.url = url
+        self.config = config
+        self.options: dict[str, Any] = dict(options or {})
+        self.capacity = capacity
+        self.task_timeout = task_timeout
+        self.lock_ttl = lock_ttl
+        self.check_on_start = check_on_start
+        self.pin_locked = pin_locked
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KvplugL2AdapterConfig:
+        """Check ``adapter_params``; raises :class:`~kvplug.errors.ConfigError` naming the
+        field, what is wrong and what to write instead."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"KvplugL2Adapter adapter_params must be a JSON object, got {type(d).__name__}."
+            )
+        for name in d:
+            if name not in _PARAMS:
+                close = difflib.get_close_matches(str(name), list(_PARAMS), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"KvplugL2Adapter adapter_params has no field {name!r}.{hint} Valid "
+                    f"fields: {', '.join(_PARAMS)}."
+                )
+        url, config = d.get("url"), d.get("config")
+        if (url is None) == (config is None):
+            given = "both url and config" if url is not None else "neither url nor config"
+            raise ConfigError(
+                f"KvplugL2Adapter adapter_params has {given}: give exactly one, url (a kvplug "
+                "URL such as file:///var/cache/kv or redis://host:6379) or config (the path "
+                "of a kvplug tiers YAML)."
+            )
+        for name, value in (("url", url), ("config", config)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(
+                    f"KvplugL2Adapter adapter_params.{name} must be a non-empty string, got "
+                    f"{mask_data(value)!r}."
+                )
+        options = d.get("options")
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(
+                "KvplugL2Adapter adapter_params.options must be a JSON object of kvplug "
+                f"option names and values, got {type(options).__name__}."
+            )
+        capacity = d.get("capacity")
+        if capacity is not None:
+            capacity = parse_size(capacity, what="KvplugL2Adapter adapter_params.capacity")
+        seconds = {}
+        for name, default in (
+            ("task_timeout", DEFAULT_TASK_TIMEOUT),
+            ("lock_ttl", DEFAULT_LOCK_TTL),
+        ):
+            value = d.get(name, default)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < float("inf")
+            ):
+                raise ConfigError(
+                    f"KvplugL2Adapter adapter_params.{name} must be a positive number of "
+                    f"seconds, got {value!r}."
+                )
+            seconds[name] = float(value)
+        flags = {}
+        for name in ("check_on_start", "pin_locked"):
+            value = d.get(name, True)
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"KvplugL2Adapter adapter_params.{name} must be true or false, got {value!r}."
+                )
+            flags[name] = value
+        return cls(
+            url=url,
+            config=config,
+            options=options,
+            capacity=capacity,
+            task_timeout=seconds["task_timeout"],
+            lock_ttl=seconds["lock_ttl"],
+            **flags,
+        )
+
+    @classmethod
+    def help(cls) -> str:
+        fields = "\n".join(f"- {name}: {meaning}" for name, meaning in _PARAMS.items())
+        return (
+            "kvplug L2 adapter (type 'plugin', module_path 'kvplug_lmcache.l2_adapter', "
+            f"class_name 'KvplugL2Adapter'); adapter_params:\n{fields}\n"
+            'Example: {"type": "plugin", "module_path": "kvplug_lmcache.l2_adapter", '
+            '"class_name": "KvplugL2Adapter", "adapter_params": {"url": "file:///var/cache/kv"}}'
+        )
+
+    def target(self) -> str:
+        """What the adapter opens, safe to print (passwords masked)."""
+        if self.url is not None:
+            return mask_url(self.url)
+        return f"the tiers of {self.config}"
+
+    def __repr__(self) -> str:
+        return f"KvplugL2AdapterConfig({self.target()})"
+
+
+def _byte_view(obj: Any) -> torch.Tensor:
+    """The logical bytes of an LMCache memory object as a flat uint8 tensor (no copy)."""
+    raw = obj.raw_tensor
+    if raw is None:
+        raise KvplugError("LMCache handed over an invalidated memory object; it has no bytes.")
+    if not raw.is_contiguous():
+        raise KvplugError("LMCache handed over a memory object whose buffer is not contiguous.")
+    flat = raw.reshape(-1).view(torch.uint8)
+    size = int(obj.get_size())
+    if flat.numel() < size:
+        raise KvplugError(
+            f"LMCache's memory object says it holds {size} bytes but its buffer has only "
+            f"{flat.numel()}."
+        )
+    view: torch.Tensor = flat[:size]
+    return view
+
+
+def _default_capacity(backend: Backend) -> int:
+    """The backend's ``max_size`` (the largest tier's for a Store), else 0 (unknown)."""
+    layers = backend.tiers if isinstance(backend, Store) else [backend]
+    sizes = [getattr(layer.options, "max_size", None) for layer in layers]
+    known = [size for size in sizes if isinstance(size, int)]
+    return max(known) if known and len(known) == len(sizes) else 0
+
+
+def _memory_tags(backend: Backend, shared: bool) -> Any:
+    """LMCache's tags for where the backend keeps its bytes."""
+    layers = backend.tiers if isinstance(backend, Store) else [backend]
+    remote = shared or any(layer.capabilities.shared_across_processes for layer in layers)
+    residency = MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL
+    if all(layer.url.scheme in ("gds", "weka") for layer in layers):
+        segment = MemorySegment.GDS
+    elif all(
+        layer.capabilities.zero_copy and not layer.capabilities.persistent for layer in layers
+    ):
+        segment = MemorySegment.DRAM
+    else:
+        segment = MemorySegment.STORAGE
+    return MemoryTags(segment, residency)
+
+
+@dataclass
+class _Health:
+    healthy: bool = True
+    last_error: str | None = None
+    failed_stores: int = 0
+    failed_lookups: int = 0
+    failed_loads: int = 0
+    failed_deletes: int = 0
+    size_mismatches: int = 0
+
+
+class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is untyped
+    """LMCache's MP L2 adapter interface over any kvplug backend or tiered Store.
+
+    LMCache builds it from the ``plugin`` adapter JSON (see the module documentation); the
+    config may also be a plain ``adapter_params`` dict. Construction opens the backend on a
+    private IO thread and fails with kvplug's own error when the URL, the options or the
+    scheme are wrong, or (with ``check_on_start``) when the backend does not answer.
+
+    Thread-safe: LMCache's store and prefetch controller threads call it at once; every
+    task runs on the IO thread and signals its own event fd when done.
+
+    Example (what LMCache's controllers do, by hand)::
+
+        >>> import select
+        >>> import torch
+        >>> from lmcache.v1.distributed.api import ObjectKey
+        >>> from lmcache.v1.memory_management import (
+        ...     MemoryFormat, MemoryObjMetadata, TensorMemoryObj)
+        >>> def l1_object(data):
+        ...     meta = MemoryObjMetadata(
+        ...         shape=data.shape, dtype=data.dtype, address=data.data_ptr(),
+        ...         phy_size=data.numel() * data.element_size(), ref_count=1,
+        ...         fmt=MemoryFormat.KV_2LTD)
+        ...     return TensorMemoryObj(data, meta, parent_allocator=None)
+        >>> def wait(fd):
+        ...     poller = select.poll()
+        ...     poller.register(fd, select.POLLIN)
+        ...     return bool(poller.poll(60_000))
+        >>> adapter = KvplugL2Adapter({"url": "cpu://?max_size=64MiB"})
+        >>> key = ObjectKey(chunk_hash=b"\\x01\\x02", model_name="llama", kv_rank=0)
+        >>> stored = l1_object(torch.arange(64, dtype=torch.float16))
+        >>> task = adapter.submit_store_task([key], [stored])
+        >>> wait(adapter.get_store_event_fd())
+        True
+        >>> adapter.pop_completed_store_tasks()[task].is_successful()
+        True
+        >>> task = adapter.submit_lookup_and_lock_task([key], {})
+        >>> wait(adapter.get_lookup_and_lock_event_fd())
+        True
+        >>> adapter.query_lookup_and_lock_result(task).test(0)
+        True
+        >>> loaded = l1_object(torch.zeros(64, dtype=torch.float16))
+        >>> task = adapter.submit_load_task([key], [loaded])
+        >>> wait(adapter.get_load_event_fd())
+        True
+        >>> adapter.query_load_result(task).test(0), torch.equal(loaded.tensor, stored.tensor)
+        (True, True)
+        >>> adapter.submit_unlock([key])
+        >>> adapter.close()
+    """
+
+    config_class_name = "KvplugL2AdapterConfig"
+
+    def __init__(
+        self,
+        config: KvplugL2AdapterConfig | Mapping[str, Any],
+        l1_memory_desc: Any = None,
+    ) -> None:
+        if not isinstance(config, KvplugL2AdapterConfig):
+            config = KvplugL2AdapterConfig.from_dict(dict(config))
+        self._config = config
+        self._timeout = config.task_timeout
+        client = open_client(
+            url=config.url,
+            config=config.config,
+            options=config.options,
+            what="KvplugL2Adapter adapter_params",
+        )
+        try:
+            backend = client.backend
+            capacity = config.capacity
+            if capacity is None:
+                capacity = _default_capacity(backend)
+            super().__init__(max_capacity_bytes=capacity)
+            if config.check_on_start:
+                self._check_reachable(client)
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        self._backend: Backend = backend
+        self._private_copy = needs_private_copy(backend)
+        self._pins = config.pin_locked and backend.capabilities.pin
+        self._touches = backend.capabilities.zero_copy and not isinstance(backend, Store)
+        self._tags = _memory_tags(backend, shared=False) if MemoryTags is not None else None
+
+        self._state = threading.Lock()
+        self._closed = False
+        self._task_ids = itertools.count()
+        self._done_stores: dict[int, Any] = {}
+        self._done_lookups: dict[int, Any] = {}
+        self._done_loads: dict[int, Any] = {}
+        self._in_flight = 0
+        self._health = _Health()
+        self._sizes: dict[ObjectKey, int] = {}
+        """Bytes of each key this adapter stored (LMCache's usage accounting)."""
+        self._stamps: dict[ObjectKey, int] = {}
+        """The :attr:`_stores_done` count when each key of :attr:`_sizes` was stored."""
+        self._stores_done = 0
+        self._locks: PinTable[ObjectKey] = PinTable()
+        """The locks of each key, each ending at unlock or after lock_ttl; IO thread only."""
+        self._pinned: set[ObjectKey] = set()
+        """Keys this adapter holds one backend pin on; IO thread only."""
+        self._lock_guard = asyncio.Lock()
+        self._store_fd = create_event_notifier()
+        self._lookup_fd = create_event_notifier()
+        self._load_fd = create_event_notifier()
+        logger.info(
+            "KvplugL2Adapter on %s (%s): %s, capacity %d bytes",
+            config.target(),
+            type(backend).__name__,
+            "copies into kvplug memory" if self._private_copy else "zero-copy puts",
+            capacity,
+        )
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def _check_reachable(self, client: SyncClient) -> None:
+        backend = client.backend
+        target = self._config.target()
+
+        async def probe() -> None:
+            await backend.contains(_PROBE_KEY)
+            if isinstance(backend, Store):
+                failing = [tier for tier in backend.health() if not tier.healthy]
+                if failing:
+                    raise BackendUnavailable(
+                        "; ".join(f"tier {t.name}: {t.last_error}" for t in failing)
+                    )
+
+        probing = client.run(probe())
+        try:
+            probing.result(self._timeout)
+        except (BackendUnavailable, TimeoutError) as error:
+            probing.cancel()
+            detail = str(error) or f"no answer within task_timeout={self._timeout} s"
+            raise BackendUnavailable(
+                f"KvplugL2Adapter cannot reach {target}: {detail} Start the store (or fix the "
+                "URL), or set adapter_params.check_on_start to false to start LMCache anyway "
+                "(loads then miss and stores fail until the store answers)."
+            ) from None
+
+    # -- event fds ----------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return int(self._store_fd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_fd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_fd.fileno())
+
+    # -- task plumbing ------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        work: Coroutine[Any, Any, T],
+        done: str,
+        notifier: Any,
+        failed: Callable[[], Any],
+    ) -> int:
+        """Run ``work`` on the IO thread; its result (``failed()`` if it raised) is filed
+        under a new task id in the dict named ``done`` (looked up when the task ends: popping
+        replaces it) and ``notifier`` is signalled."""
+        with self._state:
+            if self._closed:
+                work.close()
+                raise BackendClosed("this KvplugL2Adapter is closed; LMCache must not use it.")
+            task_id = next(self._task_ids)
+            self._in_flight += 1
+
+        def finish(future: concurrent.futures.Future[T]) -> None:
+            try:
+                result: Any = future.result()
+            except BaseException as error:  # a bug or a cancelled loop: never leave it pending
+                logger.error("KvplugL2Adapter task %d ended with %r", task_id, error)
+                result = failed()
+            with self._state:
+                self._in_flight -= 1
+                results = getattr(self, done)
+                results[task_id] = result
+                if len(results) > MAX_UNCLAIMED:  # tasks of requests LMCache gave up on
+                    del results[next(iter(results))]
+                closed = self._closed
+            if not closed:
+                with contextlib.suppress(OSError, ValueError):
+                    notifier.notify()
+
+        try:
+            future = self._client.run(work)
+        except BaseException:
+            with self._state:
+                self._in_flight -= 1
+            raise
+        future.add_done_callback(finish)
+        return task_id
+
+    def _failure(self, counter: str, error: BaseException) -> None:
+        text = mask_text(f"{type(error).__name__}: {error}")
+        with self._state:
+            setattr(self._health, counter, getattr(self._health, counter) + 1)
+            was_healthy = self._health.healthy
+            self._health.last_error = text
+            if isinstance(error, BackendUnavailable | TimeoutError):
+                self._health.healthy = False
+        if was_healthy:
+            logger.warning("KvplugL2Adapter on %s: %s", self._config.target(), text)
+        else:
+            logger.debug("KvplugL2Adapter on %s: %s", self._config.target(), text)
+
+    def _success(self) -> None:
+        with self._state:
+            recovered = not self._health.healthy
+            self._health.healthy = True
+        if recovered:
+            logger.info("KvplugL2Adapter on %s answers again.", self._config.target())
+
+    async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
+        try:
+            return await asyncio.wait_for(work, self._timeout)
+        except TimeoutError:
+            raise BackendTimeout(
+                f"{what} on {self._config.target()} took longer than task_timeout="
+                f"{self._timeout} s. Check the store, or raise task_timeout."
+            ) from None
+
+    def _forget(self, keys: Sequence[ObjectKey], seen_at: int | None = None) -> None:
+        """Keys this adapter stored that the backend no longer has (its own eviction, a
+        delete). With ``seen_at`` (a :attr:`_stores_done` count taken before the backend was
+        asked), keys stored again since then are kept."""
+        with self._state:
+            gone = [
+                (key, self._sizes.pop(key))
+                for key in keys
+                if key in self._sizes and (seen_at is None or self._stamps[key] <= seen_at)
+            ]
+            for key, _ in gone:
+                del self._stamps[key]
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [size for _, size in gone])
+
+    # -- store --------------------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> int:
+        return self._submit(
+            self._store(list(keys), list(objects)),
+            "_done_stores",
+            self._store_fd,
+            lambda: L2StoreResult(False, 0),
+        )
+
+    def pop_completed_store_tasks(self) -> dict[int, Any]:
+        with self._state:
+            done, self._done_stores = self._done_stores, {}
+        return done
+
+    def _objects_for_put(self, sources: list[torch.Tensor]) -> list[MemoryObj]:
+        if not self._private_copy:
+            return [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
+        backend = self._backend
+        allocate = getattr(backend, "allocate", None)
+        if not callable(allocate):
+            allocate = backend.allocator.allocate
+        copies: list[MemoryObj] = []
+        try:
+            for src in sources:
+                copy = allocate((src.numel(),), torch.uint8, MemoryFormat.BINARY_BUFFER)
+                if copy is None:
+                    raise CapacityExceeded(
+                        f"no room in the memory of {self._config.target()} for a "
+                        f"{src.numel()}-byte object; raise its max_size (or buffer_size)."
+                    )
+                copies.append(copy)
+                copy.raw.copy_(src)
+        except BaseException:
+            for copy in copies:
+                copy.release()
+            raise
+        return copies
+
+    async def _until_released(self, objs: list[MemoryObj]) -> None:
+        """Wait until kvplug holds no reference to LMCache's buffers (a put that timed out
+        may still be writing from them); LMCache reuses them once the task is reported."""
+        deadline = time.monotonic() + self._timeout
+        while any(obj.ref_count > 1 for obj in objs):
+            if time.monotonic() > deadline:
+                logger.error(
+                    "KvplugL2Adapter: %s still holds LMCache buffers %s s after a put ended; "
+                    "reporting the store anyway.",
+                    self._config.target(),
+                    self._timeout,
+                )
+                return
+            await asyncio.sleep(_RELEASE_POLL)
+
+    async def _store(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
+        if len(keys) != len(objects):
+            self._failure(
+                "failed_stores",
+                KvplugError(f"a store task got {len(keys)} keys but {len(objects)} objects"),
+            )
+            return L2StoreResult(False, 0)
+        if not keys:
+            return L2StoreResult(True, 0)
+        put: list[MemoryObj] = []
+        try:
+            cache_keys = [object_key_to_cache_key(key) for key in keys]
+            sources = [_byte_view(obj) for obj in objects]
+            put = self._objects_for_put(sources)
+            await self._within_deadline(self._backend.batched_put(cache_keys, put), "a store")
+        except Exception as error:
+            self._failure("failed_stores", error)
+            return L2StoreResult(False, 0)
+        finally:
+            if put and not self._private_copy:
+                await self._until_released(put)
+            for obj in put:
+                obj.release()
+        self._success()
+        sizes = [src.numel() for src in sources]
+        self._account_stored(keys, sizes)
+        return L2StoreResult(True, sum(sizes))
+
+    def _account_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        new: dict[ObjectKey, int] = {}
+        replaced: dict[ObjectKey, int] = {}
+        same: list[ObjectKey] = []
+        with self._state:
+            self._stores_done += 1
+            for key, size in zip(keys, sizes, strict=True):
+                self._stamps[key] = self._stores_done
+                old = self._sizes.get(key)
+                if old is None:
+                    new[key] = size
+                elif old != size:
+                    replaced[key] = old
+                    new[key] = size
+                else:
+                    same.append(key)
+                self._sizes[key] = size
+        if replaced:
+            self._notify_keys_deleted(list(replaced), list(replaced.values()))
+        if new:
+            self._notify_keys_stored(list(new), list(new.values()))
+        if same:
+            self._notify_keys_accessed(same)
+
+    # -- lookup and lock ----------------------------------------------------------------------
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, Any]
+    ) -> int:
+        count = len(keys)
+        return self._submit(
+            self._lookup_and_lock(list(keys)),
+            "_done_lookups",
+            self._lookup_fd,
+            lambda: Bitmap(count),
+        )
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Any:
+        with self._state:
+            return self._done_lookups.pop(task_id, None)
+
+    async def _lookup_and_lock(self, keys: list[ObjectKey]) -> Any:
+        found = Bitmap(len(keys))
+        seen_at = self._stores_done
+        try:
+            cache_keys = [object_key_to_cache_key(key) for key in keys]
+            answers: list[bool | BaseException] = await self._within_deadline(
+                asyncio.gather(
+                    *(self._backend.contains(k) for k in cache_keys), return_exceptions=True
+                ),
+                "a lookup",
+            )
+        except Exception as error:
+            self._failure("failed_lookups", error)
+            return found
+        failure = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failure is not None:
+            self._failure("failed_lookups", failure)
+        else:
+            self._success()
+        present = [answer is True for answer in answers]
+        async with self._lock_guard:
+            for index, (key, cache_key, here) in enumerate(
+                zip(keys, cache_keys, present, strict=True)
+            ):
+                if here and await self._lock(key, cache_key):
+                    found.set(index)
+        if failure is None:
+            self._forget(
+                [key for key, here in zip(keys, present, strict=True) if not here], seen_at
+            )
+        return found
+
+    async def _lock(self, key: ObjectKey, cache_key: CacheKey) -> bool:
+        """Take one lock on ``key``; the first lock pins it where the backend can pin.
+        False when the key went away before it could be pinned."""
+        if self._pins and not self._locks.is_pinned(key):
+            if key in self._pinned:  # its locks expired: renew the pin
+                await self._unpin(key)
+            try:
+                if not await self._within_deadline(self._backend.pin(cache_key), "a pin"):
+                    return False
+            except Exception as error:
+                self._failure("failed_lookups", error)
+                return False
+            self._pinned.add(key)
+        self._locks.pin(key, self._config.lock_ttl)
+        return True
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        keys = list(keys)
+        with contextlib.suppress(KvplugError, RuntimeError):  # closed: nothing is locked
+            self._client.run(self._unlock(keys))
+
+    async def _unlock(self, keys: list[ObjectKey]) -> None:
+        async with self._lock_guard:
+            for key in keys:
+                if not self._locks.unpin(key):
+                    continue  # never locked, or its lock expired
+                if key in self._pinned and not self._locks.is_pinned(key):
+                    await self._unpin(key)
+
+    async def _unpin(self, key: ObjectKey) -> None:
+        self._pinned.discard(key)
+        try:
+            await self._within_deadline(self._backend.unpin(object_key_to_cache_key(key)), "unpin")
+        except Exception as error:  # the pin still expires after the backend's pin_ttl
+            logger.warning(
+                "KvplugL2Adapter: unpinning %s failed (%s); the pin expires by itself.",
+                key,
+                mask_text(str(error)),
+            )
+
+    # -- load ---------------------------------------------------------------------------------
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> int:
+        count = len(keys)
+        return self._submit(
+            self._load(list(keys), list(objects)),
+            "_done_loads",
+            self._load_fd,
+            lambda: Bitmap(count),
+        )
+
+    def query_load_result(self, task_id: int) -> Any:
+        with self._state:
+            return self._done_loads.pop(task_id, None)
+
+    async def _load(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
+        loaded = Bitmap(len(keys))
+        if len(keys) != len(objects):
+            self._failure(
+                "failed_loads",
+                KvplugError(f"a load task got {len(keys)} keys but {len(objects)} buffers"),
+            )
+            return loaded
+        seen_at = self._stores_done
+        dests: list[MemoryObj] = []
+        try:
+            cache_keys = [object_key_to_cache_key(key) for key in keys]
+            dests = [
+                MemoryObj.from_tensor(_byte_view(buffer), MemoryFormat.BINARY_BUFFER)
+                for buffer in objects
+            ]
+            found = await self._within_deadline(
+                self._backend.batched_get_into(cache_keys, dests), "a load"
+            )
+            # A False is a miss or a stored object of another size: only the latter is still
+            # there (asked only on this rare path).
+            failed = [cache_keys[i] for i, hit in enumerate(found) if not hit]
+            present = await self._within_deadline(
+                asyncio.gather(*(self._backend.contains(k) for k in failed)), "a load"
+            )
+        except Exception as error:
+            self._failure("failed_loads", error)
+            return loaded
+        finally:
+            if dests:  # a load past its deadline may still be writing into LMCache's buffers
+                await self._until_released(dests)
+        self._success()
+        hits: list[ObjectKey] = []
+        missing: list[ObjectKey] = []
+        still_there = iter(present)
+        for index, (key, hit, dest) in enumerate(zip(keys, found, dests, strict=True)):
+            if hit:
+                loaded.set(index)
+                hits.append(key)
+            elif next(still_there):
+                self._size_mismatch(key, dest.nbytes)
+            else:
+                missing.append(key)
+        self._forget(missing, seen_at)
+        if hits:
+            self._notify_keys_accessed(hits)
+        return loaded
+
+    def _size_mismatch(self, key: ObjectKey, wanted: int) -> None:
+        with self._state:
+            self._health.size_mismatches += 1
+        logger.warning(
+            "KvplugL2Adapter: %s holds %s in another size than LMCache's buffer of %d bytes; "
+            "the load of this key fails (the model's layout or chunk size changed?).",
+            self._config.target(),
+            key,
+            wanted,
+        )
+
+    # -- touch, delete, list --------------------------------------------------------------------
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """Mark ``keys`` used for LMCache's L2 eviction and, on a host-memory tier (reading
+        costs nothing there), for the tier's own LRU as well."""
+        keys = list(keys)
+        self._notify_keys_accessed(keys)
+        if not self._touches or self._closed:
+            return
+
+        async def touch() -> None:
+            with contextlib.suppress(Exception):
+                for obj in await self._backend.batched_get(
+                    [object_key_to_cache_key(key) for key in keys]
+                ):
+                    if obj is not None:
+                        obj.release()
+
+        with contextlib.suppress(KvplugError, RuntimeError):
+            self._client.run(touch())
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove ``keys`` from the backend (LMCache's L2 eviction); locked keys and absent
+        keys are skipped. Never raises: a failure is logged and counted in the status."""
+        keys = list(keys)
+        if not keys or self._closed:
+            return
+        if not self._backend.capabilities.delete:
+            logger.warning(
+                "KvplugL2Adapter: %s cannot delete, so LMCache's L2 eviction removes nothing.",
+                self._config.target(),
+            )
+            return
+        try:
+            self._client.run(self._delete(keys)).result(self._timeout + 5)
+        except Exception as error:
+            self._failure("failed_deletes", error)
+
+    async def _delete(self, keys: list[ObjectKey]) -> None:
+        async with self._lock_guard:
+            unlocked = [key for key in keys if not self._locks.is_pinned(key)]
+            try:
+                results: list[bool | BaseException] = await self._within_deadline(
+                    asyncio.gather(
+                        *(self._backend.remove(object_key_to_cache_key(k)) for k in unlocked),
+                        return_exceptions=True,
+                    ),
+                    "a delete",
+                )
+            except Exception as error:
+                self._failure("failed_deletes", error)
+                return
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self._failure("failed_deletes", failure)
+        # Absent now either way (and unpinned), unless its removal failed.
+        gone = [
+            k for k, r in zip(unlocked, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        self._pinned.difference_update(gone)
+        self._forget(gone)
+
+    def list_l2_keys(
+        self,
+        model_name: str | None = None,
+        page_size: int = 500,
+        cursor: str | None = None,
+    ) -> Any:
+        """One page of the MP keys the backend holds, in key order; ``cursor`` is the
+        ``next_page_token`` of the page before. ``size_bytes`` is known for keys this adapter
+        stored since it started, 0 for the others. Each page lists the whole backend, so
+        listing suits maintenance, not the serving path."""
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        if not self._backend.capabilities.list:
+            raise NotImplementedError(
+                f"{self._config.target()} cannot list its keys (kvplug capability 'list')."
+            )
+        if cursor is not None:
+            try:
+                cache_key_to_object_key(CacheKey.parse(cursor))
+            except (KvplugError, ValueError):
+                raise ValueError(
+                    f"cursor {cursor!r} is not a next_page_token this adapter returned"
+                ) from None
+
+        async def listed() -> list[tuple[str, ObjectKey]]:
+            found = []
+            async for cache_key in self._backend.list_keys():
+                try:
+                    key = cache_key_to_object_key(cache_key)
+                except (KvplugError, ValueError):
+                    continue  # not an MP key (another engine shares the store)
+                if model_name is None or key.model_name == model_name:
+                    found.append((cache_key.to_string(), key))
+            return sorted(found, key=lambda item: item[0])
+
+        items = self._client.run(self._within_deadline(listed(), "a listing")).result()
+        start = 0 if cursor is None else bisect.bisect_right([t for t, _ in items], cursor)
+        page = items[start : start + page_size]
+        more = start + page_size < len(items)
+        with self._state:
+            entries = tuple(
+                KeyEntry(key=key.to_encoded_object_key(), size_bytes=self._sizes.get(key, 0))
+                for _, key in page
+            )
+        return KeyListPage(entries=entries, next_page_token=page[-1][0] if more else None)
+
+    # -- identity, usage, status ----------------------------------------------------------------
+
+    def set_backend_identity(self, name: str, shared: bool = False) -> None:
+        super().set_backend_identity(name, shared)
+        if MemoryTags is not None:
+            self._tags = _memory_tags(self._backend, shared)
+
+    def get_memory_tags(self) -> Any:
+        """Where the bytes live (LMCache 0.5.7+): DRAM for host-memory tiers, GDS for
+        GPUDirect storage, STORAGE otherwise; REMOTE when another process or host can see
+        them (Redis, Valkey, a ``shared`` adapter), else LOCAL."""
+        if self._tags is None:
+            raise NotImplementedError("this LMCache version has no memory tags (0.5.7 adds them)")
+        return self._tags
+
+    def report_status(self) -> dict[str, Any]:
+        """Health and counters, with kvplug's own statistics where the backend has them;
+        URLs and errors are masked."""
+        with self._state:
+            health = _Health(**vars(self._health))
+            status: dict[str, Any] = {
+                "type": "KvplugL2Adapter",
+                "target": self._config.target(),
+                "backend": type(self._backend).__name__,
+                "capabilities": list(self._backend.capabilities.declared()),
+                "zero_copy_puts": not self._private_copy,
+                "pins_locked_keys": self._pins,
+                "locked_keys": len(self._locks),
+                "tracked_keys": len(self._sizes),
+                "in_flight_tasks": self._in_flight,
+                "closed": self._closed,
+            }
+        io_alive = not self._closed and self._io_answers()
+        status["io_thread_alive"] = io_alive
+        status.update(vars(health))
+        usage = self.get_usage()
+        status["bytes_used"] = usage.total_bytes_used
+        status["capacity_bytes"] = usage.total_capacity_bytes
+        if io_alive:
+            stats = getattr(self._backend, "stats", None)
+            if callable(stats):
+
+                async def collect() -> Any:
+                    return stats()
+
+                try:
+                    status["kvplug"] = mask_data(self._client.run(collect()).result(5))
+                except Exception as error:
+                    status["kvplug_error"] = mask_text(f"{type(error).__name__}: {error}")
+            if isinstance(self._backend, Store):
+                unhealthy = [t.name for t in self._backend.health() if not t.healthy]
+                status["failing_tiers"] = unhealthy
+                health.healthy = health.healthy and not unhealthy
+        status["is_healthy"] = io_alive and health.healthy
+        return status
+
+    def _io_answers(self) -> bool:
+        async def nothing() -> None:
+            return None
+
+        try:
+            self._client.run(nothing()).result(5)
+        except Exception:
+            return False
+        return True
+
+    # -- close ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give back every pin, close the backend and the IO thread, then the event fds.
+        Idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        if self._pins:
+
+            async def unpin_all() -> None:
+                async with self._lock_guard:
+                    for key in list(self._pinned):
+                        await self._unpin(key)
+                    self._locks.clear()
+
+            with contextlib.suppress(Exception):
+                self._client.run(unpin_all()).result(5)
+        try:
+            self._client.close()
+        except Exception as error:
+            logger.warning(
+                "KvplugL2Adapter: closing %s failed: %s",
+                self._config.target(),
+                mask_text(str(error)),
+            )
+        finally:
+            for notifier in (self._store_fd, self._lookup_fd, self._load_fd):
+                with contextlib.suppress(OSError):
+                    notifier.close()
+
+
+__all__ = ["DEFAULT_TASK_TIMEOUT", "KvplugL2Adapter", "KvplugL2AdapterConfig"]

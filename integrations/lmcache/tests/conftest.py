@@ -1,0 +1,8 @@
+"""Every test here, and every LMCache process they start, runs with LMCache's usage telemetry
+off: LMCache reports to a server of its own unless told not to, and tests talk to loopback
+only."""
+
+import os
+
+for name, value in {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}.items():
+    os.environ[name] = value

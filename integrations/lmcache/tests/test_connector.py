@@ -1,0 +1,552 @@
+"""KvplugConnector inside LMCache's own in-process code, against cpu://, file:// and a real
+redis-server: LMCache's ``basic_check --mode test_remote``, an ``LMCacheEngine`` round trip,
+the failure behaviour LMCache expects (misses, failed puts, no hang, recovery) and loud set-up
+errors. Runs in each LMCache venv (0.5.6 and 0.5.7rc2)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.exceptions import IrrecoverableException
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend import CreateStorageBackends
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+from kvplug.errors import KvplugError
+from kvplug_lmcache.common import open_client
+from kvplug_lmcache.connector import (
+    INPROCESS_PACKAGE,
+    KvplugConnector,
+    KvplugConnectorError,
+    inprocess_module,
+)
+from kvplug_redis.testing import RedisServer
+
+cache_engine: Any = inprocess_module("cache_engine")
+GPUConnectorInterface: Any = inprocess_module("gpu_connector.gpu_connectors").GPUConnectorInterface
+
+BACKENDS = ["cpu", "file", "redis", "tiers"]
+"""kvplug URLs, and a kvplug tiers YAML (a cpu tier over a file tier)."""
+PREFIX = "remote_storage_plugin.kvplug."
+LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 8, 64
+HIDDEN = HEADS * HEAD_SIZE
+WAIT = 60.0
+"""Generous bound for anything that must finish (a busy 2-core machine): a hang detector."""
+
+
+# -- LMCache scaffolding ---------------------------------------------------------------------------
+
+
+class CpuKVConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """LMCache's GPU connector interface over a CPU tensor ``kv`` of shape
+    ``[2, layers, tokens, hidden]`` passed as a keyword to store and retrieve."""
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        memory_obj.tensor.copy_(kwargs["kv"][:, :, start:end])
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        kwargs["kv"][:, :, start:end].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(
+        self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kwargs: Any
+    ) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def text(self, level: int = logging.DEBUG) -> str:
+        return "\n".join(r.getMessage() for r in self.records if r.levelno >= level)
+
+
+@contextlib.contextmanager
+def lmcache_logs() -> Iterator[Records]:
+    """What LMCache and the connector log (their loggers do not propagate to the root)."""
+    handler = Records()
+    names = [
+        name
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(("lmcache", "kvplug"))
+    ]
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def event_loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop on its own thread, as LMCache's storage manager runs one."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-lmcache-loop", daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(WAIT)
+        loop.close()
+
+
+def plugin_extra(**settings: Any) -> dict[str, Any]:
+    extra = {
+        PREFIX + "module_path": "kvplug_lmcache.connector",
+        PREFIX + "class_name": "KvplugConnector",
+    }
+    extra.update({PREFIX + name: value for name, value in settings.items()})
+    return extra
+
+
+def engine_config(settings: dict[str, Any], **overrides: Any) -> Any:
+    values: dict[str, Any] = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.05,
+        "save_unfull_chunk": True,
+        "remote_serde": "naive",
+        "remote_storage_plugins": ["kvplug"],
+        "extra_config": plugin_extra(**settings),
+    }
+    values.update(overrides)
+    return LMCacheEngineConfig.from_defaults(**values)
+
+
+def metadata(model: str) -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name=model,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_SIZE),
+        chunk_size=CHUNK,
+    )
+
+
+def engine_key(model: str, chunk_hash: int) -> CacheEngineKey:
+    return CacheEngineKey(model, 1, 0, chunk_hash, torch.bfloat16)
+
+
+def filled(cpu: LocalCPUBackend, meta: LMCacheMetadata, seed: int) -> Any:
+    obj = cpu.allocate(meta.get_shapes(), meta.get_dtypes(), MemoryFormat.KV_2LTD)
+    assert obj is not None
+    generator = torch.Generator().manual_seed(seed)
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=generator))
+    return obj
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {WAIT} s"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def remote_backend(
+    settings: dict[str, Any], model: str, **overrides: Any
+) -> Iterator[tuple[RemoteBackend, LocalCPUBackend, LMCacheMetadata]]:
+    """LMCache's RemoteBackend for the kvplug plugin, as its storage manager builds it."""
+    config = engine_config(settings, **overrides)
+    meta = metadata(model)
+    with event_loop_thread() as loop:
+        cpu = LocalCPUBackend(config=config, metadata=meta, dst_device="cpu")
+        remote = RemoteBackend(config, meta, loop, cpu, "cpu", plugin_name="kvplug")
+        try:
+            yield remote, cpu, meta
+        finally:
+            if remote.connection is not None:
+                remote.close()
+
+
+def connector_backend(connector: KvplugConnector) -> Any:
+    return connector._client.backend
+
+
+def connector_of(remote: RemoteBackend) -> KvplugConnector:
+    assert remote.connection is not None, "LMCache has no connection to the kvplug connector"
+    inner = remote.connection.getWrappedConnector()
+    assert isinstance(inner, KvplugConnector)
+    return inner
+
+
+# -- backends --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[str, dict[str, Any], Callable[[], int]]:
+    """The backend's name, the connector's settings and a count of the objects stored there
+    (-1 for cpu://: its tier lives in the process that opened it, so only the connector's
+    counters tell)."""
+    name = request.param
+    directory = tmp_path / "kv"
+    if name == "cpu":
+        return name, {"url": "cpu://?max_size=64MiB"}, lambda: -1
+    if name == "file":
+        return name, {"url": directory.as_uri()}, lambda: len(list(directory.rglob("*.kv")))
+    if name == "tiers":
+        tiers = tmp_path / "kvplug.yaml"
+        tiers.write_text(f"tiers: ['cpu://?max_size=64MiB', '{directory.as_uri()}']\n")
+        return name, {"config": str(tiers)}, lambda: len(list(directory.rglob("*.kv")))
+    server: RedisServer = request.getfixturevalue("redis_server")
+    with server.client() as client:
+        client.flushall()
+
+    def stored() -> int:
+        with server.client() as client:
+            return int(client.dbsize())
+
+    return name, {"url": server.url}, stored
+
+
+# -- LMCache's own checks --------------------------------------------------------------------------
+
+
+def run_basic_check(tmp_path: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    config = {
+        "chunk_size": 256,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.1,
+        "remote_url": "plugin://kvplug",
+        "remote_serde": "naive",
+        "remote_storage_plugins": ["kvplug"],
+        "extra_config": plugin_extra(**settings),
+    }
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return subprocess.run(
+        [sys.executable, "-m", f"{INPROCESS_PACKAGE}.basic_check", "--mode", "test_remote"],
+        env={**os.environ, "LMCACHE_CONFIG_FILE": str(path), "LMCACHE_LOG_LEVEL": "INFO"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_basic_check_test_remote(
+    backend: tuple[str, dict[str, Any], Callable[[], int]], tmp_path: Path
+) -> None:
+    """LMCache's basic_check stores 5 chunks through the connector and reads them back
+    bit-exact, and they are really in the kvplug store."""
+    _, settings, stored = backend
+    result = run_basic_check(tmp_path, settings)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Test Failed" not in output, output
+    assert "Validation (content correct): 5/5 passed" in output, output
+    assert output.count("Validation: 5/5 passed") == 3, output  # exists x2, put
+    assert "5 puts (5120 bytes, 0 failed), 5 gets (5 hits, 0 misses)" in output, output
+    if stored() != -1:
+        assert stored() == 5
+
+
+def test_basic_check_fails_loudly_on_unknown_scheme(tmp_path: Path) -> None:
+    """With remote_url: plugin://kvplug, a bad kvplug URL stops LMCache with kvplug's
+    message."""
+    result = run_basic_check(tmp_path, {"url": "nosuchscheme://host/x"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "cannot be set up" in output and "nosuchscheme" in output, output
+    assert "KvplugConnectorError" in output, output
+
+
+# -- an in-process LMCacheEngine -------------------------------------------------------------------
+
+
+def test_engine_store_clear_lookup_retrieve(
+    backend: tuple[str, dict[str, Any], Callable[[], int]],
+) -> None:
+    """LMCacheEngine stores 200 tokens (3 chunks and a partial one), the CPU tier is cleared,
+    lookup finds them all in kvplug, and retrieve brings them back bit-exact."""
+    _, settings, stored = backend
+    model = f"engine-{uuid.uuid4().hex[:8]}"
+    instance = f"kvplug-test-{uuid.uuid4().hex[:8]}"
+    config = engine_config(settings)
+    builder = cache_engine.LMCacheEngineBuilder
+    engine = builder.get_or_create(
+        instance, config, metadata(model), CpuKVConnector(), lambda *a: None, lambda o, *a: o
+    )
+    try:
+        engine.post_init()
+        tokens = torch.arange(200) * 7 + 3
+        source = torch.randn(2, LAYERS, 200, HIDDEN, dtype=torch.bfloat16)
+        engine.store(tokens, kv=source)
+        remote = engine.storage_manager.storage_backends["RemoteBackend-kvplug"]
+        connector = connector_of(remote)
+        wait_until(lambda: connector.stats()["puts"] == 4, "4 puts through kvplug")
+        assert connector.stats()["put_bytes"] == source.numel() * 2
+        if stored() != -1:
+            wait_until(lambda: stored() == 4, "4 chunks in the store")  # tiers write behind
+
+        engine.clear(locations=["LocalCPUBackend"])
+        assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 0
+        assert engine.lookup(tokens) == 200
+
+        target = torch.zeros_like(source)
+        mask = engine.retrieve(tokens, kv=target)
+        assert bool(mask.all())
+        assert same_bits(target, source)
+        assert connector.stats()["hits"] == 4
+    finally:
+        builder.destroy(instance)
+
+
+def test_puts_copy_only_where_the_backend_keeps_objects(
+    backend: tuple[str, dict[str, Any], Callable[[], int]],
+) -> None:
+    """cpu:// and a Store that writes behind keep what they store, so a put copies: changing
+    LMCache's buffer after the put does not change the stored chunk. file:// and redis://
+    write from LMCache's buffer. Then LMCache's remove and the connector's list."""
+    name, settings, _ = backend
+    model = f"copy-{uuid.uuid4().hex[:8]}"
+    with remote_backend(settings, model) as (remote, cpu, meta):
+        connector = connector_of(remote)
+        assert connector.copies_puts == (name in ("cpu", "tiers"))
+        obj = filled(cpu, meta, seed=1)
+        original = obj.tensor.clone()
+        key = engine_key(model, 11)
+        remote.submit_put_task(key, obj).result(WAIT)
+        obj.tensor.zero_()
+        got = remote.get_blocking(key)
+        assert got is not None
+        assert same_bits(got.tensor, original)
+        got.ref_count_down()
+        obj.ref_count_down()
+
+        listing = asyncio.run_coroutine_threadsafe(connector.list(), remote.loop).result(WAIT)
+        can_list = connector_backend(connector).capabilities.list
+        assert listing == ([key.to_string()] if can_list else [])
+        assert remote.remove(key) is True
+        assert remote.contains(key) is False
+        assert remote.remove(key) is False
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+def test_down_redis_misses_fails_puts_and_recovers(tmp_path: Path) -> None:
+    """With redis-server killed, LMCache's reads miss, its puts fail with kvplug's message and
+    the connection is kept; when the server is back on the same port, the same connector
+    stores and reads again."""
+    model = f"down-{uuid.uuid4().hex[:8]}"
+    with RedisServer() as server:
+        settings = {"url": server.url, "timeout": 1}
+        with remote_backend(settings, model, blocking_timeout_secs=2) as (remote, cpu, meta):
+            connector = connector_of(remote)
+            first, second, third = (engine_key(model, h) for h in (1, 2, 3))
+            health = inprocess_module(
+                "health_monitor.checks.remote_backend_check"
+            ).RemoteBackendHealthCheck(remote)
+            assert health.check() is True
+            obj = filled(cpu, meta, seed=1)
+            remote.submit_put_task(first, obj).result(WAIT)
+            assert remote.contains(first)
+
+            server.stop()
+            assert health.check() is False  # LMCache's health check pings the connector
+            with lmcache_logs() as logs:
+                assert remote.get_blocking(first) is None
+                assert remote.contains(first) is False
+                assert remote.batched_get_blocking([first, second]) == [None, None]
+                assert remote.connection is not None  # LMCache did not drop the connection
+                assert remote.batched_contains([first, second]) == 0
+                failed = remote.put_failed_count
+                future = remote.submit_put_task(second, obj)
+                with pytest.raises(Exception, match=str(server.port)):
+                    future.result(WAIT)
+                # LMCache counts, then logs, in the future's callback: maybe after result().
+                wait_until(lambda: "Put task failed" in logs.text(), "LMCache's error line")
+                assert remote.put_failed_count == failed + 1
+            warnings = logs.text(logging.WARNING)
+            failure = next(line for line in warnings.splitlines() if "Put task failed" in line)
+            assert str(server.port) in failure and "unreachable" in failure, failure
+            assert warnings.count("reporting misses until it answers") == 1, warnings
+
+            server.start()
+            with lmcache_logs() as logs:
+                remote.submit_put_task(third, obj).result(WAIT)
+                got = remote.get_blocking(third)
+            assert got is not None and same_bits(got.tensor, obj.tensor)
+            got.ref_count_down()
+            assert connector_of(remote) is connector
+            assert "answers again" in logs.text(), logs.text()
+            assert health.check() is True
+            obj.ref_count_down()
+
+
+def test_paused_redis_never_hangs_lmcache(tmp_path: Path) -> None:
+    """A redis-server that stops answering (SIGSTOP) costs LMCache one deadline per call, not
+    a hang: reads miss, a put fails, LMCache's event loop keeps running, and LMCache's buffer
+    stays held until kvplug's write really ends (then the stored bytes are that buffer's)."""
+    model = f"paused-{uuid.uuid4().hex[:8]}"
+    with RedisServer() as server:
+        settings = {"url": server.url, "timeout": 30}  # kvplug waits longer than LMCache
+        with remote_backend(settings, model, blocking_timeout_secs=1) as (remote, cpu, meta):
+            key = engine_key(model, 5)
+            obj = filled(cpu, meta, seed=5)
+            expected = obj.tensor.clone()
+            server.pause()
+            try:
+                future = remote.submit_put_task(key, obj)
+                with pytest.raises(Exception, match="did not finish within"):
+                    future.result(WAIT)
+                wait_until(lambda: remote.put_failed_count == 1, "LMCache's failure count")
+                assert obj.get_ref_count() == 2  # the test's and the connector's
+                assert remote.contains(key) is False
+                assert remote.get_blocking(key) is None
+                loop = remote.loop
+                alive = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, result=True), loop)
+                assert alive.result(WAIT)
+            finally:
+                server.resume()
+            wait_until(lambda: obj.get_ref_count() == 1, "kvplug releasing LMCache's buffer")
+            wait_until(lambda: remote.contains(key), "the late put landing")
+            got = remote.get_blocking(key)
+            assert got is not None and same_bits(got.tensor, expected)
+            got.ref_count_down()
+            obj.ref_count_down()
+
+
+def test_chunks_of_several_layer_groups_are_refused(tmp_path: Path) -> None:
+    """kvplug keeps one shape and dtype per chunk: a put of a two-group chunk fails with the
+    reason and stores nothing."""
+    model = f"groups-{uuid.uuid4().hex[:8]}"
+    settings = {"url": (tmp_path / "kv").as_uri()}
+    with remote_backend(settings, model) as (remote, cpu, _):
+        shapes = [torch.Size([2, 2, CHUNK, 16]), torch.Size([1, 3, CHUNK, 8])]
+        obj = cpu.allocate(shapes, [torch.bfloat16, torch.float32], MemoryFormat.KV_2LTD)
+        key = engine_key(model, 9)
+        with lmcache_logs() as logs:
+            future = remote.submit_put_task(key, obj)
+            with pytest.raises(Exception, match="2 layer groups"):
+                future.result(WAIT)
+            wait_until(lambda: "Put task failed" in logs.text(), "LMCache's error line")
+        assert remote.put_failed_count == 1
+        assert "2 layer groups" in logs.text(logging.ERROR), logs.text()
+        assert remote.contains(key) is False
+        obj.ref_count_down()
+
+
+BAD_SETUPS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "unknown scheme": ({"url": "nosuchscheme://host/x"}, {}),
+    "bad URL": ({"url": "redis://127.0.0.1:notaport"}, {}),
+    "unknown option": ({"url": "redis://:s3cret-pw@127.0.0.1:1", "colour": "blue"}, {}),
+    "url and config": ({"url": "cpu://", "config": "/nonexistent/kvplug.yaml"}, {}),
+    "neither url nor config": ({}, {}),
+    "missing tiers file": ({"config": "/nonexistent/kvplug.yaml"}, {}),
+    "layerwise": ({"url": "cpu://"}, {"use_layerwise": True}),
+    "remote_serde": ({"url": "cpu://"}, {"remote_serde": "cachegen"}),
+}
+FRAGMENTS = {"layerwise": "use_layerwise: false", "remote_serde": "remote_serde: naive"}
+
+
+def kvplug_message(settings: dict[str, Any]) -> str:
+    """What kvplug itself says about these settings."""
+    options = {k: v for k, v in settings.items() if k not in ("url", "config")}
+    with pytest.raises(KvplugError) as error:
+        open_client(
+            url=settings.get("url"),
+            config=settings.get("config"),
+            options=options,
+            what=f"extra_config {PREFIX}*",
+        ).close()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("case", list(BAD_SETUPS))
+def test_bad_setup_is_loud(case: str) -> None:
+    """LMCache only logs a remote plugin that fails to build and runs on without it; the
+    connector logs an ERROR with kvplug's message, LMCache names it too, no secret is shown,
+    and where LMCache lets errors through (remote_url) the start fails."""
+    settings, overrides = BAD_SETUPS[case]
+    expected = FRAGMENTS.get(case) or kvplug_message(settings)
+    model = f"bad-{uuid.uuid4().hex[:8]}"
+    config = engine_config(settings, **overrides)
+    meta = metadata(model)
+    with event_loop_thread() as loop, lmcache_logs() as logs:
+        backends = CreateStorageBackends(config, meta, loop, dst_device="cpu")
+        try:
+            assert "RemoteBackend-kvplug" not in backends
+        finally:
+            for created in backends.values():
+                created.close()
+        errors = logs.text(logging.ERROR)
+        ours = [r.getMessage() for r in logs.records if r.name == "kvplug_lmcache.connector"]
+        assert any("cannot be set up" in m and expected in m for m in ours), logs.text()
+        assert "Failed to create remote backend for plugin kvplug" in errors, errors
+        assert expected in errors.split("Failed to create remote backend")[-1], errors
+        assert "s3cret-pw" not in logs.text()
+
+        legacy = engine_config(settings, remote_url="plugin://kvplug", **overrides)
+        cpu = LocalCPUBackend(config=legacy, metadata=meta, dst_device="cpu")
+        with pytest.raises(KvplugConnectorError) as error:
+            RemoteBackend(legacy, meta, loop, cpu, "cpu")
+    assert isinstance(error.value, IrrecoverableException)
+    assert expected in str(error.value)
+    assert "s3cret-pw" not in str(error.value)
+
+
+def test_one_kvplug_plugin_per_lmcache(tmp_path: Path) -> None:
+    """Two plugins of this class cannot be told apart by the connector: refused, naming both."""
+    extra = plugin_extra(url="cpu://")
+    extra.update(
+        {
+            "remote_storage_plugin.other.module_path": "kvplug_lmcache.connector",
+            "remote_storage_plugin.other.class_name": "KvplugConnector",
+            "remote_storage_plugin.other.url": (tmp_path / "kv").as_uri(),
+        }
+    )
+    config = engine_config({}, remote_storage_plugins=["kvplug", "other"], extra_config=extra)
+    with pytest.raises(Exception, match="kvplug, other"):
+        KvplugConnector.plugin_settings(config)
