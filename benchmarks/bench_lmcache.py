@@ -1,8 +1,9 @@
 """LMCache's MP StorageManager through kvplug against LMCache's own L2 adapters, in one run.
 
 LMCache's own ``StorageManager`` (the one ``lmcache server`` runs) stores chunks from L1 into L2
-and prefetches them back, first through ``KvplugL2Adapter``, then through LMCache's built-in
-adapter for the same medium, alternating pass by pass, with fresh keys each pass:
+and prefetches them back, through ``KvplugL2Adapter`` and through LMCache's built-in adapter
+for the same medium, alternating (one manager at a time, each warmed up by a pass that is not
+counted), with fresh keys each pass:
 
 - file, buffered: ``file:///dir?o_direct=false`` against LMCache's ``fs`` adapter on the same
   directory (its default, page-cache I/O);
@@ -184,25 +185,23 @@ def one_pass(
 
 def compare(medium: Medium, chunks: int, repeat: int, l1_gb: float) -> dict[str, Any]:
     layout = MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.float16])
-    managers = {
-        "kvplug": manager_with(medium.kvplug, l1_gb),
-        "lmcache": manager_with(medium.lmcache, l1_gb),
-    }
-    listeners = {name: StoredKeys() for name in managers}
-    for name, manager in managers.items():
-        manager.register_l2_listener(listeners[name])
-    timings = {name: Timings() for name in managers}
-    try:
-        for round_index in range(repeat + 1):  # round 0 warms both up and is not counted
-            order = list(managers) if round_index % 2 else list(reversed(managers))
-            for name in order:
-                store_s, prefetch_s = one_pass(managers[name], listeners[name], chunks, layout)
-                if round_index:
-                    timings[name].store.append(store_s)
-                    timings[name].prefetch.append(prefetch_s)
-    finally:
-        for manager in managers.values():
-            manager.close()
+    specs = {"kvplug": medium.kvplug, "lmcache": medium.lmcache}
+    timings = {name: Timings() for name in specs}
+    for round_index in range(repeat):
+        order = list(specs) if round_index % 2 else list(reversed(specs))
+        for name in order:
+            # One manager alive at a time (an idle adapter's threads must not take CPU from
+            # the other's pass); each warms up with a pass that is not counted.
+            manager = manager_with(specs[name], l1_gb)
+            stored = StoredKeys()
+            manager.register_l2_listener(stored)
+            try:
+                one_pass(manager, stored, chunks, layout)
+                store_s, prefetch_s = one_pass(manager, stored, chunks, layout)
+            finally:
+                manager.close()
+            timings[name].store.append(store_s)
+            timings[name].prefetch.append(prefetch_s)
     nbytes = chunks * torch.Size(SHAPE).numel() * 2
     row: dict[str, Any] = {"path": medium.name, "chunks": chunks, "bytes": nbytes}
     for operation in ("store", "prefetch"):

@@ -375,6 +375,85 @@ def test_a_damaged_value_is_a_counted_deleted_miss(server: RedisServer, how: str
     assert allocator.stats().used == 0
 
 
+def test_get_into_receives_into_the_callers_memory_and_damage_or_another_size_misses(
+    server: RedisServer,
+) -> None:
+    keys = keys_of(4)
+    objs = [make_obj(40 + n, (2, 2, 64, 256)) for n in range(4)]
+    allocator = FreeListAllocator(16 << 20, pin=False)
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url, allocator=allocator)
+        assert isinstance(backend, RedisBackend)
+        dests = [
+            MemoryObj.from_tensor(torch.zeros(objs[0].nbytes, dtype=torch.uint8)) for _ in keys
+        ]
+        short = MemoryObj.from_tensor(torch.full((objs[0].nbytes // 2,), 7, dtype=torch.uint8))
+        try:
+            await backend.batched_put(keys[:3], objs[:3])
+            with server.client() as client:
+                name = backend.key_string(keys[1])
+                client.set(name, _damage(client.get(name), "payload bit"))
+            hits = await backend.batched_get_into(keys, dests)
+            opened = direct_of(backend).connects  # the batch was spread over connections
+            assert hits == [True, False, True, False]
+            assert torch.equal(dests[0].raw, objs[0].raw) and torch.equal(dests[2].raw, objs[2].raw)
+            assert backend.corrupt_objects == 1
+            assert not await backend.contains(keys[1])  # the damaged value was deleted
+            assert await backend.batched_get_into([keys[0]], [short]) == [False]
+            assert bool((short.raw == 7).all())  # another size: nothing written
+            assert all(dest.ref_count == 1 for dest in [*dests, short])
+            assert allocator.stats().used == 0  # nothing went through kvplug's own memory
+            assert direct_of(backend).connects == opened  # values not taken were drained
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        release(*objs)
+
+
+def test_a_cancelled_get_into_never_writes_into_the_callers_memory_afterwards(
+    fresh_server: RedisServer,
+) -> None:
+    shape = (2, 64, 256, 1024)
+    obj = make_obj(71, shape)
+    key = keys_of(1)[0]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(fresh_server.url, timeout=60)
+        dest = MemoryObj.from_tensor(torch.zeros(obj.nbytes, dtype=torch.uint8))
+        try:
+            await backend.put(key, obj)
+            pending = asyncio.ensure_future(backend.batched_get_into([key], [dest]))
+            while dest.ref_count == 1 and not pending.done():
+                await asyncio.sleep(0)
+            fresh_server.pause()
+            try:
+                await asyncio.sleep(0.3)
+                assert not pending.done(), "the whole value arrived before the pause"
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                assert dest.ref_count == 1  # the reader let go of the caller's memory
+                dest.raw.fill_(0xAB)
+            finally:
+                fresh_server.resume()
+            await asyncio.sleep(0.5)  # the server sends the rest of the value now
+            intact = bool((dest.raw == 0xAB).all())
+            assert intact, "the cancelled get_into wrote into the caller's memory afterwards"
+            assert await backend.batched_get_into([key], [dest]) == [True]
+            assert torch.equal(dest.raw, obj.raw)
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        obj.release()
+
+
 def test_an_error_reply_is_a_backend_error_and_releases_the_batch(server: RedisServer) -> None:
     keys = keys_of(3)
     obj = make_obj(30)

@@ -319,18 +319,22 @@ class Backend(abc.ABC):
     async def batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
-        """:meth:`get_into` of each pair, concurrently; aligned with ``keys``. Raises the first
-        error after all have finished."""
+        """:meth:`get_into` of each pair; aligned with ``keys``. The default is one
+        :meth:`batched_get` (the backend's own batching) and one copy per hit."""
         if len(keys) != len(dests):
             raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        results = await asyncio.gather(
-            *(self.get_into(k, d) for k, d in zip(keys, dests, strict=True)),
-            return_exceptions=True,
-        )
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            raise error
-        return [r is True for r in results]
+        found = await self.batched_get(keys)
+        hits = []
+        try:
+            for got, dest in zip(found, dests, strict=True):
+                hits.append(got is not None and got.nbytes == dest.nbytes)
+                if got is not None and hits[-1]:
+                    dest.raw.copy_(got.raw)
+        finally:
+            for got in found:
+                if got is not None:
+                    got.release()
+        return hits
 
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``put`` of each pair, concurrently. Raises the first error after all have finished."""

@@ -591,6 +591,8 @@ def test_status_and_logs_never_show_the_password(caplog: pytest.LogCaptureFixtur
         ({"url": "cpu://", "config": "/x.yaml"}, ConfigError, "both url and config"),
         ({"urll": "cpu://"}, ConfigError, "Did you mean 'url'"),
         ({"url": "cpu://", "task_timeout": 0}, ConfigError, "task_timeout"),
+        ({"url": 5}, ConfigError, "url must be a non-empty string"),
+        ({"url": "cpu://", "options": ["timeout", 5]}, ConfigError, "options must be a mapping"),
         ({"url": "nosuch://x"}, UnknownScheme, "no installed kvplug plugin serves"),
         ({"url": "cpu://", "options": {"max_sise": "1GiB"}}, UnknownOption, "'max_size'"),
         ({"config": "/nonexistent/kvplug.yaml"}, ConfigError, "kvplug.yaml"),

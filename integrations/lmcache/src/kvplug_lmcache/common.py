@@ -14,6 +14,29 @@ from kvplug.store import Store
 from kvplug.sync import SyncClient
 
 
+def check_target(url: object, config: object, options: object, *, what: str) -> None:
+    """Raise :class:`~kvplug.errors.ConfigError` unless exactly one of ``url`` (a kvplug URL)
+    and ``config`` (a tiers YAML path) is a non-empty string and ``options`` is a mapping or
+    None. ``what`` names where the values came from (``"KvplugL2Adapter adapter_params"``)."""
+    if (url is None) == (config is None):
+        given = "both url and config" if url is not None else "neither url nor config"
+        raise ConfigError(
+            f"{what} has {given}: kvplug needs exactly one. Set url to a kvplug URL "
+            "(cpu://, file:///dir, redis://host:6379, ...) or config to the path of a kvplug "
+            "tiers YAML."
+        )
+    for name, value in (("url", url), ("config", config)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(
+                f"{what}: {name} must be a non-empty string, got {type(value).__name__}."
+            )
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(
+            f"{what}: options must be a mapping of kvplug option names to values, got "
+            f"{type(options).__name__}."
+        )
+
+
 def open_client(
     *,
     url: str | None,
@@ -24,27 +47,13 @@ def open_client(
     """Open exactly one of ``url`` (any kvplug URL) or ``config`` (a kvplug tiers YAML) on a
     :class:`~kvplug.sync.SyncClient`, with ``options`` as kvplug backend or Store options.
 
-    ``what`` names where the values came from (``"adapter_params"``,
-    ``"extra_config remote_storage_plugin.kvplug.*"``) so an error points at the right place.
-    kvplug's own errors (unknown scheme, unreachable server, bad option) pass through unchanged.
+    The values are checked by :func:`check_target`; kvplug's own errors (unknown scheme,
+    unreachable server, bad option) pass through unchanged.
     """
-    if (url is None) == (config is None):
-        given = "both url and config" if url is not None else "neither url nor config"
-        raise ConfigError(
-            f"{what} has {given}: kvplug needs exactly one. Set url to a kvplug URL "
-            "(cpu://, file:///dir, redis://host:6379, ...) or config to the path of a kvplug "
-            "tiers YAML."
-        )
-    if options is not None and not isinstance(options, Mapping):
-        raise ConfigError(
-            f"{what}: options must be a mapping of kvplug option names to values, got "
-            f"{type(options).__name__}."
-        )
+    check_target(url, config, options, what=what)
     if config is not None:
         return SyncClient(Config.from_yaml(Path(config)), **dict(options or {}))
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"{what}: url must be a non-empty kvplug URL string, got {url!r}.")
-    return SyncClient(url, **dict(options or {}))
+    return SyncClient(str(url), **dict(options or {}))
 
 
 def needs_private_copy(backend: Backend) -> bool:
@@ -61,4 +70,4 @@ def needs_private_copy(backend: Backend) -> bool:
     return isinstance(backend, Store) and len(backend.tiers) > 1
 
 
-__all__ = ["needs_private_copy", "open_client"]
+__all__ = ["check_target", "needs_private_copy", "open_client"]

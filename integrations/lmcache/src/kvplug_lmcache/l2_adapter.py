@@ -83,7 +83,7 @@ from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
-from kvplug_lmcache.common import needs_private_copy, open_client
+from kvplug_lmcache.common import check_target, needs_private_copy, open_client
 from kvplug_lmcache.keys import OBJECT_DTYPE, cache_key_to_object_key, object_key_to_cache_key
 
 try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
@@ -187,26 +187,8 @@ class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcac
                     f"KvplugL2Adapter adapter_params has no field {name!r}.{hint} Valid "
                     f"fields: {', '.join(_PARAMS)}."
                 )
-        url, config = d.get("url"), d.get("config")
-        if (url is None) == (config is None):
-            given = "both url and config" if url is not None else "neither url nor config"
-            raise ConfigError(
-                f"KvplugL2Adapter adapter_params has {given}: give exactly one, url (a kvplug "
-                "URL such as file:///var/cache/kv or redis://host:6379) or config (the path "
-                "of a kvplug tiers YAML)."
-            )
-        for name, value in (("url", url), ("config", config)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(
-                    f"KvplugL2Adapter adapter_params.{name} must be a non-empty string, got "
-                    f"{mask_data(value)!r}."
-                )
-        options = d.get("options")
-        if options is not None and not isinstance(options, Mapping):
-            raise ConfigError(
-                "KvplugL2Adapter adapter_params.options must be a JSON object of kvplug "
-                f"option names and values, got {type(options).__name__}."
-            )
+        url, config, options = d.get("url"), d.get("config"), d.get("options")
+        check_target(url, config, options, what="KvplugL2Adapter adapter_params")
         capacity = d.get("capacity")
         if capacity is not None:
             capacity = parse_size(capacity, what="KvplugL2Adapter adapter_params.capacity")

@@ -1612,6 +1612,21 @@ class DiskBackend(Backend):
 
         return await self._run("get", read, not_run=dest.release)
 
+    async def batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        """:meth:`get_into` of each pair, concurrently on the file I/O threads."""
+        if len(keys) != len(dests):
+            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
+        results = await asyncio.gather(
+            *(self.get_into(k, d) for k, d in zip(keys, dests, strict=True)),
+            return_exceptions=True,
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        return [r is True for r in results]
+
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its
         reference; the write holds one more until it is done."""

@@ -136,11 +136,13 @@ class _Reply:
     """One expected reply and what arrived for it. ``obj`` and ``scratch`` are filled while
     the payload arrives; whoever takes ``obj`` out sets it to ``None``."""
 
-    __slots__ = ("damaged", "error", "header", "obj", "scratch", "status")
+    __slots__ = ("damaged", "error", "header", "into", "obj", "scratch", "status")
 
-    def __init__(self, *, status: bool = False) -> None:
+    def __init__(self, *, status: bool = False, into: MemoryObj | None = None) -> None:
         self.status = status
         """A ``+OK`` is expected (set-up commands), not a bulk string."""
+        self.into = into
+        """The caller's object to receive a ``naive`` payload of its size (``get_into``)."""
         self.error: str | None = None
         self.header: FrameHeader | None = None
         self.obj: MemoryObj | None = None
@@ -359,6 +361,14 @@ class _ReplyReader(asyncio.BufferedProtocol):
         self._start += header.header_len
         reply.header = header
         sink: memoryview | None = None
+        into = reply.into
+        if into is not None and header.serde == "naive":
+            if header.payload_len != into.nbytes or into.device.type != "cpu":
+                self._take_value(header.payload_len, None)  # not this caller's size: a miss
+                return
+            reply.obj = into.retain()  # released after the checksum, or when the read fails
+            self._take_value(header.payload_len, into.memoryview())
+            return
         if header.serde == "naive":
             obj = self._allocator.allocate(header.shape, header.dtype, header.fmt)
             if obj is None:
@@ -493,17 +503,21 @@ class DirectReads:
         self.gets = 0
         """``GET`` replies read so far."""
 
-    async def fetch(self, names: Sequence[str]) -> list[Fetched]:
+    async def fetch(
+        self, names: Sequence[str], into: Sequence[MemoryObj] | None = None
+    ) -> list[Fetched]:
         """``GET`` each of ``names``, pipelined on one connection, each reply received into
-        its own object. A broken connection is retried once, on a new one; error replies
-        raise the first of them (as the library's exception) once every reply is read.
-        Replies that may come from a deposed master (:meth:`forget` ran meanwhile) are
-        dropped and the ``GET`` s sent again."""
+        its own object, or into ``into[i]`` (the caller's, retained once more in the result)
+        when the payload has its size. A broken connection is retried once, on a new one;
+        error replies raise the first of them (as the library's exception) once every reply
+        is read. Replies that may come from a deposed master (:meth:`forget` ran meanwhile)
+        are dropped and the ``GET`` s sent again."""
         data = b"".join(pack(b"GET", name.encode()) for name in names)
+        destinations = list(into) if into is not None else [None] * len(names)
         broken = moved = 0
         while True:
             try:
-                return await self._fetch_once(data, len(names))
+                return await self._fetch_once(data, destinations)
             except MasterMoved:
                 moved += 1
                 if moved > MOVED_RETRIES:
@@ -518,9 +532,12 @@ class DirectReads:
                     raise
             await asyncio.sleep(random.uniform(*RETRY_DELAY))
 
-    async def _fetch_once(self, data: bytes, count: int) -> list[Fetched]:
+    async def _fetch_once(
+        self, data: bytes, destinations: Sequence[MemoryObj | None]
+    ) -> list[Fetched]:
         conn = await self._acquire()
-        replies = [_Reply() for _ in range(count)]
+        replies = [_Reply(into=dest) for dest in destinations]
+        count = len(replies)
         try:
             await conn.request(data, replies)
         except BaseException:
