@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = sorted(
     path
     for path in ROOT.glob("**/pyproject.toml")
-    if path.parent != ROOT and not {".venv", "dists", "build"} & set(path.parts)
+    if path.parent != ROOT
+    and not {"dists", "build"} & set(path.parts)
+    and not any(part.startswith(".venv") for part in path.parts)
 )
 
 
@@ -26,7 +28,7 @@ def _minimum_python(specifier: str) -> tuple[int, int]:
 
 def test_every_distribution_is_found() -> None:
     names = {path.parent.name for path in DISTRIBUTIONS}
-    assert {"core", "contracts", "cpu", "disk", "redis", "kvplug-acme"} <= names
+    assert {"core", "contracts", "cpu", "disk", "redis", "kvplug-acme", "lmcache"} <= names
 
 
 @pytest.mark.parametrize("pyproject", DISTRIBUTIONS, ids=lambda p: str(p.parent.relative_to(ROOT)))
