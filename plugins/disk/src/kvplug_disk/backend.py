@@ -1583,25 +1583,27 @@ class DiskBackend(Backend):
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The stored object, read into a new object of :attr:`allocator` (the caller owns it),
         or ``None``: absent, damaged (counted and removed) or no room in the allocator."""
+        entry = await self._entry_of(key)
+        if entry is None:
+            return None
+        return await self._run("get", partial(self._read, key, entry), abandoned=release_read)
+
+    async def _entry_of(self, key: CacheKey) -> IndexEntry | None:
+        """The index entry a read of ``key`` starts from; None is a counted miss."""
         self.ensure_open()
         await self._ready()
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 self.misses += 1
-                return None
-        return await self._run("get", partial(self._read, key, entry), abandoned=release_read)
+            return entry
 
     async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """The stored bytes read straight into ``dest`` (with O_DIRECT when ``dest`` is
         block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`."""
-        self.ensure_open()
-        await self._ready()
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                self.misses += 1
-                return False
+        entry = await self._entry_of(key)
+        if entry is None:
+            return False
         dest.retain()
 
         def read() -> bool:
