@@ -31,17 +31,14 @@ os.environ.update({"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"})
 import argparse
 import json
 import logging
-import shutil
 import statistics
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,15 +226,6 @@ def print_row(row: dict[str, Any]) -> None:
         )
 
 
-@contextmanager
-def directory(base: str | None) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvplug-bench-lmcache-", dir=base))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=16, help="chunks of 32 MiB per pass")
@@ -255,7 +243,9 @@ def main() -> None:
     print(f"{'path':<16} {'operation':<9} {'kvplug':>12} {'LMCache':>13}   ratio")
     rows = []
     wanted = set(args.paths.split(","))
-    with directory(args.dir) as base:
+    with tempfile.TemporaryDirectory(
+        prefix="kvplug-bench-lmcache-", dir=args.dir, ignore_cleanup_errors=True
+    ) as base:
         for name, odirect in (("file", False), ("file-odirect", True)):
             if name not in wanted:
                 continue

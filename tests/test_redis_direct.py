@@ -7,9 +7,10 @@ never write into memory it no longer owns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -375,6 +376,23 @@ def test_a_damaged_value_is_a_counted_deleted_miss(server: RedisServer, how: str
     assert allocator.stats().used == 0
 
 
+@contextlib.asynccontextmanager
+async def paused_mid_value(
+    server: RedisServer, pending: asyncio.Future[Any], started: Callable[[], bool]
+) -> AsyncIterator[None]:
+    """Pause ``server`` once ``pending`` has ``started()`` receiving a value and before it got
+    all of it; the body runs while the server is stopped; the server resumes on exit."""
+    while not started() and not pending.done():
+        await asyncio.sleep(0)
+    server.pause()
+    try:
+        await asyncio.sleep(0.3)
+        assert not pending.done(), "the whole value arrived before the pause"
+        yield
+    finally:
+        server.resume()
+
+
 def test_get_into_receives_into_the_callers_memory_and_damage_or_another_size_misses(
     server: RedisServer,
 ) -> None:
@@ -427,19 +445,12 @@ def test_a_cancelled_get_into_never_writes_into_the_callers_memory_afterwards(
         try:
             await backend.put(key, obj)
             pending = asyncio.ensure_future(backend.batched_get_into([key], [dest]))
-            while dest.ref_count == 1 and not pending.done():
-                await asyncio.sleep(0)
-            fresh_server.pause()
-            try:
-                await asyncio.sleep(0.3)
-                assert not pending.done(), "the whole value arrived before the pause"
+            async with paused_mid_value(fresh_server, pending, lambda: dest.ref_count > 1):
                 pending.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await pending
                 assert dest.ref_count == 1  # the reader let go of the caller's memory
                 dest.raw.fill_(0xAB)
-            finally:
-                fresh_server.resume()
             await asyncio.sleep(0.5)  # the server sends the rest of the value now
             intact = bool((dest.raw == 0xAB).all())
             assert intact, "the cancelled get_into wrote into the caller's memory afterwards"
@@ -698,12 +709,7 @@ def test_a_cancelled_get_never_writes_into_memory_it_gave_back(fresh_server: Red
         try:
             await backend.put(key, obj)
             pending = asyncio.ensure_future(backend.get(key))
-            while not allocator.stats().used and not pending.done():
-                await asyncio.sleep(0)
-            fresh_server.pause()
-            try:
-                await asyncio.sleep(0.3)
-                assert not pending.done(), "the whole value arrived before the pause"
+            async with paused_mid_value(fresh_server, pending, lambda: allocator.stats().used > 0):
                 pending.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await pending
@@ -711,8 +717,6 @@ def test_a_cancelled_get_never_writes_into_memory_it_gave_back(fresh_server: Red
                 reuse = allocator.allocate(shape, torch.float16)
                 assert reuse is not None and reuse.offset == 0
                 reuse.raw.fill_(0xAB)
-            finally:
-                fresh_server.resume()
             await asyncio.sleep(0.5)  # the server sends the rest of the value now
             intact = bool((reuse.raw == 0xAB).all())  # not in the assert: no 64 MiB repr
             reuse.release()
@@ -742,18 +746,11 @@ def test_close_aborts_a_direct_read_in_flight(fresh_server: RedisServer) -> None
         direct = direct_of(backend)
         await backend.put(key, obj)
         pending = asyncio.ensure_future(backend.get(key))
-        while not allocator.stats().used and not pending.done():
-            await asyncio.sleep(0)
-        fresh_server.pause()
-        try:
-            await asyncio.sleep(0.3)
-            assert not pending.done(), "the whole value arrived before the pause"
+        async with paused_mid_value(fresh_server, pending, lambda: allocator.stats().used > 0):
             await backend.close()
             with pytest.raises(kvplug.BackendClosed):
                 await pending
             assert allocator.stats().used == 0
-        finally:
-            fresh_server.resume()
         assert direct.open_connections == 0
 
     try:

@@ -52,9 +52,9 @@ import abc
 import asyncio
 import difflib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -74,6 +74,34 @@ from kvplug.url import BackendURL
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
+
+
+async def gather_all(operations: Iterable[Awaitable[T]]) -> list[T]:
+    """Await ``operations`` concurrently; once every one has finished, raise the first error,
+    else return the results in order. Nothing is left running when it raises."""
+    results = await asyncio.gather(*operations, return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
+    return cast(list[T], results)
+
+
+def fill_into(found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj]) -> list[bool]:
+    """Copy each object of ``found`` into the ``dests`` object at its position when the sizes
+    match (one that already is its destination is left as it is), release every object of
+    ``found``, and say which destinations now hold their object: the end of a ``get_into``
+    that read into memory of its own."""
+    hits = []
+    try:
+        for got, dest in zip(found, dests, strict=True):
+            hits.append(got is not None and got.nbytes == dest.nbytes)
+            if got is not None and got is not dest and hits[-1]:
+                dest.raw.copy_(got.raw)
+    finally:
+        for got in found:
+            if got is not None:
+                got.release()
+    return hits
 
 
 @dataclass(frozen=True)
@@ -305,16 +333,7 @@ class Backend(abc.ABC):
             >>> asyncio.run(demo())
             [True, True, False]
         """
-        got = await self.get(key)
-        if got is None:
-            return False
-        try:
-            if got.nbytes != dest.nbytes:
-                return False
-            dest.raw.copy_(got.raw)
-            return True
-        finally:
-            got.release()
+        return fill_into([await self.get(key)], [dest])[0]
 
     async def batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
@@ -323,29 +342,13 @@ class Backend(abc.ABC):
         :meth:`batched_get` (the backend's own batching) and one copy per hit."""
         if len(keys) != len(dests):
             raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        found = await self.batched_get(keys)
-        hits = []
-        try:
-            for got, dest in zip(found, dests, strict=True):
-                hits.append(got is not None and got.nbytes == dest.nbytes)
-                if got is not None and hits[-1]:
-                    dest.raw.copy_(got.raw)
-        finally:
-            for got in found:
-                if got is not None:
-                    got.release()
-        return hits
+        return fill_into(await self.batched_get(keys), dests)
 
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``put`` of each pair, concurrently. Raises the first error after all have finished."""
         if len(keys) != len(objs):
             raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
-        results = await asyncio.gather(
-            *(self.put(k, o) for k, o in zip(keys, objs, strict=True)), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await gather_all(self.put(k, o) for k, o in zip(keys, objs, strict=True))
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading keys are present: the prefix length up to the first miss
@@ -476,4 +479,6 @@ __all__ = [
     "BytesBackend",
     "BytesBackendOptions",
     "Capabilities",
+    "fill_into",
+    "gather_all",
 ]

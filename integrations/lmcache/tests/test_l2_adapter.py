@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
 import select
 import shutil
 import signal
@@ -55,7 +54,6 @@ from kvplug_redis.testing import RedisServer, free_port
 LMCACHE_VERSION = importlib.metadata.version("lmcache")
 DEADLINE = 60.0
 """Seconds any one wait may take: generous, for a busy 2-core machine."""
-NO_TELEMETRY = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 BASIC_CHECK = (
     "lmcache.inprocess.v1.basic_check"  # 0.5.7: in-process modules moved under lmcache.inprocess
     if importlib.util.find_spec("lmcache.inprocess") is not None
@@ -69,12 +67,6 @@ needs_redis = pytest.mark.skipif(
     shutil.which("redis-server") is None,
     reason="redis-server is not installed (bash scripts/setup.sh installs it)",
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in NO_TELEMETRY.items():
-        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +239,6 @@ def test_lmcache_basic_check_passes_through_the_plugin(target: Target, model: st
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, **NO_TELEMETRY},
         check=False,
     )
     output = result.stdout + result.stderr
@@ -687,7 +678,6 @@ def test_a_bad_adapter_config_stops_lmcache_server_at_start(
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **NO_TELEMETRY},
         check=False,
     )
     output = result.stdout + result.stderr
@@ -704,7 +694,6 @@ def test_lmcache_server_runs_with_the_plugin_and_reports_its_status(tmp_path: Pa
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **NO_TELEMETRY},
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True)

@@ -167,12 +167,12 @@ async def _listed(backend: Backend) -> list[CacheKey]:
     return [key async for key in backend.list_keys()]
 
 
-def _check_listing(
-    run: Run, backend: Backend, expected: set[CacheKey], models: set[str], hashes: set[str]
-) -> None:
-    """list_keys, filtered to this test's models and hashes, is exactly ``expected``."""
+def _check_listing(run: Run, backend: Backend, expected: set[CacheKey]) -> None:
+    """list_keys, filtered to the models and chunk hashes of ``expected``, is exactly it."""
     if not backend.capabilities.list:
         return
+    models = {key.model_name for key in expected}
+    hashes = {key.chunk_hash_hex for key in expected}
     listed = [
         key
         for key in _call(run, "list_keys", _listed(backend))
@@ -257,13 +257,7 @@ class IsolationContract:
             _expect_own(
                 run, backend, {**objs, base: replacement}, f"after overwriting {_show(base)}"
             )
-            _check_listing(
-                run,
-                backend,
-                set(objs),
-                {k.model_name for k in objs},
-                {k.chunk_hash_hex for k in objs},
-            )
+            _check_listing(run, backend, set(objs))
             if backend.capabilities.delete:
                 _call(run, f"remove of {_show(base)}", backend.remove(base))
                 _expect_absent(run, backend, [base], {}, "after its remove")
@@ -316,13 +310,7 @@ class IsolationContract:
             _put_all(run, backend, target_objs)
             everything = {**objs, **target_objs}
             _expect_own(run, backend, everything, "after puts under hostile and plain names")
-            _check_listing(
-                run,
-                backend,
-                set(everything),
-                {k.model_name for k in everything},
-                {k.chunk_hash_hex for k in everything},
-            )
+            _check_listing(run, backend, set(everything))
         finally:
             release_all([*objs.values(), *target_objs.values()])
 

@@ -3,13 +3,14 @@ when LMCache's buffers may be handed to kvplug without a copy."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvplug.backend import Backend
 from kvplug.config import Config
-from kvplug.errors import ConfigError
+from kvplug.errors import CapacityExceeded, ConfigError
+from kvplug.memory import MemoryObj
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 
@@ -70,4 +71,31 @@ def needs_private_copy(backend: Backend) -> bool:
     return isinstance(backend, Store) and len(backend.tiers) > 1
 
 
-__all__ = ["check_target", "needs_private_copy", "open_client"]
+def private_copies(backend: Backend, objs: Sequence[MemoryObj], target: str) -> list[MemoryObj]:
+    """Copies of ``objs`` (same shape, dtype and format) in ``backend``'s own memory, for a
+    backend that :func:`needs_private_copy`. Allocated through the backend where it can make
+    room (a Store's budget, a ``cpu://`` tier), else from its allocator; call it on the
+    backend's event loop. Raises :class:`~kvplug.errors.CapacityExceeded` naming ``target``
+    when no room can be made; nothing stays allocated then."""
+    allocate = getattr(backend, "allocate", None)
+    if not callable(allocate):
+        allocate = backend.allocator.allocate
+    copies: list[MemoryObj] = []
+    try:
+        for obj in objs:
+            copy = allocate(obj.shape, obj.dtype, obj.fmt)
+            if copy is None:
+                raise CapacityExceeded(
+                    f"{target} has no memory left for a {obj.nbytes}-byte chunk (every entry "
+                    "is pinned or being read); raise its max_size (or buffer_size)."
+                )
+            copies.append(copy)
+            copy.raw.copy_(obj.raw)
+    except BaseException:
+        for copy in copies:
+            copy.release()
+        raise
+    return copies
+
+
+__all__ = ["check_target", "needs_private_copy", "open_client", "private_copies"]

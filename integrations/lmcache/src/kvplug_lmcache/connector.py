@@ -50,7 +50,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import install_log_filter, mask_text, mask_url
 from kvplug.sync import SyncClient
-from kvplug_lmcache.common import needs_private_copy, open_client
+from kvplug_lmcache.common import needs_private_copy, open_client, private_copies
 from kvplug_lmcache.keys import engine_key_to_cache_key
 
 T = TypeVar("T")
@@ -522,20 +522,8 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         if not self.copies_puts:
             await backend.batched_put(keys, views)
             return
-        allocate = getattr(backend, "allocate", None)
-        if not callable(allocate):
-            allocate = backend.allocator.allocate
-        copies: list[MemoryObj] = []
+        copies = private_copies(backend, views, self.target)
         try:
-            for view in views:
-                copy = allocate(view.shape, view.dtype, view.fmt)
-                if copy is None:
-                    raise BackendUnavailable(
-                        f"{self.target} has no memory left for a {view.nbytes}-byte chunk "
-                        "(every entry is pinned or being read); raise its max_size."
-                    )
-                copies.append(copy)
-                copy.raw.copy_(view.raw)
             await backend.batched_put(keys, copies)
         finally:
             self._release(copies)

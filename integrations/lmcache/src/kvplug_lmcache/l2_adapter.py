@@ -72,7 +72,6 @@ from kvplug.errors import (
     BackendClosed,
     BackendTimeout,
     BackendUnavailable,
-    CapacityExceeded,
     ConfigError,
     KvplugError,
 )
@@ -83,7 +82,12 @@ from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
-from kvplug_lmcache.common import check_target, needs_private_copy, open_client
+from kvplug_lmcache.common import (
+    check_target,
+    needs_private_copy,
+    open_client,
+    private_copies,
+)
 from kvplug_lmcache.keys import OBJECT_DTYPE, cache_key_to_object_key, object_key_to_cache_key
 
 try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
@@ -557,28 +561,10 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         return done
 
     def _objects_for_put(self, sources: list[torch.Tensor]) -> list[MemoryObj]:
+        views = [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
         if not self._private_copy:
-            return [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
-        backend = self._backend
-        allocate = getattr(backend, "allocate", None)
-        if not callable(allocate):
-            allocate = backend.allocator.allocate
-        copies: list[MemoryObj] = []
-        try:
-            for src in sources:
-                copy = allocate((src.numel(),), torch.uint8, MemoryFormat.BINARY_BUFFER)
-                if copy is None:
-                    raise CapacityExceeded(
-                        f"no room in the memory of {self._config.target()} for a "
-                        f"{src.numel()}-byte object; raise its max_size (or buffer_size)."
-                    )
-                copies.append(copy)
-                copy.raw.copy_(src)
-        except BaseException:
-            for copy in copies:
-                copy.release()
-            raise
-        return copies
+            return views
+        return private_copies(self._backend, views, self._config.target())
 
     async def _until_released(self, objs: list[MemoryObj]) -> None:
         """Wait until kvplug holds no reference to LMCache's buffers (a put that timed out
@@ -950,39 +936,37 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 "in_flight_tasks": self._in_flight,
                 "closed": self._closed,
             }
-        io_alive = not self._closed and self._io_answers()
+        stats = getattr(self._backend, "stats", None)
+
+        async def collect() -> Any:  # one round trip: the IO thread answers, with the stats
+            if not callable(stats):
+                return None
+            try:
+                return mask_data(stats())
+            except Exception as error:
+                return KvplugError(mask_text(f"{type(error).__name__}: {error}"))
+
+        io_alive, collected = False, None
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                collected = self._client.run(collect()).result(5)
+                io_alive = True
         status["io_thread_alive"] = io_alive
         status.update(vars(health))
         usage = self.get_usage()
         status["bytes_used"] = usage.total_bytes_used
         status["capacity_bytes"] = usage.total_capacity_bytes
         if io_alive:
-            stats = getattr(self._backend, "stats", None)
-            if callable(stats):
-
-                async def collect() -> Any:
-                    return stats()
-
-                try:
-                    status["kvplug"] = mask_data(self._client.run(collect()).result(5))
-                except Exception as error:
-                    status["kvplug_error"] = mask_text(f"{type(error).__name__}: {error}")
+            if isinstance(collected, KvplugError):
+                status["kvplug_error"] = str(collected)
+            elif collected is not None:
+                status["kvplug"] = collected
             if isinstance(self._backend, Store):
                 unhealthy = [t.name for t in self._backend.health() if not t.healthy]
                 status["failing_tiers"] = unhealthy
                 health.healthy = health.healthy and not unhealthy
         status["is_healthy"] = io_alive and health.healthy
         return status
-
-    def _io_answers(self) -> bool:
-        async def nothing() -> None:
-            return None
-
-        try:
-            self._client.run(nothing()).result(5)
-        except Exception:
-            return False
-        return True
 
     # -- close ----------------------------------------------------------------------------------
 

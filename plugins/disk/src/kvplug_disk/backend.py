@@ -72,7 +72,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.backend import Backend, BackendOptions, Capabilities, gather_all
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -1620,14 +1620,7 @@ class DiskBackend(Backend):
         """:meth:`get_into` of each pair, concurrently on the file I/O threads."""
         if len(keys) != len(dests):
             raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        results = await asyncio.gather(
-            *(self.get_into(k, d) for k, d in zip(keys, dests, strict=True)),
-            return_exceptions=True,
-        )
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            raise error
-        return [r is True for r in results]
+        return await gather_all(self.get_into(k, d) for k, d in zip(keys, dests, strict=True))
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its

@@ -67,7 +67,15 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import Field, SecretStr, field_validator
 
-from kvplug.backend import BackendOptions, Buffer, BytesBackend, BytesBackendOptions, Capabilities
+from kvplug.backend import (
+    BackendOptions,
+    Buffer,
+    BytesBackend,
+    BytesBackendOptions,
+    Capabilities,
+    fill_into,
+    gather_all,
+)
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -1163,16 +1171,8 @@ class RedisBackend(BytesBackend):
             read=True,
             direct=True,
         )
-        found = await self._settle("batched_get_into", names, fetched)
-        hits = []
-        try:
-            for got, dest in zip(found, dests, strict=True):
-                hits.append(got is not None and got.nbytes == dest.nbytes)
-                if got is not None and got is not dest and hits[-1]:
-                    dest.raw.copy_(got.raw)  # decoded by a serde other than naive
-        finally:
-            release_objects(found)
-        return hits
+        # Hits are their destinations, but for a serde other than naive: decoded, then copied.
+        return fill_into(await self._settle("batched_get_into", names, fetched), dests)
 
     async def get_bytes(self, key: str) -> Buffer | None:
         value: bytes | None = await self._run("get", lambda c: c.get(key), read=True)
@@ -1263,16 +1263,10 @@ class RedisBackend(BytesBackend):
         packed = [
             [p for n, parts in batch for p in self._set_pieces(n, parts)] for batch in batches
         ]
-        results = await asyncio.gather(
-            *(
-                self._send_set(client, pieces, len(batch))
-                for pieces, batch in zip(packed, batches, strict=True)
-            ),
-            return_exceptions=True,
+        await gather_all(
+            self._send_set(client, pieces, len(batch))
+            for pieces, batch in zip(packed, batches, strict=True)
         )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """One pipeline of ``EXISTS``; the number of leading keys present."""
