@@ -31,7 +31,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 from kvplug.errors import KvplugError
-from kvplug_lmcache.common import open_client
+from kvplug.integration import open_client
 from kvplug_lmcache.connector import (
     INPROCESS_PACKAGE,
     KvplugConnector,

@@ -46,11 +46,11 @@ from lmcache.v1.memory_management import MemoryFormat as LMCacheFormat
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplug.errors import BackendTimeout, BackendUnavailable, KvplugError, NotSupported
+from kvplug.integration import needs_private_copy, open_client, private_copies
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import install_log_filter, mask_text, mask_url
 from kvplug.sync import SyncClient
-from kvplug_lmcache.common import needs_private_copy, open_client, private_copies
 from kvplug_lmcache.keys import engine_key_to_cache_key
 
 T = TypeVar("T")
@@ -107,7 +107,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
       (:func:`kvplug_lmcache.keys.engine_key_to_cache_key`).
     * **Puts** hand LMCache's buffer to kvplug without a copy, unless the backend keeps the
       object after the put (a ``cpu://`` tier or a write-behind Store,
-      :func:`kvplug_lmcache.common.needs_private_copy`): then it is copied into kvplug's memory
+      :func:`kvplug.integration.needs_private_copy`): then it is copied into kvplug's memory
       on kvplug's IO thread. The connector holds its own reference to LMCache's buffer until
       kvplug is done with it, also after LMCache stopped waiting. A failed put raises with
       kvplug's message (LMCache logs and counts it).

@@ -54,7 +54,6 @@ import difflib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -76,18 +75,19 @@ from kvplug.errors import (
     KvplugError,
 )
 from kvplug.eviction import PinTable
+from kvplug.integration import (
+    check_target,
+    needs_private_copy,
+    open_client,
+    private_copies,
+    until_released,
+)
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
-from kvplug_lmcache.common import (
-    check_target,
-    needs_private_copy,
-    open_client,
-    private_copies,
-)
 from kvplug_lmcache.keys import OBJECT_DTYPE, cache_key_to_object_key, object_key_to_cache_key
 
 try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
@@ -104,7 +104,6 @@ DEFAULT_LOCK_TTL = 300.0
 """Seconds a lock lasts when LMCache never gives it back."""
 MAX_UNCLAIMED = 100_000
 """Results of tasks LMCache never asked for kept at most (the oldest go first)."""
-_RELEASE_POLL = 0.005
 _PROBE_KEY = CacheKey("kvplug-lmcache-probe", 1, 0, b"\x00", OBJECT_DTYPE)
 _PARAMS = {
     "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
@@ -567,19 +566,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         return private_copies(self._backend, views, self._config.target())
 
     async def _until_released(self, objs: list[MemoryObj]) -> None:
-        """Wait until kvplug holds no reference to LMCache's buffers (a put that timed out
-        may still be writing from them); LMCache reuses them once the task is reported."""
-        deadline = time.monotonic() + self._timeout
-        while any(obj.ref_count > 1 for obj in objs):
-            if time.monotonic() > deadline:
-                logger.error(
-                    "KvplugL2Adapter: %s still holds LMCache buffers %s s after a put ended; "
-                    "reporting the store anyway.",
-                    self._config.target(),
-                    self._timeout,
-                )
-                return
-            await asyncio.sleep(_RELEASE_POLL)
+        await until_released(objs, self._timeout, f"KvplugL2Adapter on {self._config.target()}")
 
     async def _store(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
         if len(keys) != len(objects):

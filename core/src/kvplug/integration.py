@@ -1,8 +1,17 @@
-"""What both LMCache adapters share: opening kvplug from LMCache's config, and the rule for
-when LMCache's buffers may be handed to kvplug without a copy."""
+"""What every engine integration shares (kvplug-lmcache, kvplug-sglang, ...): opening kvplug
+from an engine's config, the rule for when an engine's buffers may be handed to kvplug without
+a copy, and waiting until kvplug has let go of them.
+
+Engines own their buffers and reuse them as soon as an operation is reported done, so an
+integration reports a put or a read only once kvplug holds no reference to the engine's memory
+(:func:`until_released`), and copies into kvplug's own memory first where a backend keeps the
+object (:func:`needs_private_copy`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +22,8 @@ from kvplug.errors import CapacityExceeded, ConfigError
 from kvplug.memory import MemoryObj
 from kvplug.store import Store
 from kvplug.sync import SyncClient
+
+logger = logging.getLogger(__name__)
 
 
 def check_target(url: object, config: object, options: object, *, what: str) -> None:
@@ -58,13 +69,13 @@ def open_client(
 
 
 def needs_private_copy(backend: Backend) -> bool:
-    """Whether a put must copy LMCache's buffer into kvplug memory first.
+    """Whether a put must copy the engine's buffer into kvplug memory first.
 
-    LMCache reuses its buffers once a store is reported done. A backend that keeps the put
+    Engines reuse their buffers once a store is reported done. A backend that keeps the put
     object itself (a ``cpu://`` tier: ``zero_copy``) or writes it to lower tiers later (a Store
-    of several tiers, which writes behind) would then hold memory LMCache has moved on from;
-    every other backend is done with the object when its put returns, so it may read LMCache's
-    buffer directly.
+    of several tiers, which writes behind) would then hold memory the engine has moved on from;
+    every other backend is done with the object when its put returns, so it may read the
+    engine's buffer directly.
     """
     if backend.capabilities.zero_copy:
         return True
@@ -98,4 +109,31 @@ def private_copies(backend: Backend, objs: Sequence[MemoryObj], target: str) -> 
     return copies
 
 
-__all__ = ["check_target", "needs_private_copy", "open_client", "private_copies"]
+RELEASE_POLL_SECONDS = 0.005
+
+
+async def until_released(objs: Sequence[MemoryObj], timeout: float, what: str) -> bool:
+    """Wait until kvplug holds no reference to ``objs`` beyond the caller's own (a put or read
+    that ran past its deadline may still be reading or writing the engine's memory). False,
+    with an error logged naming ``what``, when that takes longer than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(obj.ref_count > 1 for obj in objs):
+        if time.monotonic() > deadline:
+            logger.error(
+                "%s: kvplug still holds the engine's buffers %s s after the operation ended; "
+                "reporting it anyway.",
+                what,
+                timeout,
+            )
+            return False
+        await asyncio.sleep(RELEASE_POLL_SECONDS)
+    return True
+
+
+__all__ = [
+    "check_target",
+    "needs_private_copy",
+    "open_client",
+    "private_copies",
+    "until_released",
+]
