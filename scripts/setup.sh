@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian bookworm machine for kvplug: Debian's redis-server, redis-sentinel,
-# valkey-server and valkey-sentinel (the Redis and Valkey tests start their own), a virtual
-# environment in .venv with the CPU build of torch, every distribution of this repository
-# installed editable (core, contracts, built-in plugins, the example plugin) and the
-# development tools. Safe to run again.
+# valkey-server and valkey-sentinel (the Redis and Valkey tests start their own), g++ and
+# libssl-dev (SGLang builds a C++ extension), a virtual environment in .venv with the CPU build
+# of torch, every distribution of this repository installed editable (core, contracts, built-in
+# plugins, the example plugin) and the development tools, and one venv per tested engine
+# release for the engine integrations' tests. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,11 +16,15 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
 command -v valkey-server >/dev/null || missing+=(valkey-server)
 command -v valkey-sentinel >/dev/null || missing+=(valkey-sentinel)
+# SGLang compiles its page hash (a C++ torch extension against OpenSSL) on first use.
+command -v g++ >/dev/null || missing+=(g++)
+dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
     echo "setup: ${missing[*]} not on PATH and apt-get is not available: install Redis 7" \
       "(redis-server, redis-sentinel) and Valkey 8 built with TLS (valkey-server," \
-      "valkey-sentinel) with your package manager, then run this again." >&2
+      "valkey-sentinel), g++ and the OpenSSL headers with your package manager, then run" \
+      "this again." >&2
     exit 1
   fi
   sudo=()
@@ -35,12 +40,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
   echo "setup: installing ${missing[*]} from Debian"
   "${apt[@]}" apt-get update -qq
-  redis=() valkey=()
+  release=() valkey=()
   for package in "${missing[@]}"; do
-    case $package in redis-*) redis+=("$package") ;; *) valkey+=("$package") ;; esac
+    case $package in valkey-*) valkey+=("$package") ;; *) release+=("$package") ;; esac
   done
   install=("${apt[@]}" apt-get install -y -qq --no-install-recommends)
-  [ ${#redis[@]} -eq 0 ] || "${install[@]}" "${redis[@]}" >/dev/null
+  [ ${#release[@]} -eq 0 ] || "${install[@]}" "${release[@]}" >/dev/null
   if [ ${#valkey[@]} -gt 0 ]; then
     # Backports are pinned below the release: they are installed only when asked for by name.
     apt-cache policy valkey-server | grep -q bookworm-backports && install+=(-t bookworm-backports)
@@ -71,27 +76,57 @@ done
 
 echo "kvplug is set up in $VENV ($("$VENV/bin/python" -c 'import kvplug; print(kvplug.__version__)'))"
 
-# One venv per tested LMCache release (integrations/lmcache/tested-versions.txt), for the
-# integration's tests: LMCache pinned, torch held at the CPU build, kvplug installed editable.
-# A venv whose stamp matches is reused, so a re-run is fast.
-while read -r version; do
-  case $version in '' | '#'*) continue ;; esac
-  engine_venv=".venv-lmcache-$version"
-  stamp="lmcache==$version $(cat scripts/constraints.txt integrations/lmcache/pyproject.toml | cksum)"
-  if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" != "$stamp" ]; then
-    echo "setup: building $engine_venv (lmcache==$version, about a minute and 2 GB)"
-    rm -rf "$engine_venv"
-    "$PYTHON" -m venv "$engine_venv"
-    ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
-      -c scripts/constraints.txt)
-    "${ENGINE_PIP[@]}" --upgrade pip
-    "${ENGINE_PIP[@]}" torch "lmcache==$version" pytest hypothesis hiredis
-    "${ENGINE_PIP[@]}" "${editable[@]}" -e integrations/lmcache
-    "$engine_venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' || {
-      echo "setup: $engine_venv has torch $("$engine_venv/bin/python" -c 'import torch; print(torch.__version__)'), not the CPU build 2.13.0" >&2
-      exit 1
-    }
-    echo "$stamp" >"$engine_venv/.kvplug-stamp"
+# One venv per tested engine release (integrations/<engine>/tested-versions.txt), for that
+# integration's tests: the engine pinned, torch held at the CPU build, kvplug installed
+# editable. A venv whose stamp matches is reused, so a re-run is fast.
+check_cpu_torch() {
+  "$1/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' || {
+    echo "setup: $1 has torch $("$1/bin/python" -c 'import torch; print(torch.__version__)')," \
+      "not the CPU build 2.13.0" >&2
+    exit 1
+  }
+}
+
+# build_engine_venv ENGINE VERSION INSTALL_FUNCTION: INSTALL_FUNCTION VENV VERSION installs the
+# engine into the fresh venv (pip through the torch constraint).
+build_engine_venv() {
+  local engine=$1 version=$2 install=$3
+  local engine_venv=".venv-$engine-$version"
+  local stamp
+  stamp="$engine==$version $(cat scripts/constraints.txt integrations/"$engine"/pyproject.toml \
+    integrations/"$engine"/requirements-*.txt 2>/dev/null | cksum)"
+  if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
+    return
   fi
-done <integrations/lmcache/tested-versions.txt
-echo "LMCache venvs: $(ls -d .venv-lmcache-* | tr '\n' ' ')"
+  echo "setup: building $engine_venv ($engine==$version)"
+  rm -rf "$engine_venv"
+  "$PYTHON" -m venv "$engine_venv"
+  ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
+    -c scripts/constraints.txt)
+  "${ENGINE_PIP[@]}" --upgrade pip
+  "$install" "$engine_venv" "$version"
+  "${ENGINE_PIP[@]}" "${editable[@]}" -e "integrations/$engine"
+  check_cpu_torch "$engine_venv"
+  echo "$stamp" >"$engine_venv/.kvplug-stamp"
+}
+
+# LMCache installs with its own dependencies (about a minute and 2 GB).
+install_lmcache() {
+  "${ENGINE_PIP[@]}" torch "lmcache==$2" pytest hypothesis hiredis
+}
+
+# SGLang pins torch 2.14.1 and a CUDA stack: install it without its dependencies, then the
+# small set its HiCache storage path imports (integrations/sglang/requirements-cpu.txt).
+install_sglang() {
+  "${ENGINE_PIP[@]}" torch pytest hypothesis
+  "${ENGINE_PIP[@]}" --no-deps "sglang==$2"
+  "${ENGINE_PIP[@]}" -r integrations/sglang/requirements-cpu.txt
+}
+
+for engine in lmcache sglang; do
+  while read -r version; do
+    case $version in '' | '#'*) continue ;; esac
+    build_engine_venv "$engine" "$version" "install_$engine"
+  done <"integrations/$engine/tested-versions.txt"
+done
+echo "engine venvs: $(ls -d .venv-*-* | tr '\n' ' ')"

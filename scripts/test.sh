@@ -15,11 +15,13 @@ echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here too.
 "$PY" -m pytest -p no:cacheprovider "$@"
 
-echo "== the LMCache integration against LMCache's own code, in each tested release's venv"
-for version in $(grep -v '^#' integrations/lmcache/tested-versions.txt); do
-  echo "-- lmcache==$version"
-  # Its conftest.py turns LMCache's usage telemetry off for the tests and what they start.
-  ".venv-lmcache-$version/bin/python" -m pytest -p no:cacheprovider integrations/lmcache </dev/null
+echo "== the engine integrations against the engines' own code, in each tested release's venv"
+for engine in lmcache sglang; do
+  for version in $(grep -v '^#' "integrations/$engine/tested-versions.txt"); do
+    echo "-- $engine==$version"
+    # Each integration's conftest.py turns the engine's usage telemetry off.
+    ".venv-$engine-$version/bin/python" -m pytest -p no:cacheprovider "integrations/$engine" </dev/null
+  done
 done
 
 echo "== the contract suite through the CLI, against every built-in backend and the example"

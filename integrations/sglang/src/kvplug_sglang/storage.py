@@ -1,0 +1,687 @@
+"""kvplug as SGLang's HiCache L3 storage: ``KvplugHiCacheStorage``.
+
+SGLang loads it as a ``dynamic`` storage backend::
+
+    python -m sglang.launch_server --model-path Qwen/Qwen3-8B --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvplug",
+            "module_path": "kvplug_sglang", "class_name": "KvplugHiCacheStorage",
+            "interface_v1": 1, "url": "file:///var/cache/kv"}'
+
+Extra config keys of kvplug's own (SGLang's ``backend_name``, ``module_path``, ``class_name``,
+``interface_v1`` and its prefetch settings pass through): ``url`` (any kvplug URL) or
+``config`` (a kvplug tiers YAML), and optionally ``options`` (kvplug backend or Store options),
+``task_timeout`` (seconds one call may take, default 60) and ``check_on_start`` (fail at start
+when the store does not answer, default true).
+
+With ``interface_v1: 1`` SGLang's controller calls the page API: :meth:`batch_set_v1` hands
+kvplug the host pool's own page memory and :meth:`batch_get_v1` reads straight into it, one
+batched kvplug call per SGLang call. Pages of a page-major host layout (``page_first``,
+``page_first_direct``, ``page_head``) are one or two contiguous regions each (K and V for MHA)
+and move with no copy; a ``layer_first`` page is spread over every layer and is gathered into
+one object (one copy), as SGLang's own backends do. Without ``interface_v1`` the controller uses
+the older copying methods (:meth:`batch_set`, :meth:`batch_get`), which store the same objects.
+
+Keys: see :mod:`kvplug_sglang.keys`. MLA models keep one copy of a page for all TP ranks: only
+the storage writer rank writes it, every rank reads it.
+
+Failures never reach SGLang's threads as exceptions: a store that is down, slow or full makes
+the call report failures (``False`` pages, ``0`` existing pages), the first failure is logged as
+a warning, and the next call tries again (kvplug's backends reconnect by themselves). A call
+returns only once kvplug holds no reference to SGLang's host memory, so a page SGLang frees
+after a failed read is never written later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvplug.errors import BackendTimeout, BackendUnavailable, ConfigError, KvplugError
+from kvplug.integration import (
+    check_target,
+    needs_private_copy,
+    open_client,
+    private_copies,
+    until_released,
+)
+from kvplug.keys import CacheKey, lmcache_dtype_name
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.secrets import mask_text, mask_url
+from kvplug.store import Store
+from kvplug.sync import SyncClient
+from kvplug_sglang.keys import PageNamespace
+
+logger = logging.getLogger("kvplug.sglang")
+T = TypeVar("T")
+
+DEFAULT_TASK_TIMEOUT = 60.0
+"""Seconds one SGLang call may take before it reports failure."""
+
+KVPLUG_KEYS = {
+    "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
+    "config": "path of a kvplug tiers YAML (instead of url)",
+    "options": "mapping of kvplug backend or Store options",
+    "task_timeout": f"seconds one call may take (default {DEFAULT_TASK_TIMEOUT})",
+    "check_on_start": "fail at start when the store does not answer (default true)",
+}
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+"""Extra config keys that SGLang itself reads; kvplug accepts and ignores them."""
+
+_PROBE_PAGE = "00"
+_WHAT = "KvplugHiCacheStorage"
+
+
+@dataclass
+class StorageHealth:
+    """What :meth:`KvplugHiCacheStorage.health` reports."""
+
+    healthy: bool = True
+    last_error: str | None = None
+    failed_sets: int = 0
+    failed_gets: int = 0
+    failed_exists: int = 0
+    failed_clears: int = 0
+    pages_stored: int = 0
+    pages_loaded: int = 0
+    pages_missed: int = 0
+
+
+@dataclass
+class _Metrics:
+    """Per-call figures for SGLang's storage metrics, drained by ``get_stats``."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+def _settings(extra: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(extra) - set(KVPLUG_KEYS) - SGLANG_KEYS)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, [*KVPLUG_KEYS, *SGLANG_KEYS], n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        valid = ", ".join(f"{k}: {v}" for k, v in KVPLUG_KEYS.items())
+        raise ConfigError(
+            f"{_WHAT}: unknown key(s) {', '.join(hints)} in --hicache-storage-backend-extra-config."
+            f" kvplug's keys are {valid}; SGLang's own are {', '.join(sorted(SGLANG_KEYS))}."
+        )
+    check_target(extra.get("url"), extra.get("config"), extra.get("options"), what=_WHAT)
+    timeout = extra.get("task_timeout", DEFAULT_TASK_TIMEOUT)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ConfigError(
+            f"{_WHAT}: task_timeout must be a positive number of seconds, got {timeout!r}."
+        )
+    check = extra.get("check_on_start", True)
+    if not isinstance(check, bool):
+        raise ConfigError(f"{_WHAT}: check_on_start must be true or false, got {check!r}.")
+    return {"timeout": float(timeout), "check_on_start": check}
+
+
+def _namespace_shard(config: HiCacheStorageConfig) -> tuple[int, int]:
+    """World size and worker id of this rank's pages."""
+    if config.is_mla_model:  # one copy for all TP ranks, split by decode context parallelism
+        return config.dcp_size, config.dcp_rank
+    return config.tp_size, config.tp_rank
+
+
+def _shard_tags(config: HiCacheStorageConfig) -> tuple[tuple[str, str], ...]:
+    tags = []
+    if config.pp_size > 1:
+        tags.append(("pp", f"{config.pp_rank}/{config.pp_size}"))
+    if config.attn_cp_size > 1:
+        tags.append(("cp", f"{config.attn_cp_rank}/{config.attn_cp_size}"))
+    return tuple(tags)
+
+
+def _byte_views(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
+    """``(start address, size, flat uint8 tensor)`` over the whole storage behind each tensor,
+    once per storage: the memory a page pointer may point into."""
+    views: dict[int, tuple[int, int, torch.Tensor]] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        if start not in views:
+            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            flat.set_(storage, 0, (storage.nbytes(),), (1,))
+            views[start] = (start, storage.nbytes(), flat)
+    return list(views.values())
+
+
+class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
+    """Any kvplug backend or tiers config as SGLang's HiCache L3 storage (see the module
+    documentation for the flags).
+
+    Example (SGLang builds it this way from the extra config and then registers its host
+    pool; ``host_pool`` is SGLang's ``MHATokenToKVPoolHost``)::
+
+        storage = KvplugHiCacheStorage(storage_config, {})  # extra config in storage_config
+        storage.register_mem_pool_host(host_pool)
+        ok = storage.batch_set_v1(page_keys, host_indices)          # [True, True, ...]
+        hits = storage.batch_exists(page_keys)                      # leading pages present
+        loaded = storage.batch_get_v1(page_keys[:hits], other_indices)
+    """
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        extra = dict(storage_config.extra_config or {})
+        settings = _settings(extra)
+        if storage_config.should_split_heads:
+            raise ConfigError(
+                f"{_WHAT} does not split heads across heterogeneous TP sizes (tp_lcm_size): "
+                "remove tp_lcm_size from the extra config, or use one TP size for every "
+                "instance that shares the store."
+            )
+        if not storage_config.model_name:
+            raise ConfigError(
+                f"{_WHAT} needs the model name to key pages by, and SGLang passed none: "
+                "start SGLang with --model-path (or --served-model-name)."
+            )
+        self.storage_config = storage_config
+        self._timeout: float = settings["timeout"]
+        self._writer = storage_config.is_storage_writer
+        self._metrics_on = storage_config.enable_storage_metrics
+        self._metrics = _Metrics()
+        self._health = StorageHealth()
+        self._state = threading.Lock()
+        self._target = (
+            mask_url(extra["url"]) if extra.get("url") else f"the tiers in {extra['config']}"
+        )
+        self._client: SyncClient = open_client(
+            url=extra.get("url"),
+            config=extra.get("config"),
+            options=extra.get("options"),
+            what=_WHAT,
+        )
+        try:
+            self._private_copy = needs_private_copy(self._client.backend)
+            if settings["check_on_start"]:
+                self._check_reachable()
+        except BaseException:
+            self._client.close()
+            raise
+        if storage_config.is_mla_model and storage_config.tp_size > 1:
+            self._warn_unless_shared()
+        self.mem_pool_host: Any = None
+        self._namespace: PageNamespace | None = None
+        self._segment_sizes: list[int] = []
+        self._page_bytes = 0
+        self._zero_copy = False
+        self._pool_memory: list[tuple[int, int, torch.Tensor]] = []
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _check_reachable(self) -> None:
+        probe = CacheKey("kvplug-sglang-probe", 1, 0, bytes.fromhex(_PROBE_PAGE), "uint8")
+        try:
+            self._client.run(
+                self._within_deadline(self._client.backend.contains(probe), "a start-up probe")
+            ).result()
+        except Exception as error:
+            raise KvplugError(
+                f"{_WHAT}: {self._target} did not answer at start "
+                f"({mask_text(str(error)) or type(error).__name__}). Start the store, fix the "
+                "url, or set check_on_start to false to start anyway and retry on every call."
+            ) from None
+
+    def _warn_unless_shared(self) -> None:
+        backend = self._client.backend
+        layers = backend.tiers if isinstance(backend, Store) else [backend]
+        if not any(layer.capabilities.shared_across_processes for layer in layers):
+            logger.warning(
+                "%s: %s keeps what each process stores to itself, but this MLA model's pages "
+                "are written by one TP rank and read by all %d: the other ranks will miss, and "
+                "SGLang then loads nothing. Use a store shared across processes (redis://, "
+                "valkey://, or a tiers config with one) for MLA with TP > 1.",
+                _WHAT,
+                self._target,
+                self.storage_config.tp_size,
+            )
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the host pool's page geometry and layout (SGLang calls this once, before any
+        page call). Pages the pool describes as at most two contiguous regions move without a
+        copy; others are gathered into one object per page."""
+        super().register_mem_pool_host(mem_pool_host)
+        config = self.storage_config
+        page_tokens = self._page_tokens()
+        page = torch.arange(page_tokens, dtype=torch.int64)
+        flat_page = mem_pool_host.get_dummy_flat_data_page()
+        self._page_bytes = flat_page.numel() * flat_page.element_size()
+        sizes: list[int] = []
+        try:
+            _, sizes = mem_pool_host.get_page_buffer_meta(page)
+            sizes = [int(size) for size in sizes]
+        except (NotImplementedError, AttributeError, AssertionError, ValueError):
+            sizes = []
+        buffers = [
+            tensor
+            for tensor in (getattr(mem_pool_host, name, None) for name in ("kv_buffer",))
+            if isinstance(tensor, torch.Tensor)
+        ]
+        self._pool_memory = _byte_views(buffers)
+        self._zero_copy = 0 < len(sizes) <= 2 and sum(sizes) == self._page_bytes
+        self._segment_sizes = sizes if self._zero_copy else [self._page_bytes]
+        world_size, worker_id = _namespace_shard(config)
+        self._namespace = PageNamespace(
+            model_name=str(config.model_name),
+            world_size=world_size,
+            worker_id=worker_id,
+            dtype=lmcache_dtype_name(mem_pool_host.dtype),
+            layout=str(mem_pool_host.layout),
+            segments=len(self._segment_sizes),
+            shard_tags=_shard_tags(config),
+        )
+        logger.info(
+            "%s on %s: %s pages of %d bytes as %d object(s) each, %s.",
+            _WHAT,
+            self._target,
+            mem_pool_host.layout,
+            self._page_bytes,
+            len(self._segment_sizes),
+            "without a copy" if self._zero_copy else "gathered with one copy",
+        )
+
+    def _page_tokens(self) -> int:
+        pool = self.mem_pool_host
+        size = getattr(pool, "logical_page_size", None)
+        return int(size if isinstance(size, int) else pool.page_size)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _run(self, work: Callable[[], Coroutine[Any, Any, T]], counter: str, failed: T) -> T:
+        """Run ``work()`` on kvplug's IO thread and wait; any failure is counted, logged and
+        answered with ``failed``."""
+        if self._namespace is None:
+            self._failure(
+                counter, KvplugError("SGLang has not registered its host memory pool yet")
+            )
+            return failed
+        try:
+            result = self._client.run(work()).result()
+        except Exception as error:
+            self._failure(counter, error)
+            return failed
+        self._success()
+        return result
+
+    def _failure(self, counter: str, error: BaseException) -> None:
+        text = mask_text(f"{type(error).__name__}: {error}")
+        with self._state:
+            setattr(self._health, counter, getattr(self._health, counter) + 1)
+            was_healthy = self._health.healthy
+            self._health.last_error = text
+            if isinstance(error, BackendUnavailable | BackendTimeout | TimeoutError):
+                self._health.healthy = False
+        log = logger.warning if was_healthy else logger.debug
+        log("%s on %s: %s (the pages are reported as not stored/found).", _WHAT, self._target, text)
+
+    def _success(self) -> None:
+        with self._state:
+            recovered = not self._health.healthy
+            self._health.healthy = True
+        if recovered:
+            logger.info("%s on %s answers again.", _WHAT, self._target)
+
+    async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
+        try:
+            return await asyncio.wait_for(work, self._timeout)
+        except TimeoutError:
+            raise BackendTimeout(
+                f"{what} on {self._target} took longer than task_timeout={self._timeout} s. "
+                "Check the store, or raise task_timeout."
+            ) from None
+
+    def _keys(self, page_keys: Sequence[str]) -> list[CacheKey]:
+        assert self._namespace is not None
+        return [key for page in page_keys for key in self._namespace.segment_keys(page)]
+
+    def _pool_view(self, address: int, size: int) -> torch.Tensor:
+        for start, length, flat in self._pool_memory:
+            if start <= address and address + size <= start + length:
+                return flat[address - start : address - start + size]
+        raise KvplugError(
+            f"SGLang's host pool described a page at {address:#x} (+{size} bytes) outside its "
+            "kv_buffer; kvplug cannot address it."
+        )
+
+    def _page_views(self, page_keys: Sequence[str], host_indices: torch.Tensor) -> list[Any]:
+        """One flat uint8 view of the host pool per segment of each page (zero-copy layouts)."""
+        pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        expected = len(page_keys) * len(self._segment_sizes)
+        if len(pointers) != expected:
+            raise KvplugError(
+                f"{len(page_keys)} page keys came with host indices of {len(pointers)} page "
+                f"regions; expected {expected}."
+            )
+        return [self._pool_view(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
+
+    def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int]:
+        tokens = self._page_tokens()
+        if host_indices.numel() != count * tokens:
+            raise KvplugError(
+                f"{count} page keys came with {host_indices.numel()} host indices; expected "
+                f"{count * tokens} ({tokens} a page)."
+            )
+        return [int(host_indices[i * tokens]) for i in range(count)]
+
+    def _split(self, page: torch.Tensor) -> list[torch.Tensor]:
+        """A flat page tensor as its segments' uint8 views (no copy)."""
+        flat = page.reshape(-1).view(torch.uint8)
+        if flat.numel() != self._page_bytes:
+            raise KvplugError(
+                f"a page of {flat.numel()} bytes was handed over; this host pool's pages are "
+                f"{self._page_bytes} bytes."
+            )
+        return list(torch.split(flat, self._segment_sizes))
+
+    def _record(self, kind: str, pages: int, started: float) -> None:
+        if not self._metrics_on or pages == 0:
+            return
+        seconds = max(time.perf_counter() - started, 1e-9)
+        with self._state:
+            getattr(self._metrics, f"{kind}_pgs").append(pages)
+            getattr(self._metrics, f"{kind}_bandwidth").append(
+                pages * self._page_bytes / seconds / (1 << 30)
+            )
+
+    # -- the page API (interface_v1) ----------------------------------------------------------
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading pages of ``keys`` are stored whole (every segment)."""
+        if not keys:
+            return 0
+        segments = len(self._segment_sizes) or 1
+
+        async def count() -> int:
+            present = await self._within_deadline(
+                self._client.backend.batched_contains(self._keys(keys)), "a lookup"
+            )
+            return int(present) // segments
+
+        return self._run(count, "failed_exists", 0)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page
+        stored. On a rank that is not the storage writer (MLA replicas) the writer stores the
+        same pages: nothing is written and every page reports True."""
+        if not keys:
+            return []
+        if not self._writer:
+            return [True] * len(keys)
+        started = time.perf_counter()
+
+        def sources() -> list[torch.Tensor]:
+            if self._zero_copy:
+                return self._page_views(keys, host_indices)
+            return [
+                part
+                for start in self._page_starts(len(keys), host_indices)
+                for part in self._split(self.mem_pool_host.get_data_page(start, flat=True))
+            ]
+
+        stored = self._run(lambda: self._store(keys, sources()), "failed_sets", False)
+        if stored:
+            self._record("backup", len(keys), started)
+        return [stored] * len(keys)
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read ``keys``' pages into the host pool at ``host_indices``; True for each page
+        read whole. After False a page's host memory holds undefined bytes (SGLang frees it)."""
+        if not keys:
+            return []
+        started = time.perf_counter()
+        bounces: list[torch.Tensor] = []
+        starts: list[int] = []
+
+        def dests() -> list[torch.Tensor]:
+            if self._zero_copy:
+                return self._page_views(keys, host_indices)
+            starts.extend(self._page_starts(len(keys), host_indices))
+            bounces.extend(torch.empty(self._page_bytes, dtype=torch.uint8) for _ in keys)
+            return [part for bounce in bounces for part in self._split(bounce)]
+
+        failed = [False] * len(keys)
+        loaded = self._run(lambda: self._load(keys, dests()), "failed_gets", failed)
+        if bounces and any(loaded):
+            try:
+                for start, bounce, hit in zip(starts, bounces, loaded, strict=True):
+                    if hit:
+                        self.mem_pool_host.set_from_flat_data_page(
+                            start, bounce.view(self.mem_pool_host.dtype)
+                        )
+            except Exception as error:
+                self._failure("failed_gets", error)
+                return failed
+        self._record("prefetch", sum(loaded), started)
+        return loaded
+
+    async def _store(self, keys: list[str], sources: list[torch.Tensor]) -> bool:
+        """Put ``sources`` (the segments of ``keys``' pages, SGLang's memory) and return once
+        kvplug holds none of it."""
+        views = [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
+        copies: list[MemoryObj] = []
+        try:
+            if self._private_copy:
+                copies = private_copies(self._client.backend, views, self._target)
+            await self._within_deadline(
+                self._client.backend.batched_put(self._keys(keys), copies or views), "a store"
+            )
+        finally:
+            if not copies:
+                await until_released(views, self._timeout, f"{_WHAT} on {self._target}")
+            for obj in (*copies, *views):
+                obj.release()
+        with self._state:
+            self._health.pages_stored += len(keys)
+        return True
+
+    async def _load(self, keys: list[str], dests: list[torch.Tensor]) -> list[bool]:
+        """Read ``keys``' segments into ``dests`` and return once kvplug holds none of them;
+        True for each page whose every segment was read."""
+        objs = [MemoryObj.from_tensor(dest, MemoryFormat.BINARY_BUFFER) for dest in dests]
+        try:
+            found = await self._within_deadline(
+                self._client.backend.batched_get_into(self._keys(keys), objs), "a load"
+            )
+        finally:
+            # A read past its deadline may still be writing into SGLang's pages.
+            await until_released(objs, self._timeout, f"{_WHAT} on {self._target}")
+            for obj in objs:
+                obj.release()
+        segments = len(self._segment_sizes)
+        pages = [all(found[i : i + segments]) for i in range(0, len(found), segments)]
+        with self._state:
+            self._health.pages_loaded += sum(pages)
+            self._health.pages_missed += len(pages) - sum(pages)
+        return pages
+
+    # -- the copying API (without interface_v1) -----------------------------------------------
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Store one flat page tensor (``HostKVCache.get_data_page(index, flat=True)``)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Store flat page tensors; True when every page is stored."""
+        if not keys:
+            return True
+        if not self._writer:
+            return True
+        if values is None or len(values) != len(keys):
+            self._failure(
+                "failed_sets", KvplugError(f"batch_set got {len(keys)} keys but no matching values")
+            )
+            return False
+        pages = list(values)
+        started = time.perf_counter()
+
+        def sources() -> list[torch.Tensor]:
+            return [part for page in pages for part in self._split(page.contiguous())]
+
+        stored = self._run(lambda: self._store(keys, sources()), "failed_sets", False)
+        if stored:
+            self._record("backup", len(keys), started)
+        return stored
+
+    def get(
+        self,
+        key: str,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> torch.Tensor | None:
+        """The stored page read into ``target_location`` (a flat page tensor; a new one when
+        None), or None."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Read pages into ``target_locations`` (flat page tensors, new ones when None);
+        aligned with ``keys``: the filled tensor, or None for a page not read whole."""
+        if not keys:
+            return []
+        if self.mem_pool_host is None:
+            self._failure("failed_gets", KvplugError("no host memory pool is registered yet"))
+            return [None] * len(keys)
+        targets = (
+            list(target_locations)
+            if target_locations is not None
+            else [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        )
+        if len(targets) != len(keys) or not all(t.is_contiguous() for t in targets):
+            self._failure(
+                "failed_gets",
+                KvplugError("batch_get needs one contiguous target tensor per key"),
+            )
+            return [None] * len(keys)
+        started = time.perf_counter()
+
+        def dests() -> list[torch.Tensor]:
+            return [part for target in targets for part in self._split(target)]
+
+        loaded = self._run(lambda: self._load(keys, dests()), "failed_gets", [False] * len(keys))
+        self._record("prefetch", sum(loaded), started)
+        return [target if hit else None for target, hit in zip(targets, loaded, strict=True)]
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove this rank's pages from the store, where the backend can list its keys
+        (``cpu://``, ``file://``, Redis and Valkey can); otherwise log that nothing was
+        removed."""
+        namespace = self._namespace
+        backend = self._client.backend
+        if namespace is None:
+            return
+        if not backend.capabilities.list:
+            logger.warning(
+                "%s: %s cannot list its keys, so clear() removed nothing; its own eviction "
+                "ages the pages out.",
+                _WHAT,
+                self._target,
+            )
+            return
+
+        async def remove_mine() -> int:
+            mine = [key async for key in backend.list_keys() if namespace.owns(key)]
+            removed = await self._within_deadline(
+                asyncio.gather(*(backend.remove(key) for key in mine)), "a clear"
+            )
+            return sum(removed)
+
+        removed = self._run(remove_mine, "failed_clears", 0)
+        logger.info("%s: removed %d objects of this rank from %s.", _WHAT, removed, self._target)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats`` (pages per
+        call and GiB/s per call, as measured here), or None when SGLang runs without
+        ``--enable-hicache-storage-metrics`` (hence ``enable_storage_metrics`` off)."""
+        if not self._metrics_on:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._state:
+            drained, self._metrics = self._metrics, _Metrics()
+        return StorageMetrics(**asdict(drained))
+
+    def health(self) -> StorageHealth:
+        """A snapshot of this storage's health and page counters."""
+        with self._state:
+            return StorageHealth(**asdict(self._health))
+
+    def close(self) -> None:
+        """Close the kvplug backend (SGLang calls this when it detaches the storage).
+        Idempotent."""
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"KvplugHiCacheStorage({self._target})"
+
+
+__all__ = ["DEFAULT_TASK_TIMEOUT", "KvplugHiCacheStorage", "StorageHealth"]
