@@ -119,6 +119,8 @@ def test_pages_round_trip_bit_exact_in_every_layout(
     writer = open_storage(source, extra(target))
     keys = keys_of(f"{layout}-{mla}", 3)
     sent = [page_bytes(source, p * PAGE) for p in (3, 7, 8)]
+    allocator = writer._client.backend.allocator
+    baseline = allocator.stats().object_count
     assert writer.batch_exists(keys) == 0
     assert writer.batch_set_v1(keys, slots(3, 7, 8)) == [True] * 3
 
@@ -138,6 +140,8 @@ def test_pages_round_trip_bit_exact_in_every_layout(
     missing = ["ee" * 32, keys[0]]
     assert reader.batch_get_v1(missing, slots(10, 11)) == [False, True]
     assert reader.health().pages_missed == 1
+    if target.name != "cpu":  # (a cpu:// store keeps its objects in that allocator)
+        assert allocator.stats().object_count == baseline  # every gather buffer went back
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -376,23 +380,27 @@ def own_redis() -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_a_store_that_goes_down_and_comes_back_reports_failures_then_recovers(
+    layout: str,
     own_redis: RedisServer,
     make_host_pool: Callable[..., HostKVCache],
     open_storage: Callable[..., KvplugHiCacheStorage],
     page_bytes: PageBytes,
 ) -> None:
-    pool = make_host_pool("page_first", page_size=PAGE)
+    pool = make_host_pool(layout, page_size=PAGE)
     storage = open_storage(pool, extra(Target("redis", own_redis.url, {"timeout": 1})))
     keys = keys_of("outage", 2)
     assert storage.batch_set_v1(keys[:1], slots(0)) == [True]
     own_redis.stop()
+    baseline = storage._client.backend.allocator.stats().object_count
     assert storage.batch_set_v1(keys[1:], slots(1)) == [False]
     assert storage.batch_exists(keys) == 0
     assert storage.batch_get_v1(keys, slots(4, 5)) == [False, False]
     assert storage.get(keys[0]) is None
     health = storage.health()
     assert not health.healthy and health.failed_sets == 1 and health.failed_gets == 2
+    assert storage._client.backend.allocator.stats().object_count == baseline
     own_redis.start()  # the same port, an empty server
     assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
     assert storage.batch_get_v1(keys, slots(4, 5)) == [True, True]

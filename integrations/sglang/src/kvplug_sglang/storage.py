@@ -371,6 +371,10 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         assert self._namespace is not None
         return [key for page in page_keys for key in self._namespace.segment_keys(page)]
 
+    @property
+    def _what(self) -> str:
+        return f"{_WHAT} on {self._target}"
+
     def _pool_view(self, address: int, size: int) -> torch.Tensor:
         for start, length, flat in self._pool_memory:
             if start <= address and address + size <= start + length:
@@ -399,6 +403,23 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 f"{count * tokens} ({tokens} a page)."
             )
         return [int(host_indices[i * tokens]) for i in range(count)]
+
+    def _bounce_buffers(self, count: int) -> list[MemoryObj]:
+        """``count`` page-sized buffers for pages that are gathered (``layer_first``): kvplug's
+        block-aligned host memory where it has room, so O_DIRECT and cuFile move them without
+        another copy, else plain tensors."""
+        allocator = self._client.backend.allocator
+        buffers: list[MemoryObj] = []
+        for _ in range(count):
+            buffer = allocator.allocate(
+                (self._page_bytes,), torch.uint8, MemoryFormat.BINARY_BUFFER
+            )
+            if buffer is None:
+                buffer = MemoryObj.from_tensor(
+                    torch.empty(self._page_bytes, dtype=torch.uint8), MemoryFormat.BINARY_BUFFER
+                )
+            buffers.append(buffer)
+        return buffers
 
     def _split(self, page: torch.Tensor) -> list[torch.Tensor]:
         """A flat page tensor as its segments' uint8 views (no copy)."""
@@ -456,16 +477,23 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             return [True] * len(keys)
         started = time.perf_counter()
 
-        def sources() -> list[torch.Tensor]:
+        def store() -> Coroutine[Any, Any, bool]:
             if self._zero_copy:
-                return self._page_views(keys, host_indices)
-            return [
-                part
-                for start in self._page_starts(len(keys), host_indices)
-                for part in self._split(self.mem_pool_host.get_data_page(start, flat=True))
-            ]
+                return self._store(keys, self._page_views(keys, host_indices))
+            starts = self._page_starts(len(keys), host_indices)
+            bounces = self._bounce_buffers(len(keys))
+            try:
+                for start, bounce in zip(starts, bounces, strict=True):
+                    page = self.mem_pool_host.get_data_page(start, flat=False)
+                    bounce.raw.view(page.dtype).view(page.shape).copy_(page)
+                parts = [part for bounce in bounces for part in self._split(bounce.raw)]
+            except BaseException:
+                for bounce in bounces:
+                    bounce.release()
+                raise
+            return self._store(keys, parts, owners=bounces)
 
-        stored = self._run(lambda: self._store(keys, sources()), "failed_sets", False)
+        stored = self._run(store, "failed_sets", False)
         if stored:
             self._record("backup", len(keys), started)
         return [stored] * len(keys)
@@ -481,36 +509,35 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         if not keys:
             return []
         started = time.perf_counter()
-        bounces: list[torch.Tensor] = []
-        starts: list[int] = []
 
-        def dests() -> list[torch.Tensor]:
+        def load() -> Coroutine[Any, Any, list[bool]]:
             if self._zero_copy:
-                return self._page_views(keys, host_indices)
-            starts.extend(self._page_starts(len(keys), host_indices))
-            bounces.extend(torch.empty(self._page_bytes, dtype=torch.uint8) for _ in keys)
-            return [part for bounce in bounces for part in self._split(bounce)]
+                return self._load(keys, self._page_views(keys, host_indices))
+            starts = self._page_starts(len(keys), host_indices)
+            bounces = self._bounce_buffers(len(keys))
+            parts = [part for bounce in bounces for part in self._split(bounce.raw)]
 
-        failed = [False] * len(keys)
-        loaded = self._run(lambda: self._load(keys, dests()), "failed_gets", failed)
-        if bounces and any(loaded):
-            try:
-                for start, bounce, hit in zip(starts, bounces, loaded, strict=True):
+            def scatter(pages: list[bool]) -> None:
+                for start, bounce, hit in zip(starts, bounces, pages, strict=True):
                     if hit:
                         self.mem_pool_host.set_from_flat_data_page(
-                            start, bounce.view(self.mem_pool_host.dtype)
+                            start, bounce.raw.view(self.mem_pool_host.dtype)
                         )
-            except Exception as error:
-                self._failure("failed_gets", error)
-                return failed
+
+            return self._load(keys, parts, scatter, owners=bounces)
+
+        loaded = self._run(load, "failed_gets", [False] * len(keys))
         self._record("prefetch", sum(loaded), started)
         return loaded
 
-    async def _store(self, keys: list[str], sources: list[torch.Tensor]) -> bool:
-        """Put ``sources`` (the segments of ``keys``' pages, SGLang's memory) and return once
-        kvplug holds none of it."""
+    async def _store(
+        self, keys: list[str], sources: list[torch.Tensor], owners: Sequence[MemoryObj] = ()
+    ) -> bool:
+        """Put ``sources`` (the segments of ``keys``' pages: SGLang's memory, or views of
+        ``owners``) and return once kvplug holds none of it; then release ``owners``."""
         views = [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
         copies: list[MemoryObj] = []
+        released = True
         try:
             if self._private_copy:
                 copies = private_copies(self._client.backend, views, self._target)
@@ -519,28 +546,48 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             )
         finally:
             if not copies:
-                await until_released(views, self._timeout, f"{_WHAT} on {self._target}")
-            for obj in (*copies, *views):
+                released = await until_released(views, self._timeout, self._what)
+            for obj in (*copies, *views, *(owners if released else ())):
                 obj.release()
         with self._state:
             self._health.pages_stored += len(keys)
         return True
 
-    async def _load(self, keys: list[str], dests: list[torch.Tensor]) -> list[bool]:
-        """Read ``keys``' segments into ``dests`` and return once kvplug holds none of them;
-        True for each page whose every segment was read."""
+    async def _load(
+        self,
+        keys: list[str],
+        dests: list[torch.Tensor],
+        scatter: Callable[[list[bool]], None] | None = None,
+        owners: Sequence[MemoryObj] = (),
+    ) -> list[bool]:
+        """Read ``keys``' segments into ``dests`` (SGLang's memory, or views of ``owners``) and
+        return once kvplug holds none of them; True for each page whose every segment was
+        read. ``scatter`` then moves the pages out of ``owners`` (on the caller's thread, not
+        this loop), and ``owners`` are released."""
         objs = [MemoryObj.from_tensor(dest, MemoryFormat.BINARY_BUFFER) for dest in dests]
+        read = False
         try:
             found = await self._within_deadline(
                 self._client.backend.batched_get_into(self._keys(keys), objs), "a load"
             )
+            read = True
         finally:
-            # A read past its deadline may still be writing into SGLang's pages.
-            await until_released(objs, self._timeout, f"{_WHAT} on {self._target}")
+            # A read past its deadline may still be writing into SGLang's pages (or owners,
+            # which are then never handed out again).
+            released = await until_released(objs, self._timeout, self._what)
             for obj in objs:
                 obj.release()
+            if not read and released:
+                for obj in owners:
+                    obj.release()
         segments = len(self._segment_sizes)
         pages = [all(found[i : i + segments]) for i in range(0, len(found), segments)]
+        try:
+            if scatter is not None:
+                await asyncio.to_thread(scatter, pages)
+        finally:
+            for obj in owners if released else ():
+                obj.release()
         with self._state:
             self._health.pages_loaded += sum(pages)
             self._health.pages_missed += len(pages) - sum(pages)
