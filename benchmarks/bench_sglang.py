@@ -14,10 +14,11 @@ A pass backs up ``--pages`` model-shaped pages under fresh keys (Llama-3.1-8B-li
 8 KV heads of 128, bf16, ``--page-size`` 64 tokens: 8 MiB a page) and prefetches them back
 into other host pages, checking every byte; then both stores are cleared. The two backends
 alternate (each pass in the other order), both write to sibling directories on the same disk,
-a first pass of each is not counted, and each pass starts after an ``os.sync()`` (no
-dirty pages of the other backend's pass left to write back). The ratio is SGLang's time / kvplug's time per pass;
-its median is the result (target >= 1.0). kvplug runs twice: ``file://`` with O_DIRECT (its
-default) and with ``o_direct=false`` (page-cache I/O, as SGLang's ``file`` does).
+a first pass of each is not counted, and each pass starts after an ``os.sync()`` (no dirty
+pages of the other backend's pass left to write back). The ratio is SGLang's time / kvplug's
+time per pass; its median is the result (target >= 1.0). kvplug runs twice: ``file://`` with
+O_DIRECT (its default) and with ``o_direct=false`` (page-cache I/O, as SGLang's ``file`` does).
+With ``--cold`` the page cache is dropped before each prefetch, so both read from the disk.
 
     .venv-sglang-0.5.23/bin/python benchmarks/bench_sglang.py [--pages 32] [--repeat 5]
 

@@ -299,6 +299,41 @@ def test_reopening_with_a_smaller_max_size_evicts_the_oldest(
     assert len(object_files(tmp_path)) == 3
 
 
+def test_processes_sharing_a_directory_see_each_others_writes_and_removals(
+    tmp_path: Path, allocator: FreeListAllocator
+) -> None:
+    """An engine's tensor-parallel ranks are processes with a backend each on one directory:
+    what one writes after the other opened is found, by get_into too, and what one removes or
+    evicts is gone for the other."""
+
+    async def scenario() -> None:
+        url = f"file://{tmp_path}/kv"
+        first = await open_disk(url, allocator)
+        second = await open_disk(url, allocator)
+        assert type(first).capabilities.shared_across_processes
+        await put_seeded(first, allocator, key(1), 6000, seed=1)
+        assert await second.batched_contains([key(1), key(2)]) == 1
+        dest = MemoryObj.from_tensor(torch.zeros(6000, dtype=torch.uint8))
+        assert await second.get_into(key(1), dest)
+        assert torch.equal(dest.raw, seeded_bytes(6000, 1))
+        assert second.discovered == 1 and second.stats()["discovered"] == 1
+        await put_seeded(second, allocator, key(1), 9000, seed=2)  # replaced by the other
+        back = await read_back(first, key(1))
+        assert back is not None and torch.equal(back, seeded_bytes(9000, 2))
+        await put_seeded(second, allocator, key(3), 100, seed=3)
+        assert await first.pin(key(3))
+        assert await first.remove(key(3))
+        assert not await second.contains(key(3))  # removed by the other instance
+        assert not await second.get_into(
+            key(3), MemoryObj.from_tensor(torch.zeros(100, dtype=torch.uint8))
+        )
+        assert not await second.remove(key(3))
+        await first.close()
+        await second.close()
+
+    run(scenario())
+
+
 # -- crash consistency -------------------------------------------------------------------------
 
 WRITER = """

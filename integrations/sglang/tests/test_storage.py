@@ -210,18 +210,27 @@ def test_a_cpu_tier_keeps_its_own_copy_of_the_host_pages(
     assert torch.equal(page_bytes(pool, 5 * PAGE), stored)
 
 
+@pytest.mark.parametrize("store", ["file", "redis"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_ranks_keep_their_own_pages_and_mla_replicas_share_one_copy(
     mla: bool,
-    redis_target: Target,
+    store: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
     make_host_pool: Callable[..., HostKVCache],
     open_storage: Callable[..., KvplugHiCacheStorage],
     page_bytes: PageBytes,
 ) -> None:
-    """Each TP rank is a process of its own: ranks meet in a store shared across processes."""
+    """Each TP rank is a process of its own with a backend of its own: ranks meet in a store
+    shared across processes (a directory, a Redis)."""
+    shared = (
+        Target("file", f"file://{tmp_path}/store", {})
+        if store == "file"
+        else request.getfixturevalue("redis_target")
+    )
     pools = [make_host_pool("page_first", mla=mla, page_size=PAGE) for _ in range(2)]
     ranks = [
-        open_storage(pool, extra(redis_target), tp_rank=rank, tp_size=2)
+        open_storage(pool, extra(shared), tp_rank=rank, tp_size=2)
         for rank, pool in enumerate(pools)
     ]
     keys = keys_of(f"ranks-{mla}", 2)
@@ -514,19 +523,19 @@ def test_a_paused_store_never_stalls_the_controller_past_the_task_timeout(
 
 
 def test_mla_with_tp_warns_when_the_store_is_private_to_each_process(
-    caplog: pytest.LogCaptureFixture,
-    tmp_path: Path,
-    redis_target: Target,
-    storage_config: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, storage_config: Callable[..., Any]
 ) -> None:
-    def open_(url: str) -> None:
+    def open_(**target: str) -> None:
         config = storage_config(
-            extra_config={**DYNAMIC, "url": url}, is_mla_model=True, tp_size=2, tp_rank=1
+            extra_config={**DYNAMIC, **target}, is_mla_model=True, tp_size=2, tp_rank=1
         )
         StorageBackendFactory.create_backend("dynamic", config, None).close()
 
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text(f"tiers:\n  - cpu://?max_size=64MiB\n  - file://{tmp_path}/tiered\n")
     with caplog.at_level(logging.WARNING, logger="kvplug.sglang"):
-        open_(redis_target.url)
+        open_(url=f"file://{tmp_path}/store")
+        open_(config=str(tiers))  # the page reaches the shared tier behind the cpu one
         assert "MLA model" not in caplog.text
-        open_(f"file://{tmp_path}/store")
+        open_(url="cpu://")
     assert "the other ranks will miss" in caplog.text

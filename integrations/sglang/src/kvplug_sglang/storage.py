@@ -708,7 +708,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats`` (pages per
         call and GiB/s per call, as measured here), or None when SGLang runs without
-        ``--enable-hicache-storage-metrics`` (hence ``enable_storage_metrics`` off)."""
+        ``--enable-metrics`` (its ``enable_storage_metrics`` is then off)."""
         if not self._metrics_on:
             return None
         from sglang.srt.observability.metrics_collector import StorageMetrics

@@ -593,8 +593,13 @@ class DiskBackend(Backend):
     evictions of one key are serialized; reads are not (an open file stays readable when it is
     replaced or removed).
 
-    Not declared: ``shared_across_processes`` (each process keeps its own index, so objects
-    another process writes are seen only after a reopen).
+    **Sharing.** Several instances (processes, an engine's tensor-parallel ranks) may use one
+    directory, and ``shared_across_processes`` is declared: each rebuilds its index from the
+    files at open, and ``get``, ``get_into``, ``contains``, ``remove`` and ``pin`` of a key
+    not in the index look for its file, so objects written by another instance after open are
+    found; ``contains`` of an indexed key checks that its file is still there (another
+    instance may have evicted it). ``max_size`` and eviction act on what this instance knows:
+    give every instance on a directory the same ``max_size``.
 
     Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`corrupt_objects`,
     :attr:`foreign_files`, :attr:`eviction_failures`, :attr:`bytes_held`,
@@ -602,7 +607,7 @@ class DiskBackend(Backend):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        pin=True, persistent=True, delete=True, list=True
+        pin=True, persistent=True, shared_across_processes=True, delete=True, list=True
     )
     Options: ClassVar[type[BackendOptions]] = DiskOptions
     options: DiskOptions
@@ -660,6 +665,8 @@ class DiskBackend(Backend):
         self.allocation_failures = 0
         """Hits that read as misses because :attr:`allocator` had no room."""
         self.foreign_files = 0
+        self.discovered = 0
+        """Objects found on demand: written by another instance after this one opened."""
         """Object names found holding something other than a regular file (read as misses)."""
         self.eviction_failures = 0
         """Files eviction tried to delete and could not (they still count in bytes_held)."""
@@ -684,6 +691,7 @@ class DiskBackend(Backend):
                 "corrupt_objects": self.corrupt_objects,
                 "allocation_failures": self.allocation_failures,
                 "foreign_files": self.foreign_files,
+                "discovered": self.discovered,
                 "eviction_failures": self.eviction_failures,
                 "bytes_held": self._bytes_held,
                 "temp_bytes": self._temp_bytes,
@@ -977,6 +985,10 @@ class DiskBackend(Backend):
 
     def _shard(self, stem: str) -> Directory:
         return self.directories[int(stem[2:10], 16) % len(self.directories)]
+
+    def _probe_order(self, stem: str) -> list[Directory]:
+        first = self._shard(stem)
+        return [first, *(d for d in self.directories if d is not first)]
 
     def _drop_locked(self, key: CacheKey) -> IndexEntry | None:
         entry = self._index.pop(key, None)
@@ -1552,6 +1564,105 @@ class DiskBackend(Backend):
                     self._policy.on_hit(key)
         return result
 
+    def _read_header(self, fd: int) -> ObjectHeader:
+        """The verified header block of the open file ``fd``, whose length must match it."""
+        size = os.fstat(fd).st_size
+        buffer = header_buffer()
+        count = read_all(fd, [memoryview(buffer)], 0)
+        return checked_header(memoryview(buffer)[:count], size)
+
+    def _discover(self, key: CacheKey) -> IndexEntry | None:
+        """Look for ``key``'s file in every directory (another instance may have written it)
+        and add it to the index; None when there is none."""
+        key_text = key.to_string()
+        stem = digest(key_text)
+        for directory in self._probe_order(stem):
+            path = os.path.join(directory.path, stem[:2], stem + SUFFIX)
+            try:
+                fd = open_object(path)
+            except NotAnObject as error:
+                logger.debug("%s: %s; not an object of another instance", self.url, error)
+                continue
+            except OSError:
+                continue
+            try:
+                try:
+                    header = self._read_header(fd)
+                    if header.key_text != key_text:
+                        raise CorruptObject("the key inside does not match the file name.")
+                except CorruptObject as error:
+                    self._discard_found(path, fd, error)
+                    continue
+            finally:
+                os.close(fd)
+            with self._stripe(stem), self._lock:
+                current = self._index.get(key)
+                if current is not None:
+                    return current
+                entry = self._entry(path, stem, directory, header)
+                self._index[key] = entry
+                self._bytes_held += entry.size
+                self._policy.on_put(key)
+                self.discovered += 1
+            return entry
+        return None
+
+    def _discard_found(self, path: str, fd: int, error: Exception) -> None:
+        with self._lock:
+            self.corrupt_objects += 1
+        logger.warning("%s: %s is damaged (%s); it was removed.", self.url, path, error)
+        try:
+            on_disk = os.stat(path, follow_symlinks=False)
+            opened = os.fstat(fd)
+            if (on_disk.st_dev, on_disk.st_ino) == (opened.st_dev, opened.st_ino):
+                os.unlink(path)  # only the file that was read, never a newer one
+        except OSError:
+            pass
+
+    def _known(self, key: CacheKey) -> IndexEntry | None:
+        with self._lock:
+            entry = self._index.get(key)
+        return entry if entry is not None else self._discover(key)
+
+    def _present(self, key: CacheKey) -> bool:
+        self._check_open_worker()
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is not None:
+            try:
+                mode = os.lstat(entry.path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                self._forget(key, entry)  # removed or evicted by another instance
+                return self._discover(key) is not None
+            except OSError:
+                return True  # cannot tell: get will
+            if stat.S_ISREG(mode):
+                return True
+            self._forget_foreign(key, entry, NotAnObject(entry.path, kind_of(mode)))
+        return self._discover(key) is not None
+
+    def _prefix_present(self, keys: Sequence[CacheKey]) -> int:
+        count = 0
+        for key in keys:
+            if not self._present(key):
+                break
+            count += 1
+        return count
+
+    def _get(self, key: CacheKey) -> MemoryObj | None:
+        self._check_open_worker()
+        entry = self._known(key)
+        if entry is None:
+            with self._lock:
+                self.misses += 1
+            return None
+        return self._read(key, entry)
+
+    def _remove_known(self, key: CacheKey) -> bool:
+        self._check_open_worker()
+        entry = self._known(key)
+        return False if entry is None else self._remove(key, entry.stem)
+
     def _remove(self, key: CacheKey, stem: str) -> bool:
         """Delete ``key``'s file: True when this deleted it, False when it was not there;
         raises when the file stays (the key stays indexed, readable and counted)."""
@@ -1582,32 +1693,26 @@ class DiskBackend(Backend):
 
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The stored object, read into a new object of :attr:`allocator` (the caller owns it),
-        or ``None``: absent, damaged (counted and removed) or no room in the allocator."""
-        entry = await self._entry_of(key)
-        if entry is None:
-            return None
-        return await self._run("get", partial(self._read, key, entry), abandoned=release_read)
-
-    async def _entry_of(self, key: CacheKey) -> IndexEntry | None:
-        """The index entry a read of ``key`` starts from; None is a counted miss."""
+        or ``None``: absent, damaged (counted and removed) or no room in the allocator. A key
+        not in the index is looked for on disk (another instance may have written it)."""
         self.ensure_open()
         await self._ready()
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                self.misses += 1
-            return entry
+        return await self._run("get", partial(self._get, key), abandoned=release_read)
 
     async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """The stored bytes read straight into ``dest`` (with O_DIRECT when ``dest`` is
         block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`."""
-        entry = await self._entry_of(key)
-        if entry is None:
-            return False
+        self.ensure_open()
+        await self._ready()
         dest.retain()
 
         def read() -> bool:
             try:
+                entry = self._known(key)
+                if entry is None:
+                    with self._lock:
+                        self.misses += 1
+                    return False
                 return self._read(key, entry, dest) is not None
             finally:
                 dest.release()
@@ -1649,40 +1754,36 @@ class DiskBackend(Backend):
         )
 
     async def contains(self, key: CacheKey) -> bool:
+        """Whether the key's file is there (also one another instance wrote after open)."""
         self.ensure_open()
         await self._ready()
-        with self._lock:
-            return key in self._index
+        return await self._run("contains", partial(self._present, key))
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         self.ensure_open()
         await self._ready()
-        with self._lock:
-            count = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                count += 1
-            return count
+        return await self._run("batched_contains", partial(self._prefix_present, list(keys)))
 
     async def remove(self, key: CacheKey) -> bool:
-        """Delete ``key`` and its file even when pinned (its pins go with it). True when this
-        deleted the file; False when the key or its file was absent. A file that cannot be
-        deleted raises (:class:`~kvplug_disk.fileops.WriteRefused` for a directory that
-        refuses it) and the key stays stored."""
+        """Delete ``key`` and its file even when pinned (its pins go with it), also a file
+        another instance wrote. True when this deleted the file; False when the key or its
+        file was absent. A file that cannot be deleted raises
+        (:class:`~kvplug_disk.fileops.WriteRefused` for a directory that refuses it) and the
+        key stays stored."""
         self.ensure_open()
         await self._ready()
-        with self._lock:
-            entry = self._index.get(key)
-        if entry is None:
-            return False
-        return await self._run("remove", partial(self._remove, key, entry.stem))
+        return await self._run("remove", partial(self._remove_known, key))
 
     async def pin(self, key: CacheKey) -> bool:
         """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
-        count. False if ``key`` is absent. Pins are not kept across a reopen."""
+        count. False if ``key`` is absent (a key another instance wrote is found first). Pins
+        are not kept across a reopen."""
         self.ensure_open()
         await self._ready()
+        with self._lock:
+            known = key in self._index
+        if not known and await self._run("pin", partial(self._known, key)) is None:
+            return False
         with self._lock:
             if key not in self._index:
                 return False

@@ -31,7 +31,7 @@ The file format, index, eviction, pins and crash safety are ``file://``'s (this 
 """
 
 # File descriptors and str paths on the I/O path, as in kvplug_disk.backend.
-# ruff: noqa: PTH108, PTH116, PTH118, PTH120
+# ruff: noqa: PTH116, PTH118, PTH120
 
 from __future__ import annotations
 
@@ -45,8 +45,6 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -60,7 +58,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
-from kvplug_disk.backend import Directory, DiskBackend, DiskOptions, IndexEntry, release_read
+from kvplug_disk.backend import Directory, DiskBackend, DiskOptions, IndexEntry
 from kvplug_disk.fileops import (
     O_DIRECT,
     LiveWriters,
@@ -70,7 +68,6 @@ from kvplug_disk.fileops import (
     header_buffer,
     kind_of,
     open_object,
-    read_all,
     unlink_quietly,
     write_all,
 )
@@ -80,8 +77,6 @@ from kvplug_disk.layout import (
     SERDE,
     SUFFIX,
     ObjectHeader,
-    checked_header,
-    digest,
     encode_block,
     padded,
     probe_name,
@@ -334,8 +329,6 @@ class GdsBackend(DiskBackend):
         """The GPU of the tier's own buffer and of ``shard=by_gpu`` (resolved at open)."""
         self.fstypes: dict[str, str] = {}
         """Filesystem type of each directory, from /proc/mounts."""
-        self.discovered = 0
-        """Objects found on demand: written by another instance after this one opened."""
         self._setup_lock = threading.Lock()
         self._environment_checked = False
         self._allocator_lock = threading.Lock()
@@ -622,10 +615,6 @@ class GdsBackend(DiskBackend):
             return self.directories[(self.device_index or 0) % len(self.directories)]
         return super()._shard(stem)
 
-    def _probe_order(self, stem: str) -> list[Directory]:
-        first = self._shard(stem)
-        return [first, *(d for d in self.directories if d is not first)]
-
     def _temp_in_use(
         self, directory: Directory, pid: str, writer: str, mtime: float, writers: LiveWriters
     ) -> bool:
@@ -718,13 +707,6 @@ class GdsBackend(DiskBackend):
         return final
 
     # -- reads --------------------------------------------------------------------------------
-
-    def _read_header(self, fd: int) -> ObjectHeader:
-        """The verified header block of the open file ``fd``, whose length must match it."""
-        size = os.fstat(fd).st_size
-        buffer = header_buffer()
-        count = read_all(fd, [memoryview(buffer)], 0)
-        return checked_header(memoryview(buffer)[:count], size)
 
     # Reads go through cuFile into memory this backend allocates (GPU or registered host
     # memory), then one copy into the caller's.
@@ -875,139 +857,6 @@ class GdsBackend(DiskBackend):
                 verify_payload(header.frame, byte_view(target[:nbytes].cpu()))
 
     # -- objects of other instances -----------------------------------------------------------
-
-    def _discover(self, key: CacheKey) -> IndexEntry | None:
-        """Look for ``key``'s file in every directory (another instance may have written it)
-        and add it to the index; None when there is none."""
-        key_text = key.to_string()
-        stem = digest(key_text)
-        for directory in self._probe_order(stem):
-            path = os.path.join(directory.path, stem[:2], stem + SUFFIX)
-            try:
-                fd = open_object(path)
-            except NotAnObject as error:
-                logger.debug("%s: %s; not an object of another instance", self.url, error)
-                continue
-            except OSError:
-                continue
-            try:
-                try:
-                    header = self._read_header(fd)
-                    if header.key_text != key_text:
-                        raise CorruptObject("the key inside does not match the file name.")
-                except CorruptObject as error:
-                    self._discard_found(path, fd, error)
-                    continue
-            finally:
-                os.close(fd)
-            with self._stripe(stem), self._lock:
-                current = self._index.get(key)
-                if current is not None:
-                    return current
-                entry = self._entry(path, stem, directory, header)
-                self._index[key] = entry
-                self._bytes_held += entry.size
-                self._policy.on_put(key)
-                self.discovered += 1
-            return entry
-        return None
-
-    def _discard_found(self, path: str, fd: int, error: Exception) -> None:
-        with self._lock:
-            self.corrupt_objects += 1
-        logger.warning("%s: %s is damaged (%s); it was removed.", self.url, path, error)
-        try:
-            on_disk = os.stat(path, follow_symlinks=False)
-            opened = os.fstat(fd)
-            if (on_disk.st_dev, on_disk.st_ino) == (opened.st_dev, opened.st_ino):
-                os.unlink(path)  # only the file that was read, never a newer one
-        except OSError:
-            pass
-
-    def _known(self, key: CacheKey) -> IndexEntry | None:
-        with self._lock:
-            entry = self._index.get(key)
-        return entry if entry is not None else self._discover(key)
-
-    def _present(self, key: CacheKey) -> bool:
-        self._check_open_worker()
-        with self._lock:
-            entry = self._index.get(key)
-        if entry is not None:
-            try:
-                mode = os.lstat(entry.path).st_mode
-            except (FileNotFoundError, NotADirectoryError):
-                self._forget(key, entry)  # removed or evicted by another instance
-                return self._discover(key) is not None
-            except OSError:
-                return True  # cannot tell: get will
-            if stat.S_ISREG(mode):
-                return True
-            self._forget_foreign(key, entry, NotAnObject(entry.path, kind_of(mode)))
-        return self._discover(key) is not None
-
-    def _prefix_present(self, keys: Sequence[CacheKey]) -> int:
-        count = 0
-        for key in keys:
-            if not self._present(key):
-                break
-            count += 1
-        return count
-
-    def _get(self, key: CacheKey) -> MemoryObj | None:
-        self._check_open_worker()
-        entry = self._known(key)
-        if entry is None:
-            with self._lock:
-                self.misses += 1
-            return None
-        return self._read(key, entry)
-
-    def _remove_known(self, key: CacheKey) -> bool:
-        self._check_open_worker()
-        entry = self._known(key)
-        return False if entry is None else self._remove(key, entry.stem)
-
-    # -- the contract -------------------------------------------------------------------------
-
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        """The stored object, read by cuFile into a new object of :attr:`allocator` (the
-        caller owns it), or ``None``: absent, damaged (counted and removed) or no room in the
-        allocator. A key not in the index is looked for on disk."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("get", partial(self._get, key), abandoned=release_read)
-
-    async def contains(self, key: CacheKey) -> bool:
-        """Whether the key's file is there (also one another instance wrote after open)."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("contains", partial(self._present, key))
-
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        self.ensure_open()
-        await self._ready()
-        return await self._run("batched_contains", partial(self._prefix_present, list(keys)))
-
-    async def remove(self, key: CacheKey) -> bool:
-        """Delete ``key``'s file, also one another instance wrote; False if there is none."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("remove", partial(self._remove_known, key))
-
-    async def pin(self, key: CacheKey) -> bool:
-        """As ``file://``'s pin; a key another instance wrote is found first."""
-        self.ensure_open()
-        await self._ready()
-        with self._lock:
-            known = key in self._index
-        if not known and await self._run("pin", partial(self._known, key)) is None:
-            return False
-        with self._lock:
-            if key not in self._index:
-                return False
-            self._pins.pin(key, self.options.pin_ttl)
-            return True
 
     async def close(self) -> None:
         """As ``file://``'s close, then drop this backend's cuFile buffer registrations (kept
