@@ -17,8 +17,8 @@ when the store does not answer, default true).
 With ``interface_v1: 1`` SGLang's controller calls the page API: :meth:`batch_set_v1` hands
 kvplug the host pool's own page memory and :meth:`batch_get_v1` reads straight into it, one
 batched kvplug call per SGLang call. Pages of a page-major host layout (``page_first``,
-``page_first_direct``, ``page_head``) are one or two contiguous regions each (K and V for MHA)
-and move with no copy; a ``layer_first`` page is spread over every layer and is gathered into
+``page_first_direct``) are one or two contiguous regions each (K and V for MHA) and move with
+no copy; a ``layer_first`` page is spread over every layer and is gathered into
 one object (one copy), as SGLang's own backends do. Without ``interface_v1`` the controller uses
 the older copying methods (:meth:`batch_set`, :meth:`batch_get`), which store the same objects.
 
@@ -95,6 +95,8 @@ SGLANG_KEYS = frozenset(
 """Extra config keys that SGLang itself reads; kvplug accepts and ignores them."""
 
 _PROBE_PAGE = "00"
+_POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer")
+"""Host pool tensors a page region may lie in."""
 _WHAT = "KvplugHiCacheStorage"
 
 
@@ -184,7 +186,8 @@ def _byte_views(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.T
 
 class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     """Any kvplug backend or tiers config as SGLang's HiCache L3 storage (see the module
-    documentation for the flags).
+    documentation for the flags). SGLang builds it as ``cls(storage_config, kwargs)``; the
+    settings come from ``storage_config.extra_config``, ``kwargs`` is unused.
 
     Example (SGLang builds it this way from the extra config and then registers its host
     pool; ``host_pool`` is SGLang's ``MHATokenToKVPoolHost``)::
@@ -266,8 +269,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             logger.warning(
                 "%s: %s keeps what each process stores to itself, but this MLA model's pages "
                 "are written by one TP rank and read by all %d: the other ranks will miss, and "
-                "SGLang then loads nothing. Use a store shared across processes (redis://, "
-                "valkey://, or a tiers config with one) for MLA with TP > 1.",
+                "SGLang then loads nothing. Use a store shared across processes (file://, "
+                "gds://, redis://, valkey://, or a tiers config with one) for MLA with TP > 1.",
                 _WHAT,
                 self._target,
                 self.storage_config.tp_size,
@@ -283,20 +286,26 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         page = torch.arange(page_tokens, dtype=torch.int64)
         flat_page = mem_pool_host.get_dummy_flat_data_page()
         self._page_bytes = flat_page.numel() * flat_page.element_size()
-        sizes: list[int] = []
+        self._pool_memory = _byte_views(
+            [
+                tensor
+                for tensor in (getattr(mem_pool_host, name, None) for name in _POOL_BUFFERS)
+                if isinstance(tensor, torch.Tensor)
+            ]
+        )
         try:
-            _, sizes = mem_pool_host.get_page_buffer_meta(page)
-            sizes = [int(size) for size in sizes]
+            pointers, sizes = mem_pool_host.get_page_buffer_meta(page)
+            regions = [(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
         except (NotImplementedError, AttributeError, AssertionError, ValueError):
-            sizes = []
-        buffers = [
-            tensor
-            for tensor in (getattr(mem_pool_host, name, None) for name in ("kv_buffer",))
-            if isinstance(tensor, torch.Tensor)
-        ]
-        self._pool_memory = _byte_views(buffers)
-        self._zero_copy = 0 < len(sizes) <= 2 and sum(sizes) == self._page_bytes
-        self._segment_sizes = sizes if self._zero_copy else [self._page_bytes]
+            regions = []
+        self._zero_copy = (
+            0 < len(regions) <= 2
+            and sum(size for _, size in regions) == self._page_bytes
+            and all(self._in_pool(address, size) for address, size in regions)
+        )
+        self._segment_sizes = (
+            [size for _, size in regions] if self._zero_copy else [self._page_bytes]
+        )
         world_size, worker_id = _namespace_shard(config)
         self._namespace = PageNamespace(
             model_name=str(config.model_name),
@@ -374,6 +383,12 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     @property
     def _what(self) -> str:
         return f"{_WHAT} on {self._target}"
+
+    def _in_pool(self, address: int, size: int) -> bool:
+        return any(
+            start <= address and address + size <= start + length
+            for start, length, _ in self._pool_memory
+        )
 
     def _pool_view(self, address: int, size: int) -> torch.Tensor:
         for start, length, flat in self._pool_memory:
