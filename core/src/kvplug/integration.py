@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvplug.backend import Backend
 from kvplug.config import Config
-from kvplug.errors import CapacityExceeded, ConfigError
+from kvplug.errors import BackendTimeout, BackendUnavailable, CapacityExceeded, ConfigError
 from kvplug.memory import MemoryObj
+from kvplug.secrets import mask_text
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def check_target(url: object, config: object, options: object, *, what: str) -> None:
@@ -130,10 +133,80 @@ async def until_released(objs: Sequence[MemoryObj], timeout: float, what: str) -
     return True
 
 
+async def within_deadline(work: Awaitable[T], timeout: float, what: str) -> T:
+    """``await work``, cancelled after ``timeout`` seconds with a :class:`BackendTimeout` that
+    names ``what`` (``"a load on redis://h:6379"``) and the ``task_timeout`` setting."""
+    try:
+        return await asyncio.wait_for(work, timeout)
+    except TimeoutError:
+        raise BackendTimeout(
+            f"{what} took longer than task_timeout={timeout} s. Check the store, or raise "
+            "task_timeout."
+        ) from None
+
+
+class CallHealth:
+    """An integration's view of its store, from the outcome of its calls: unhealthy once a call
+    fails because the store is unreachable or late (:class:`BackendUnavailable`,
+    :class:`BackendTimeout`), healthy again once a call succeeds; failures counted by kind.
+
+    The first failure after a healthy spell is logged as a warning and the rest at DEBUG, so an
+    outage does not flood the engine's log; the recovery is logged at INFO. Error texts are
+    masked. Thread-safe.
+
+    Example::
+
+        >>> from kvplug.errors import BackendUnavailable
+        >>> health = CallHealth("MyAdapter on redis://h:6379", ["failed_loads"])
+        >>> health.failed("failed_loads", BackendUnavailable("connection refused"))
+        >>> health.snapshot()["healthy"], health.snapshot()["failed_loads"], health.last_error
+        (False, 1, 'BackendUnavailable: connection refused')
+        >>> health.succeeded()
+        >>> health.healthy
+        True
+    """
+
+    def __init__(
+        self, what: str, counters: Iterable[str], log: logging.Logger | None = None
+    ) -> None:
+        self.what = what
+        self.healthy = True
+        self.last_error: str | None = None
+        self.failures = dict.fromkeys(counters, 0)
+        self._log = log or logger
+        self._lock = threading.Lock()
+
+    def failed(self, counter: str, error: BaseException) -> None:
+        """Count a failed call of kind ``counter`` and log it."""
+        text = mask_text(f"{type(error).__name__}: {error}")
+        with self._lock:
+            self.failures[counter] += 1
+            was_healthy = self.healthy
+            self.last_error = text
+            if isinstance(error, BackendUnavailable | BackendTimeout | TimeoutError):
+                self.healthy = False
+        (self._log.warning if was_healthy else self._log.debug)("%s: %s", self.what, text)
+
+    def succeeded(self) -> None:
+        """A call succeeded: the store answers."""
+        with self._lock:
+            recovered = not self.healthy
+            self.healthy = True
+        if recovered:
+            self._log.info("%s answers again.", self.what)
+
+    def snapshot(self) -> dict[str, Any]:
+        """``healthy``, ``last_error`` and each failure counter, consistently."""
+        with self._lock:
+            return {"healthy": self.healthy, "last_error": self.last_error, **self.failures}
+
+
 __all__ = [
+    "CallHealth",
     "check_target",
     "needs_private_copy",
     "open_client",
     "private_copies",
     "until_released",
+    "within_deadline",
 ]

@@ -55,7 +55,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -69,18 +68,19 @@ from lmcache.v1.platform import create_event_notifier
 from kvplug.backend import Backend
 from kvplug.errors import (
     BackendClosed,
-    BackendTimeout,
     BackendUnavailable,
     ConfigError,
     KvplugError,
 )
 from kvplug.eviction import PinTable
 from kvplug.integration import (
+    CallHealth,
     check_target,
     needs_private_copy,
     open_client,
     private_copies,
     until_released,
+    within_deadline,
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
@@ -276,9 +276,14 @@ def _default_capacity(backend: Backend) -> int:
 
 
 def _memory_tags(backend: Backend, shared: bool) -> Any:
-    """LMCache's tags for where the backend keeps its bytes."""
+    """LMCache's tags for where the backend keeps its bytes: REMOTE where other hosts may see
+    them (LMCache's meaning), so not for ``file://``, whose directory the processes of one host
+    share (LMCache says ``shared`` for one on a network filesystem)."""
     layers = backend.tiers if isinstance(backend, Store) else [backend]
-    remote = shared or any(layer.capabilities.shared_across_processes for layer in layers)
+    remote = shared or any(
+        layer.capabilities.shared_across_processes and layer.url.scheme != "file"
+        for layer in layers
+    )
     residency = MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL
     if all(layer.url.scheme in ("gds", "weka") for layer in layers):
         segment = MemorySegment.GDS
@@ -291,15 +296,7 @@ def _memory_tags(backend: Backend, shared: bool) -> Any:
     return MemoryTags(segment, residency)
 
 
-@dataclass
-class _Health:
-    healthy: bool = True
-    last_error: str | None = None
-    failed_stores: int = 0
-    failed_lookups: int = 0
-    failed_loads: int = 0
-    failed_deletes: int = 0
-    size_mismatches: int = 0
+_FAILURES = ("failed_stores", "failed_lookups", "failed_loads", "failed_deletes")
 
 
 class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is untyped
@@ -395,7 +392,8 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         self._done_lookups: dict[int, Any] = {}
         self._done_loads: dict[int, Any] = {}
         self._in_flight = 0
-        self._health = _Health()
+        self._health = CallHealth(f"KvplugL2Adapter on {config.target()}", _FAILURES, logger)
+        self._size_mismatches = 0
         self._sizes: dict[ObjectKey, int] = {}
         """Bytes of each key this adapter stored (LMCache's usage accounting)."""
         self._stamps: dict[ObjectKey, int] = {}
@@ -500,34 +498,8 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         future.add_done_callback(finish)
         return task_id
 
-    def _failure(self, counter: str, error: BaseException) -> None:
-        text = mask_text(f"{type(error).__name__}: {error}")
-        with self._state:
-            setattr(self._health, counter, getattr(self._health, counter) + 1)
-            was_healthy = self._health.healthy
-            self._health.last_error = text
-            if isinstance(error, BackendUnavailable | TimeoutError):
-                self._health.healthy = False
-        if was_healthy:
-            logger.warning("KvplugL2Adapter on %s: %s", self._config.target(), text)
-        else:
-            logger.debug("KvplugL2Adapter on %s: %s", self._config.target(), text)
-
-    def _success(self) -> None:
-        with self._state:
-            recovered = not self._health.healthy
-            self._health.healthy = True
-        if recovered:
-            logger.info("KvplugL2Adapter on %s answers again.", self._config.target())
-
     async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
-        try:
-            return await asyncio.wait_for(work, self._timeout)
-        except TimeoutError:
-            raise BackendTimeout(
-                f"{what} on {self._config.target()} took longer than task_timeout="
-                f"{self._timeout} s. Check the store, or raise task_timeout."
-            ) from None
+        return await within_deadline(work, self._timeout, f"{what} on {self._config.target()}")
 
     def _forget(self, keys: Sequence[ObjectKey], seen_at: int | None = None) -> None:
         """Keys this adapter stored that the backend no longer has (its own eviction, a
@@ -570,7 +542,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
 
     async def _store(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
         if len(keys) != len(objects):
-            self._failure(
+            self._health.failed(
                 "failed_stores",
                 KvplugError(f"a store task got {len(keys)} keys but {len(objects)} objects"),
             )
@@ -584,14 +556,14 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             put = self._objects_for_put(sources)
             await self._within_deadline(self._backend.batched_put(cache_keys, put), "a store")
         except Exception as error:
-            self._failure("failed_stores", error)
+            self._health.failed("failed_stores", error)
             return L2StoreResult(False, 0)
         finally:
             if put and not self._private_copy:
                 await self._until_released(put)
             for obj in put:
                 obj.release()
-        self._success()
+        self._health.succeeded()
         sizes = [src.numel() for src in sources]
         self._account_stored(keys, sizes)
         return L2StoreResult(True, sum(sizes))
@@ -649,13 +621,13 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 "a lookup",
             )
         except Exception as error:
-            self._failure("failed_lookups", error)
+            self._health.failed("failed_lookups", error)
             return found
         failure = next((a for a in answers if isinstance(a, BaseException)), None)
         if failure is not None:
-            self._failure("failed_lookups", failure)
+            self._health.failed("failed_lookups", failure)
         else:
-            self._success()
+            self._health.succeeded()
         present = [answer is True for answer in answers]
         async with self._lock_guard:
             for index, (key, cache_key, here) in enumerate(
@@ -679,7 +651,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 if not await self._within_deadline(self._backend.pin(cache_key), "a pin"):
                     return False
             except Exception as error:
-                self._failure("failed_lookups", error)
+                self._health.failed("failed_lookups", error)
                 return False
             self._pinned.add(key)
         self._locks.pin(key, self._config.lock_ttl)
@@ -727,7 +699,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     async def _load(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
         loaded = Bitmap(len(keys))
         if len(keys) != len(objects):
-            self._failure(
+            self._health.failed(
                 "failed_loads",
                 KvplugError(f"a load task got {len(keys)} keys but {len(objects)} buffers"),
             )
@@ -750,12 +722,12 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 asyncio.gather(*(self._backend.contains(k) for k in failed)), "a load"
             )
         except Exception as error:
-            self._failure("failed_loads", error)
+            self._health.failed("failed_loads", error)
             return loaded
         finally:
             if dests:  # a load past its deadline may still be writing into LMCache's buffers
                 await self._until_released(dests)
-        self._success()
+        self._health.succeeded()
         hits: list[ObjectKey] = []
         missing: list[ObjectKey] = []
         still_there = iter(present)
@@ -774,7 +746,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
 
     def _size_mismatch(self, key: ObjectKey, wanted: int) -> None:
         with self._state:
-            self._health.size_mismatches += 1
+            self._size_mismatches += 1
         logger.warning(
             "KvplugL2Adapter: %s holds %s in another size than LMCache's buffer of %d bytes; "
             "the load of this key fails (the model's layout or chunk size changed?).",
@@ -819,7 +791,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         try:
             self._client.run(self._delete(keys)).result(self._timeout + 5)
         except Exception as error:
-            self._failure("failed_deletes", error)
+            self._health.failed("failed_deletes", error)
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
         async with self._lock_guard:
@@ -833,11 +805,11 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                     "a delete",
                 )
             except Exception as error:
-                self._failure("failed_deletes", error)
+                self._health.failed("failed_deletes", error)
                 return
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            self._failure("failed_deletes", failure)
+            self._health.failed("failed_deletes", failure)
         # Absent now either way (and unpinned), unless its removal failed.
         gone = [
             k for k, r in zip(unlocked, results, strict=True) if not isinstance(r, BaseException)
@@ -909,8 +881,9 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     def report_status(self) -> dict[str, Any]:
         """Health and counters, with kvplug's own statistics where the backend has them;
         URLs and errors are masked."""
+        health = self._health.snapshot()
         with self._state:
-            health = _Health(**vars(self._health))
+            health["size_mismatches"] = self._size_mismatches
             status: dict[str, Any] = {
                 "type": "KvplugL2Adapter",
                 "target": self._config.target(),
@@ -939,7 +912,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 collected = self._client.run(collect()).result(5)
                 io_alive = True
         status["io_thread_alive"] = io_alive
-        status.update(vars(health))
+        status.update(health)
         usage = self.get_usage()
         status["bytes_used"] = usage.total_bytes_used
         status["capacity_bytes"] = usage.total_capacity_bytes
@@ -951,8 +924,8 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             if isinstance(self._backend, Store):
                 unhealthy = [t.name for t in self._backend.health() if not t.healthy]
                 status["failing_tiers"] = unhealthy
-                health.healthy = health.healthy and not unhealthy
-        status["is_healthy"] = io_alive and health.healthy
+                health["healthy"] = health["healthy"] and not unhealthy
+        status["is_healthy"] = io_alive and health["healthy"]
         return status
 
     # -- close ----------------------------------------------------------------------------------

@@ -51,13 +51,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvplug.errors import BackendTimeout, BackendUnavailable, ConfigError, KvplugError
+from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
+    CallHealth,
     check_target,
     needs_private_copy,
     open_client,
     private_copies,
     until_released,
+    within_deadline,
 )
 from kvplug.keys import CacheKey, lmcache_dtype_name
 from kvplug.memory import MemoryFormat, MemoryObj
@@ -100,19 +102,30 @@ _POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer")
 _WHAT = "KvplugHiCacheStorage"
 
 
-@dataclass
-class StorageHealth:
-    """What :meth:`KvplugHiCacheStorage.health` reports."""
+_FAILURES = ("failed_sets", "failed_gets", "failed_exists", "failed_clears")
 
-    healthy: bool = True
-    last_error: str | None = None
-    failed_sets: int = 0
-    failed_gets: int = 0
-    failed_exists: int = 0
-    failed_clears: int = 0
+
+@dataclass
+class _PageCounts:
     pages_stored: int = 0
     pages_loaded: int = 0
     pages_missed: int = 0
+
+
+@dataclass(frozen=True)
+class StorageHealth:
+    """What :meth:`KvplugHiCacheStorage.health` reports."""
+
+    healthy: bool
+    """False once a call found the store unreachable or late, until one succeeds."""
+    last_error: str | None
+    failed_sets: int
+    failed_gets: int
+    failed_exists: int
+    failed_clears: int
+    pages_stored: int
+    pages_loaded: int
+    pages_missed: int
 
 
 @dataclass
@@ -220,11 +233,12 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         self._writer = storage_config.is_storage_writer
         self._metrics_on = storage_config.enable_storage_metrics
         self._metrics = _Metrics()
-        self._health = StorageHealth()
+        self._pages = _PageCounts()
         self._state = threading.Lock()
         self._target = (
             mask_url(extra["url"]) if extra.get("url") else f"the tiers in {extra['config']}"
         )
+        self._calls = CallHealth(self._what, _FAILURES, logger)
         self._client: SyncClient = open_client(
             url=extra.get("url"),
             config=extra.get("config"),
@@ -337,44 +351,20 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         """Run ``work()`` on kvplug's IO thread and wait; any failure is counted, logged and
         answered with ``failed``."""
         if self._namespace is None:
-            self._failure(
+            self._calls.failed(
                 counter, KvplugError("SGLang has not registered its host memory pool yet")
             )
             return failed
         try:
             result = self._client.run(work()).result()
         except Exception as error:
-            self._failure(counter, error)
+            self._calls.failed(counter, error)
             return failed
-        self._success()
+        self._calls.succeeded()
         return result
 
-    def _failure(self, counter: str, error: BaseException) -> None:
-        text = mask_text(f"{type(error).__name__}: {error}")
-        with self._state:
-            setattr(self._health, counter, getattr(self._health, counter) + 1)
-            was_healthy = self._health.healthy
-            self._health.last_error = text
-            if isinstance(error, BackendUnavailable | BackendTimeout | TimeoutError):
-                self._health.healthy = False
-        log = logger.warning if was_healthy else logger.debug
-        log("%s on %s: %s (the pages are reported as not stored/found).", _WHAT, self._target, text)
-
-    def _success(self) -> None:
-        with self._state:
-            recovered = not self._health.healthy
-            self._health.healthy = True
-        if recovered:
-            logger.info("%s on %s answers again.", _WHAT, self._target)
-
     async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
-        try:
-            return await asyncio.wait_for(work, self._timeout)
-        except TimeoutError:
-            raise BackendTimeout(
-                f"{what} on {self._target} took longer than task_timeout={self._timeout} s. "
-                "Check the store, or raise task_timeout."
-            ) from None
+        return await within_deadline(work, self._timeout, f"{what} on {self._target}")
 
     def _keys(self, page_keys: Sequence[str]) -> list[CacheKey]:
         assert self._namespace is not None
@@ -565,7 +555,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             for obj in (*copies, *views, *(owners if released else ())):
                 obj.release()
         with self._state:
-            self._health.pages_stored += len(keys)
+            self._pages.pages_stored += len(keys)
         return True
 
     async def _load(
@@ -604,8 +594,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             for obj in owners if released else ():
                 obj.release()
         with self._state:
-            self._health.pages_loaded += sum(pages)
-            self._health.pages_missed += len(pages) - sum(pages)
+            self._pages.pages_loaded += sum(pages)
+            self._pages.pages_missed += len(pages) - sum(pages)
         return pages
 
     # -- the copying API (without interface_v1) -----------------------------------------------
@@ -633,7 +623,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         if not self._writer:
             return True
         if values is None or len(values) != len(keys):
-            self._failure(
+            self._calls.failed(
                 "failed_sets", KvplugError(f"batch_set got {len(keys)} keys but no matching values")
             )
             return False
@@ -669,7 +659,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         if not keys:
             return []
         if self.mem_pool_host is None:
-            self._failure("failed_gets", KvplugError("no host memory pool is registered yet"))
+            self._calls.failed("failed_gets", KvplugError("no host memory pool is registered yet"))
             return [None] * len(keys)
         targets = (
             list(target_locations)
@@ -677,7 +667,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             else [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         )
         if len(targets) != len(keys) or not all(t.is_contiguous() for t in targets):
-            self._failure(
+            self._calls.failed(
                 "failed_gets",
                 KvplugError("batch_get needs one contiguous target tensor per key"),
             )
@@ -735,7 +725,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     def health(self) -> StorageHealth:
         """A snapshot of this storage's health and page counters."""
         with self._state:
-            return StorageHealth(**asdict(self._health))
+            pages = asdict(self._pages)
+        return StorageHealth(**self._calls.snapshot(), **pages)
 
     def close(self) -> None:
         """Close the kvplug backend (SGLang calls this when it detaches the storage).
