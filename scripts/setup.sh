@@ -92,9 +92,11 @@ check_cpu_torch() {
 build_engine_venv() {
   local engine=$1 version=$2 install=$3
   local engine_venv=".venv-$engine-$version"
+  local inputs=(scripts/constraints.txt "integrations/$engine/pyproject.toml")
+  local requirements="integrations/$engine/requirements-cpu.txt"
+  [ ! -f "$requirements" ] || inputs+=("$requirements")
   local stamp
-  stamp="$engine==$version $(cat scripts/constraints.txt integrations/"$engine"/pyproject.toml \
-    integrations/"$engine"/requirements-*.txt 2>/dev/null | cksum)"
+  stamp="$engine==$version $(cat "${inputs[@]}" | cksum)"
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
     return
   fi
@@ -105,7 +107,10 @@ build_engine_venv() {
     -c scripts/constraints.txt)
   "${ENGINE_PIP[@]}" --upgrade pip
   "$install" "$engine_venv" "$version"
-  "${ENGINE_PIP[@]}" "${editable[@]}" -e "integrations/$engine"
+  "${ENGINE_PIP[@]}" "${editable[@]}"
+  # Its dependencies are kvplug and the engine, both in place (the engine's own pins, which
+  # SGLang's conflict with the torch constraint, are not resolved again).
+  "${ENGINE_PIP[@]}" --no-deps -e "integrations/$engine"
   check_cpu_torch "$engine_venv"
   echo "$stamp" >"$engine_venv/.kvplug-stamp"
 }
