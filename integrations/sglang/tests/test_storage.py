@@ -126,7 +126,7 @@ def test_pages_round_trip_bit_exact_in_every_layout(
 
     if target.name == "cpu":  # a cpu:// store lives in its process: read back into its pool
         dest, reader = source, writer
-    else:  # another SGLang instance (for file://, one started later)
+    else:  # another SGLang instance on the same store
         dest = make_host_pool(layout, mla=mla, page_size=PAGE)
         reader = open_storage(dest, extra(target))
     before = page_bytes(dest, 4 * PAGE)
@@ -300,6 +300,39 @@ def test_get_stats_reports_pages_and_bandwidth_per_call_when_sglang_asks(
     assert stats.backup_pgs == [3] and stats.prefetch_pgs == [2]
     assert all(v > 0 for v in stats.backup_bandwidth + stats.prefetch_bandwidth)
     assert storage.get_stats().backup_pgs == []  # drained
+
+
+def test_sglangs_threads_may_call_at_once(
+    tmp_path: Path,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: Callable[..., KvplugHiCacheStorage],
+    page_bytes: PageBytes,
+) -> None:
+    """The backup, prefetch and prefetch-IO threads share one storage."""
+    pool = make_host_pool("layer_first", page_size=PAGE, pages=64)
+    storage = open_storage(pool, extra(Target("file", f"file://{tmp_path}/store", {})))
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            for round_ in range(5):
+                keys = keys_of(f"threads-{n}-{round_}", 2)
+                src, dst = (4 * n, 4 * n + 1), (4 * n + 2, 4 * n + 3)
+                assert storage.batch_set_v1(keys, slots(*src)) == [True, True]
+                assert storage.batch_exists(keys) == 2
+                assert storage.batch_get_v1(keys, slots(*dst)) == [True, True]
+                for a, b in zip(src, dst, strict=True):
+                    assert torch.equal(page_bytes(pool, a * PAGE), page_bytes(pool, b * PAGE))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert storage.health().pages_loaded == 6 * 5 * 2
 
 
 # -- configuration ---------------------------------------------------------------------------
