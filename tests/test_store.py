@@ -140,6 +140,22 @@ def test_lookup_counts_the_prefix_present_in_any_tier() -> None:
     asyncio.run(main())
 
 
+def test_lookup_of_keys_the_first_tier_holds_never_waits_for_a_slow_tier() -> None:
+    async def main() -> None:
+        store, fast, slow, allocator = await two_dict_store()
+        obj = filled(allocator, 0.5)
+        for n in range(3):
+            await fast.put(key(n), obj)
+        obj.release()
+        slow.gate = asyncio.Event()  # a paused lower tier: any call to it waits
+        assert await asyncio.wait_for(store.lookup([key(0), key(1), key(2)]), 1) == 3
+        assert await asyncio.wait_for(store.contains(key(1)), 1)
+        slow.gate.set()
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_prefetch_loads_a_contiguous_prefix_into_the_first_tier() -> None:
     async def main() -> None:
         store, fast, slow, allocator = await two_dict_store()

@@ -1186,6 +1186,8 @@ class Store(Backend):
                     )
                     if ok and count:
                         advance = max(advance, count)
+                        if position + advance == len(keys):
+                            break  # every key is found: slower tiers need not be asked
             if not advance:
                 break
             position += advance

@@ -135,11 +135,14 @@ def _deadline_backend(
 
 
 def _deadline(backend: Backend) -> float:
-    """The longest ``timeout`` option along a wrapper chain."""
+    """The longest ``timeout`` option along a wrapper chain and, for a Store, of its tiers (an
+    operation that reaches a lower tier waits as long as that tier's deadline)."""
     deadline = 0.0
     current: object = backend
     while isinstance(current, Backend):
         deadline = max(deadline, current.options.timeout)
+        for tier in getattr(current, "tiers", ()):
+            deadline = max(deadline, _deadline(tier))
         current = getattr(current, "inner", None)
     return deadline
 
