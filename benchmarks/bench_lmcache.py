@@ -31,7 +31,6 @@ os.environ.update({"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"})
 import argparse
 import json
 import logging
-import statistics
 import tempfile
 import threading
 import time
@@ -51,9 +50,9 @@ from lmcache.v1.distributed.api import (
 from lmcache.v1.distributed.config import parse_args
 from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.storage_manager import StorageManager
+from paired import TARGET_RATIO, cell_text, ratio_cell
 
 SHAPE = (2, 32, 256, 1024)
-TARGET_RATIO = 1.0
 DEADLINE_S = 600.0
 MiB = 1 << 20
 
@@ -203,26 +202,14 @@ def compare(medium: Medium, chunks: int, repeat: int, l1_gb: float) -> dict[str,
     row: dict[str, Any] = {"path": medium.name, "chunks": chunks, "bytes": nbytes}
     for operation in ("store", "prefetch"):
         ours, theirs = (getattr(timings[n], operation) for n in ("kvplug", "lmcache"))
-        ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
-        row[operation] = {
-            "kvplug_gb_s": nbytes / statistics.median(ours) / 1e9,
-            "lmcache_gb_s": nbytes / statistics.median(theirs) / 1e9,
-            "ratio": statistics.median(ratios),
-            "pass_ratios": (min(ratios), max(ratios)),
-        }
+        row[operation] = ratio_cell(ours, theirs, nbytes, "lmcache")
     return row
 
 
 def print_row(row: dict[str, Any]) -> None:
     for operation in ("store", "prefetch"):
-        cell = row[operation]
-        low, high = cell["pass_ratios"]
-        flag = "" if cell["ratio"] >= TARGET_RATIO else "  below target"
         print(
-            f"{row['path']:<16} {operation:<9} {cell['kvplug_gb_s']:>7.2f} GB/s "
-            f"{cell['lmcache_gb_s']:>8.2f} GB/s   {cell['ratio']:.2f}x "
-            f"(per pass {low:.2f}-{high:.2f}){flag}",
-            flush=True,
+            f"{row['path']:<16} {operation:<9} {cell_text(row[operation], 'lmcache')}", flush=True
         )
 
 

@@ -33,7 +33,6 @@ import importlib.util
 import json
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -45,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from paired import TARGET_RATIO, cell_text, ratio_cell
 
 HARNESS = Path(__file__).resolve().parents[1] / "integrations/sglang/tests/conftest.py"
-TARGET_RATIO = 1.0
 DYNAMIC = {
     "backend_name": "kvplug",
     "module_path": "kvplug_sglang",
@@ -191,25 +190,15 @@ def compare(
     }
     for operation in ("backup", "prefetch"):
         mine, other = (getattr(timings[n], operation) for n in ("kvplug", "sglang"))
-        ratios = [t / o for o, t in zip(mine, other, strict=True)]
-        row[operation] = {
-            "kvplug_gb_s": nbytes / statistics.median(mine) / 1e9,
-            "sglang_gb_s": nbytes / statistics.median(other) / 1e9,
-            "ratio": statistics.median(ratios),
-            "pass_ratios": (min(ratios), max(ratios)),
-        }
+        row[operation] = ratio_cell(mine, other, nbytes, "sglang")
     return row
 
 
 def print_row(row: dict[str, Any]) -> None:
     for operation in ("backup", "prefetch"):
-        cell = row[operation]
-        low, high = cell["pass_ratios"]
-        flag = "" if cell["ratio"] >= TARGET_RATIO else "  below target"
         print(
             f"{row['layout']:<18} {row['kvplug_url']:<15} {operation:<9} "
-            f"{cell['kvplug_gb_s']:>7.2f} GB/s {cell['sglang_gb_s']:>8.2f} GB/s   "
-            f"{cell['ratio']:.2f}x (per pass {low:.2f}-{high:.2f}){flag}",
+            f"{cell_text(row[operation], 'sglang')}",
             flush=True,
         )
 
