@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from kvplug.backend import Backend
 from kvplug.config import Config
 from kvplug.errors import BackendTimeout, BackendUnavailable, CapacityExceeded, ConfigError
+from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.secrets import mask_text
 from kvplug.store import Store
@@ -71,6 +72,38 @@ def open_client(
     return SyncClient(str(url), **dict(options or {}))
 
 
+def tiers_of(backend: Backend) -> list[Backend]:
+    """The backends that hold the bytes: a Store's tiers, else ``backend`` itself."""
+    return backend.tiers if isinstance(backend, Store) else [backend]
+
+
+PROBE_KEY = CacheKey("kvplug-probe", 1, 0, b"\x00", "uint8")
+"""The key :func:`probe` asks for; never stored."""
+
+
+def probe(client: SyncClient, timeout: float) -> None:
+    """Ask the store behind ``client`` for :data:`PROBE_KEY`, as an engine integration does at
+    start. Raises :class:`BackendUnavailable` (with the failing tiers of a Store, which answer
+    a lookup even while a tier is down) or :class:`TimeoutError` after ``timeout`` seconds."""
+    backend = client.backend
+
+    async def ask() -> None:
+        await backend.contains(PROBE_KEY)
+        if isinstance(backend, Store):
+            failing = [tier for tier in backend.health() if not tier.healthy]
+            if failing:
+                raise BackendUnavailable(
+                    "; ".join(f"tier {t.name}: {t.last_error}" for t in failing)
+                )
+
+    asking = client.run(ask())
+    try:
+        asking.result(timeout)
+    except BaseException:
+        asking.cancel()
+        raise
+
+
 def needs_private_copy(backend: Backend) -> bool:
     """Whether a put must copy the engine's buffer into kvplug memory first.
 
@@ -82,7 +115,7 @@ def needs_private_copy(backend: Backend) -> bool:
     """
     if backend.capabilities.zero_copy:
         return True
-    return isinstance(backend, Store) and len(backend.tiers) > 1
+    return len(tiers_of(backend)) > 1
 
 
 def private_copies(backend: Backend, objs: Sequence[MemoryObj], target: str) -> list[MemoryObj]:
@@ -202,11 +235,14 @@ class CallHealth:
 
 
 __all__ = [
+    "PROBE_KEY",
     "CallHealth",
     "check_target",
     "needs_private_copy",
     "open_client",
     "private_copies",
+    "probe",
+    "tiers_of",
     "until_released",
     "within_deadline",
 ]

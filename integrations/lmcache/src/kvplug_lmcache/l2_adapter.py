@@ -79,6 +79,8 @@ from kvplug.integration import (
     needs_private_copy,
     open_client,
     private_copies,
+    probe,
+    tiers_of,
     until_released,
     within_deadline,
 )
@@ -88,7 +90,7 @@ from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
-from kvplug_lmcache.keys import OBJECT_DTYPE, cache_key_to_object_key, object_key_to_cache_key
+from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
 
 try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
     from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
@@ -104,7 +106,6 @@ DEFAULT_LOCK_TTL = 300.0
 """Seconds a lock lasts when LMCache never gives it back."""
 MAX_UNCLAIMED = 100_000
 """Results of tasks LMCache never asked for kept at most (the oldest go first)."""
-_PROBE_KEY = CacheKey("kvplug-lmcache-probe", 1, 0, b"\x00", OBJECT_DTYPE)
 _PARAMS = {
     "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
     "config": "the path of a kvplug tiers YAML (instead of url)",
@@ -269,7 +270,7 @@ def _byte_view(obj: Any) -> torch.Tensor:
 
 def _default_capacity(backend: Backend) -> int:
     """The backend's ``max_size`` (the largest tier's for a Store), else 0 (unknown)."""
-    layers = backend.tiers if isinstance(backend, Store) else [backend]
+    layers = tiers_of(backend)
     sizes = [getattr(layer.options, "max_size", None) for layer in layers]
     known = [size for size in sizes if isinstance(size, int)]
     return max(known) if known and len(known) == len(sizes) else 0
@@ -279,7 +280,7 @@ def _memory_tags(backend: Backend, shared: bool) -> Any:
     """LMCache's tags for where the backend keeps its bytes: REMOTE where other hosts may see
     them (LMCache's meaning), so not for ``file://``, whose directory the processes of one host
     share (LMCache says ``shared`` for one on a network filesystem)."""
-    layers = backend.tiers if isinstance(backend, Store) else [backend]
+    layers = tiers_of(backend)
     remote = shared or any(
         layer.capabilities.shared_across_processes and layer.url.scheme != "file"
         for layer in layers
@@ -418,28 +419,14 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     # -- start-up -----------------------------------------------------------------------------
 
     def _check_reachable(self, client: SyncClient) -> None:
-        backend = client.backend
-        target = self._config.target()
-
-        async def probe() -> None:
-            await backend.contains(_PROBE_KEY)
-            if isinstance(backend, Store):
-                failing = [tier for tier in backend.health() if not tier.healthy]
-                if failing:
-                    raise BackendUnavailable(
-                        "; ".join(f"tier {t.name}: {t.last_error}" for t in failing)
-                    )
-
-        probing = client.run(probe())
         try:
-            probing.result(self._timeout)
+            probe(client, self._timeout)
         except (BackendUnavailable, TimeoutError) as error:
-            probing.cancel()
             detail = str(error) or f"no answer within task_timeout={self._timeout} s"
             raise BackendUnavailable(
-                f"KvplugL2Adapter cannot reach {target}: {detail} Start the store (or fix the "
-                "URL), or set adapter_params.check_on_start to false to start LMCache anyway "
-                "(loads then miss and stores fail until the store answers)."
+                f"KvplugL2Adapter cannot reach {self._config.target()}: {detail} Start the store "
+                "(or fix the URL), or set adapter_params.check_on_start to false to start LMCache "
+                "anyway (loads then miss and stores fail until the store answers)."
             ) from None
 
     # -- event fds ----------------------------------------------------------------------------

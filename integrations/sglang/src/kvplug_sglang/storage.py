@@ -58,13 +58,14 @@ from kvplug.integration import (
     needs_private_copy,
     open_client,
     private_copies,
+    probe,
+    tiers_of,
     until_released,
     within_deadline,
 )
 from kvplug.keys import CacheKey, lmcache_dtype_name
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
-from kvplug.store import Store
 from kvplug.sync import SyncClient
 from kvplug_sglang.keys import PageNamespace
 
@@ -96,7 +97,6 @@ SGLANG_KEYS = frozenset(
 )
 """Extra config keys that SGLang itself reads; kvplug accepts and ignores them."""
 
-_PROBE_PAGE = "00"
 _POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer")
 """Host pool tensors a page region may lie in."""
 _WHAT = "KvplugHiCacheStorage"
@@ -264,11 +264,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     # -- set-up ---------------------------------------------------------------------------------
 
     def _check_reachable(self) -> None:
-        probe = CacheKey("kvplug-sglang-probe", 1, 0, bytes.fromhex(_PROBE_PAGE), "uint8")
         try:
-            self._client.run(
-                self._within_deadline(self._client.backend.contains(probe), "a start-up probe")
-            ).result()
+            probe(self._client, self._timeout)
         except Exception as error:
             raise KvplugError(
                 f"{_WHAT}: {self._target} did not answer at start "
@@ -277,8 +274,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             ) from None
 
     def _warn_unless_shared(self) -> None:
-        backend = self._client.backend
-        layers = backend.tiers if isinstance(backend, Store) else [backend]
+        layers = tiers_of(self._client.backend)
         if not any(layer.capabilities.shared_across_processes for layer in layers):
             logger.warning(
                 "%s: %s keeps what each process stores to itself, but this MLA model's pages "
@@ -315,7 +311,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         self._zero_copy = (
             0 < len(regions) <= 2
             and sum(size for _, size in regions) == self._page_bytes
-            and all(self._in_pool(address, size) for address, size in regions)
+            and all(self._pool_view(address, size) is not None for address, size in regions)
         )
         self._segment_sizes = (
             [size for _, size in regions] if self._zero_copy else [self._page_bytes]
@@ -374,20 +370,12 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     def _what(self) -> str:
         return f"{_WHAT} on {self._target}"
 
-    def _in_pool(self, address: int, size: int) -> bool:
-        return any(
-            start <= address and address + size <= start + length
-            for start, length, _ in self._pool_memory
-        )
-
-    def _pool_view(self, address: int, size: int) -> torch.Tensor:
+    def _pool_view(self, address: int, size: int) -> torch.Tensor | None:
+        """The host pool's bytes ``[address, address + size)``, or None outside its buffers."""
         for start, length, flat in self._pool_memory:
             if start <= address and address + size <= start + length:
                 return flat[address - start : address - start + size]
-        raise KvplugError(
-            f"SGLang's host pool described a page at {address:#x} (+{size} bytes) outside its "
-            "kv_buffer; kvplug cannot address it."
-        )
+        return None
 
     def _page_views(self, page_keys: Sequence[str], host_indices: torch.Tensor) -> list[Any]:
         """One flat uint8 view of the host pool per segment of each page (zero-copy layouts)."""
@@ -398,7 +386,13 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 f"{len(page_keys)} page keys came with host indices of {len(pointers)} page "
                 f"regions; expected {expected}."
             )
-        return [self._pool_view(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
+        views = [self._pool_view(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
+        if any(view is None for view in views):
+            raise KvplugError(
+                "SGLang's host pool described a page region outside its buffers; kvplug cannot "
+                "address it."
+            )
+        return [view for view in views if view is not None]
 
     def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int]:
         tokens = self._page_tokens()
