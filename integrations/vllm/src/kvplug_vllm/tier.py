@@ -1,0 +1,670 @@
+"""kvplug as a vLLM offloading tier: ``KvplugTier``.
+
+vLLM's ``OffloadingConnector`` with the ``TieringOffloadingSpec`` keeps offloaded KV in a CPU
+primary tier and cascades every stored chunk to its secondary tiers; a chunk missing from the
+primary tier is looked up in them and promoted back. ``KvplugTier`` makes any kvplug URL or
+tiers config such a secondary tier::
+
+    vllm serve Qwen/Qwen3-8B --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8000000000,
+            "secondary_tiers": [{"type": "kvplug", "url": "file:///var/cache/kv"}]}}'
+
+``"type": "kvplug"`` is registered by kvplug-vllm's ``vllm.general_plugins`` entry point; without
+it, ``{"type": "KvplugTier", "module_path": "kvplug_vllm.tier", ...}`` loads the same class.
+
+Tier keys (besides vLLM's ``type``, ``module_path`` and ``backpressure``): ``url`` (any kvplug
+URL) or ``config`` (a kvplug tiers YAML); optionally ``options`` (kvplug backend or Store
+options), ``task_timeout`` (seconds one store or load job may take, default 60),
+``lookup_timeout`` (seconds one batch of lookups may take, default 5), ``check_on_start`` (fail
+at start when the store does not answer, default true), ``model_identity`` (what identifies the
+weights; see :mod:`kvplug_vllm.keys`), ``on_reset`` (``"forget"``, the default, or ``"keep"``),
+``max_queued_chunks`` (chunks of store jobs in flight before new ones are refused, default half
+the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``) and ``enable_kv_events``.
+
+How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``);
+kvplug writes them from and reads them into those rows with no copy (a ``cpu://`` tier or a
+Store of several tiers keeps what it is given, so it gets a private copy first), one batched
+kvplug call per job, on kvplug's IO thread. Lookups are batched once per scheduler step on a
+background thread (vLLM's ``AsyncLookupManager``): a key answers RETRY until its batch is back.
+
+Failures never reach vLLM's scheduler as exceptions: a store that is down, slow or full makes
+lookups answer MISS and jobs finish failed (a load reports which chunks it did read), the first
+failure is logged, and later calls try again. A job is reported finished only once kvplug holds
+no reference to the primary tier's memory, so a slot vLLM reuses is never written late.
+
+Cache resets (``reset_prefix_cache(reset_connector=True)``, which vLLM's
+``pause_generation(clear_cache=True)`` uses around in-place weight updates) call
+:meth:`KvplugTier.drain_jobs`; with ``on_reset="forget"`` the tier then moves to a new key
+epoch, so nothing stored before the reset is served after it. ``"keep"`` keeps serving it, as
+vLLM's ``fs`` tier does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import difflib
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvplug.errors import ConfigError, KvplugError
+from kvplug.integration import (
+    CallHealth,
+    check_target,
+    needs_private_copy,
+    open_client,
+    private_copies,
+    probe,
+    tiers_of,
+    until_released,
+    within_deadline,
+)
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.secrets import mask_text, mask_url
+from kvplug.sync import SyncClient
+from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+logger = logging.getLogger("kvplug.vllm")
+
+DEFAULT_TASK_TIMEOUT = 60.0
+"""Seconds one store or load job may take before it finishes failed."""
+DEFAULT_LOOKUP_TIMEOUT = 5.0
+"""Seconds one batch of lookups may take before its keys answer MISS."""
+ON_RESET = ("forget", "keep")
+
+KVPLUG_KEYS = {
+    "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
+    "config": "path of a kvplug tiers YAML (instead of url)",
+    "options": "mapping of kvplug backend or Store options",
+    "task_timeout": f"seconds one store or load job may take (default {DEFAULT_TASK_TIMEOUT})",
+    "lookup_timeout": f"seconds one batch of lookups may take (default {DEFAULT_LOOKUP_TIMEOUT})",
+    "check_on_start": "fail at start when the store does not answer (default true)",
+    "model_identity": "a string that identifies the served weights (default: derived)",
+    "on_reset": "'forget' (default) or 'keep' what was stored before a cache reset",
+    "max_queued_chunks": "chunks of store jobs in flight before new ones are refused",
+    "locality": "'LOCAL' or 'REMOTE': where the store is relative to this instance",
+    "enable_kv_events": "publish KV events for chunks stored here (default false)",
+}
+_WHAT = "KvplugTier"
+_FAILURES = ("failed_stores", "failed_loads", "failed_lookups", "refused_stores")
+
+
+def _positive_seconds(settings: Mapping[str, Any], name: str, default: float) -> float:
+    value = settings.get(name, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{_WHAT}: {name} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+def _check_flag(settings: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = settings.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_WHAT}: {name} must be true or false, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class _Settings:
+    url: str | None
+    config: str | None
+    options: Mapping[str, Any] | None
+    task_timeout: float
+    lookup_timeout: float
+    check_on_start: bool
+    model_identity: str | None
+    on_reset: str
+    max_queued_chunks: int | None
+    locality: Locality | None
+    enable_kv_events: bool
+
+    @classmethod
+    def parse(cls, settings: Mapping[str, Any]) -> _Settings:
+        unknown = sorted(set(settings) - set(KVPLUG_KEYS))
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, list(KVPLUG_KEYS), n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            valid = "; ".join(f"{k}: {v}" for k, v in KVPLUG_KEYS.items())
+            raise ConfigError(
+                f"{_WHAT}: unknown key(s) {', '.join(hints)} in its secondary_tiers entry. Its "
+                f"keys are {valid}; vLLM itself reads type, module_path and backpressure."
+            )
+        check_target(settings.get("url"), settings.get("config"), settings.get("options"), what=_WHAT)
+        identity = settings.get("model_identity")
+        if identity is not None and (not isinstance(identity, str) or not identity):
+            raise ConfigError(
+                f"{_WHAT}: model_identity must be a non-empty string (a checkpoint digest, a "
+                f"revision), got {identity!r}."
+            )
+        on_reset = settings.get("on_reset", "forget")
+        if on_reset not in ON_RESET:
+            raise ConfigError(f"{_WHAT}: on_reset must be one of {ON_RESET}, got {on_reset!r}.")
+        queued = settings.get("max_queued_chunks")
+        if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or queued < 1):
+            raise ConfigError(
+                f"{_WHAT}: max_queued_chunks must be a positive integer, got {queued!r}."
+            )
+        locality = settings.get("locality")
+        valid_localities = [member.value for member in Locality]
+        if locality is not None and locality not in valid_localities:
+            raise ConfigError(
+                f"{_WHAT}: locality must be one of {valid_localities}, got {locality!r}."
+            )
+        return cls(
+            url=settings.get("url"),
+            config=settings.get("config"),
+            options=settings.get("options"),
+            task_timeout=_positive_seconds(settings, "task_timeout", DEFAULT_TASK_TIMEOUT),
+            lookup_timeout=_positive_seconds(settings, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
+            check_on_start=_check_flag(settings, "check_on_start", True),
+            model_identity=identity,
+            on_reset=on_reset,
+            max_queued_chunks=queued,
+            locality=Locality(locality) if locality is not None else None,
+            enable_kv_events=_check_flag(settings, "enable_kv_events", False),
+        )
+
+
+@dataclass(frozen=True)
+class TierHealth:
+    """What :meth:`KvplugTier.health` reports."""
+
+    healthy: bool
+    """False once a call found the store unreachable or late, until one succeeds."""
+    last_error: str | None
+    failed_stores: int
+    failed_loads: int
+    failed_lookups: int
+    refused_stores: int
+    """Store jobs refused because ``max_queued_chunks`` were in flight (back-pressure)."""
+    chunks_stored: int
+    chunks_skipped: int
+    """Chunks of store jobs that the store already held."""
+    chunks_loaded: int
+    chunks_missed: int
+    jobs_in_flight: int
+
+
+def _namespace(spec: OffloadingSpec, row_bytes: int, identity: str | None) -> ChunkNamespace:
+    """The key namespace of ``spec``'s primary-tier rows (see :mod:`kvplug_vllm.keys`)."""
+    config = spec.config
+    parallel = config.parallel
+    agnostic = bool(parallel.is_parallelism_agnostic or config.replicated_layout)
+    layout: dict[str, Any] = {
+        "engine": "vllm",
+        "row_bytes": row_bytes,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "kv_dtype": config.model.dtype,
+        "groups": [
+            [group.tokens_per_block, list(group.layer_names)] for group in config.groups
+        ],
+        "replicated": bool(config.replicated_layout),
+        "canonical": config.kv_cache_layout if config.canonical_layout else None,
+    }
+    if not agnostic:
+        layout["parallel"] = [
+            parallel.world_size,
+            parallel.tp_size,
+            parallel.pp_size,
+            parallel.pcp_size,
+            parallel.dcp_size,
+        ]
+    return ChunkNamespace(
+        model_name=config.model.name,
+        world_size=1 if agnostic else parallel.world_size,
+        dtype=key_dtype(config.model.dtype),
+        layout=layout,
+        identity=identity,
+    )
+
+
+class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vllm is untyped
+    """vLLM's per-step batched lookups, answered by the tier's store."""
+
+    def __init__(self, tier: KvplugTier) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier._present(keys)
+
+
+class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
+    """Any kvplug backend or tiers config as a vLLM secondary offloading tier (see the module
+    documentation for the keys). vLLM's ``SecondaryTierFactory`` builds it from a
+    ``secondary_tiers`` entry; every method runs on vLLM's scheduler side and returns at once,
+    the transfers run on kvplug's IO thread.
+
+    Example (what vLLM's tiering manager does with it)::
+
+        tier = KvplugTier(spec, primary_kv_view, "kvplug", url="file:///var/cache/kv")
+        tier.submit_store(TransferJob(1, keys, chunk_ids, False, req_context))
+        tier.lookup(keys[0], req_context)      # RETRY until this step's batch is answered
+        tier.on_schedule_end(context)           # sends the step's lookups
+        ...
+        tier.get_finished_jobs()                # [JobResult(job_id=1, success=True, ...)]
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        parsed = _Settings.parse(settings)
+        self._settings = parsed
+        self.locality = parsed.locality
+        rows = np.asarray(primary_kv_view)
+        if rows.ndim != 2 or rows.strides[1] != 1 or rows.itemsize != 1:
+            raise KvplugError(
+                f"{_WHAT}: the primary tier's memory is not a (chunks, row bytes) byte view "
+                f"(shape {rows.shape}, strides {rows.strides}); this vLLM version is not supported."
+            )
+        self._rows = torch.from_numpy(rows).view(torch.uint8)
+        self._row_bytes = int(rows.strides[0])
+        self._target = (
+            mask_url(parsed.url) if parsed.url else f"the tiers in {parsed.config}"
+        )
+        self._calls = CallHealth(self._what, _FAILURES, logger)
+        identity = parsed.model_identity or model_identity(offloading_spec.config.model.name)
+        if identity is None:
+            logger.warning(
+                "%s: nothing identifies the weights of %r but its name (not a local directory, "
+                "not in the Hugging Face cache), so KV stored for other weights under this name "
+                "would be served. Set model_identity in the tier config (a checkpoint digest or "
+                "revision) when the weights can change.",
+                self._what,
+                offloading_spec.config.model.name,
+            )
+        self._base_namespace = _namespace(offloading_spec, self._row_bytes, identity)
+        self._namespace = self._base_namespace
+        num_chunks = int(rows.shape[0])
+        self._max_queued = parsed.max_queued_chunks or max(1, num_chunks // 2)
+        self._events: list[OffloadingEvent] | None = None
+        if parsed.enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                logger.warning(
+                    "%s: enable_kv_events is set but vLLM's KV cache events are off "
+                    "(--kv-events-config); no events are published.",
+                    self._what,
+                )
+        self._state = threading.Lock()
+        self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._in_flight: dict[JobId, concurrent.futures.Future[Any]] = {}
+        self._load_keys: dict[JobId, list[OffloadKey]] = {}
+        self._queued_chunks = 0
+        self._counts = dict.fromkeys(
+            ("chunks_stored", "chunks_skipped", "chunks_loaded", "chunks_missed"), 0
+        )
+        self._client: SyncClient = open_client(
+            url=parsed.url, config=parsed.config, options=parsed.options, what=_WHAT
+        )
+        try:
+            self._private_copy = needs_private_copy(self._client.backend)
+            if all(tier.url.scheme == "cpu" for tier in tiers_of(self._client.backend)):
+                self.medium = Medium.CPU
+                self.cache_hit_source = CacheHitSource.HOST
+            if parsed.check_on_start:
+                self._check_reachable()
+        except BaseException:
+            self._client.close()
+            raise
+        self._lookups = _Lookups(self)
+        logger.info(
+            "%s: rows of %d bytes, keys %s@...@vllm%%%s, up to %d chunks of stores in flight.",
+            self._what,
+            self._row_bytes,
+            self._namespace.model_name,
+            self._namespace.digest,
+            self._max_queued,
+        )
+
+    # -- set-up and plumbing --------------------------------------------------------------------
+
+    @property
+    def _what(self) -> str:
+        return f"{_WHAT} on {self._target}"
+
+    def _check_reachable(self) -> None:
+        try:
+            probe(self._client, self._settings.lookup_timeout)
+        except Exception as error:
+            raise KvplugError(
+                f"{_WHAT}: {self._target} did not answer at start "
+                f"({mask_text(str(error)) or type(error).__name__}). Start the store, fix the "
+                "tier's url or config, or set check_on_start to false to start anyway (chunks "
+                "then miss until the store answers)."
+            ) from None
+
+    def _keys(self, keys: Iterable[OffloadKey]) -> list[CacheKey]:
+        namespace = self._namespace
+        return [namespace.key_of(bytes(key)) for key in keys]
+
+    def _views(self, chunk_ids: Sequence[int]) -> list[MemoryObj]:
+        return [
+            MemoryObj.from_tensor(self._rows[int(chunk)], MemoryFormat.BINARY_BUFFER)
+            for chunk in chunk_ids
+        ]
+
+    async def _let_go(self, objs: Sequence[MemoryObj]) -> None:
+        """Return once kvplug holds no reference to ``objs`` (rows of vLLM's primary tier),
+        however long that takes: a slot vLLM reuses must never be read or written late."""
+        if not await until_released(objs, self._settings.task_timeout, self._what):
+            await until_released(objs, math.inf, self._what)
+            logger.info("%s: kvplug let go of the primary tier's memory at last.", self._what)
+
+    def _submit(self, job: TransferJob, work: Any, chunks: int) -> None:
+        """Run coroutine ``work`` (which returns the job's JobResult) on kvplug's IO thread and
+        queue its result for :meth:`get_finished_jobs`."""
+        job_id = job.job_id
+        try:
+            future = self._client.run(work)
+        except Exception as error:
+            work.close()
+            self._calls.failed("failed_loads" if job.is_promotion else "failed_stores", error)
+            self._finish(JobResult(job_id=job_id, success=False), chunks, job)
+            return
+        with self._state:
+            self._in_flight[job_id] = future
+
+        def done(finished: concurrent.futures.Future[Any]) -> None:
+            result = (
+                finished.result()
+                if not finished.cancelled() and finished.exception() is None
+                else JobResult(job_id=job_id, success=False)
+            )
+            self._finish(result, chunks, job)
+
+        future.add_done_callback(done)
+
+    def _finish(self, result: JobResult, chunks: int, job: TransferJob) -> None:
+        with self._state:
+            self._in_flight.pop(job.job_id, None)
+            if not job.is_promotion:
+                self._queued_chunks -= chunks
+        stored = None if job.is_promotion else list(job.keys)
+        self._finished.put((result, stored))
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Whether each key is stored (runs on the lookup thread; MISS on any failure)."""
+        if not keys:
+            return []
+        cache_keys = self._keys(keys)
+        backend = self._client.backend
+
+        async def ask() -> list[bool]:
+            found = await within_deadline(
+                asyncio.gather(*(backend.contains(key) for key in cache_keys)),
+                self._settings.lookup_timeout,
+                f"a lookup on {self._target}",
+            )
+            return [bool(hit) for hit in found]
+
+        try:
+            asking = self._client.run(ask())
+            try:
+                answer = asking.result(self._settings.lookup_timeout + 1)
+            except concurrent.futures.TimeoutError:
+                asking.cancel()
+                raise
+        except Exception as error:
+            self._calls.failed("failed_lookups", error)
+            return [False] * len(keys)
+        self._calls.succeeded()
+        return answer
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT or MISS once this key's lookup batch is answered, RETRY until then."""
+        present = self._lookups.lookup(key, req_context)
+        if present is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if present else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send this step's lookups as one batch."""
+        self._lookups.flush()
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Store the job's primary rows under its keys (those not stored yet), one batched
+        kvplug put. Refused at once, as a failed job, while ``max_queued_chunks`` chunks of
+        earlier stores are in flight: vLLM's back-pressure detector sees the failures."""
+        job = job_metadata
+        chunks = len(job.keys)
+        with self._state:
+            refuse = self._queued_chunks + chunks > self._max_queued and self._queued_chunks > 0
+            if not refuse:
+                self._queued_chunks += chunks
+        if refuse:
+            self._calls.failed(
+                "refused_stores",
+                KvplugError(
+                    f"{self._max_queued} chunks of stores are in flight; refusing {chunks} more "
+                    "(raise max_queued_chunks, or configure vLLM's backpressure for this tier)"
+                ),
+            )
+            self._finished.put((JobResult(job_id=job.job_id, success=False), None))
+            return
+        self._submit(job, self._store(job, list(job.keys), list(job.chunk_ids)), chunks)
+
+    async def _store(
+        self, job: TransferJob, keys: list[OffloadKey], chunk_ids: list[int]
+    ) -> JobResult:
+        started = time.perf_counter()
+        backend = self._client.backend
+        cache_keys = self._keys(keys)
+        try:
+            present = await within_deadline(
+                asyncio.gather(*(backend.contains(key) for key in cache_keys)),
+                self._settings.task_timeout,
+                f"a store on {self._target}",
+            )
+            wanted = [index for index, hit in enumerate(present) if not hit]
+            views = self._views([chunk_ids[index] for index in wanted])
+            copies: list[MemoryObj] = []
+            try:
+                if self._private_copy and views:
+                    copies = private_copies(backend, views, self._target)
+                if views:
+                    await within_deadline(
+                        backend.batched_put([cache_keys[i] for i in wanted], copies or views),
+                        self._settings.task_timeout,
+                        f"a store on {self._target}",
+                    )
+            finally:
+                if not copies:
+                    await self._let_go(views)
+                for obj in (*copies, *views):
+                    obj.release()
+        except Exception as error:
+            self._calls.failed("failed_stores", error)
+            return JobResult(job_id=job.job_id, success=False)
+        self._calls.succeeded()
+        with self._state:
+            self._counts["chunks_stored"] += len(wanted)
+            self._counts["chunks_skipped"] += len(keys) - len(wanted)
+        return JobResult(
+            job_id=job.job_id,
+            success=True,
+            transfer_time=time.perf_counter() - started,
+            transfer_bytes=len(wanted) * self._row_bytes,
+        )
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Read the job's keys into its primary rows, one batched kvplug read; the result names
+        the chunks read whole."""
+        job = job_metadata
+        keys = list(job.keys)
+        with self._state:
+            self._load_keys[job.job_id] = keys
+        self._submit(job, self._load(job, keys, list(job.chunk_ids)), len(keys))
+
+    async def _load(
+        self, job: TransferJob, keys: list[OffloadKey], chunk_ids: list[int]
+    ) -> JobResult:
+        started = time.perf_counter()
+        backend = self._client.backend
+        views = self._views(chunk_ids)
+        try:
+            try:
+                found = await within_deadline(
+                    backend.batched_get_into(self._keys(keys), views),
+                    self._settings.task_timeout,
+                    f"a load on {self._target}",
+                )
+            finally:
+                await self._let_go(views)
+                for obj in views:
+                    obj.release()
+        except Exception as error:
+            self._calls.failed("failed_loads", error)
+            return JobResult(job_id=job.job_id, success=False)
+        self._calls.succeeded()
+        loaded = [key for key, hit in zip(keys, found, strict=True) if hit]
+        with self._state:
+            self._counts["chunks_loaded"] += len(loaded)
+            self._counts["chunks_missed"] += len(keys) - len(loaded)
+        whole = len(loaded) == len(keys)
+        return JobResult(
+            job_id=job.job_id,
+            success=whole,
+            successful_keys=None if whole or not loaded else tuple(loaded),
+            transfer_time=time.perf_counter() - started,
+            transfer_bytes=len(loaded) * self._row_bytes,
+        )
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """The jobs finished since the last call. A load that missed some chunks marks them
+        MISS for later lookups, so vLLM recomputes them instead of promoting them again."""
+        results = []
+        while True:
+            try:
+                result, stored_keys = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            with self._state:
+                load_keys = self._load_keys.pop(result.job_id, None)
+            if load_keys is not None and not result.success:
+                kept = set(result.successful_keys or ())
+                self._lookups.mark_miss([key for key in load_keys if key not in kept])
+            if self._events is not None and stored_keys and result.success:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=stored_keys, medium=self.medium, removed=False, locality=self.locality
+                    )
+                )
+            results.append(result)
+        return results
+
+    def has_pending_work(self) -> bool:
+        with self._state:
+            return bool(self._in_flight)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def _wait_for_jobs(self) -> None:
+        with self._state:
+            futures = list(self._in_flight.values())
+        concurrent.futures.wait(futures)
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished (its result is queued for
+        :meth:`get_finished_jobs`) and kvplug holds none of the primary tier's memory. vLLM
+        calls this on a cache reset; with ``on_reset="forget"`` the tier then starts a new key
+        epoch, so nothing stored before is served again."""
+        self._wait_for_jobs()
+        if self._settings.on_reset == "forget":
+            self._namespace = dataclasses.replace(
+                self._base_namespace, epoch=secrets.token_hex(8)
+            )
+            previous, self._lookups = self._lookups, _Lookups(self)
+            previous.shutdown()
+            logger.info(
+                "%s: cache reset; chunks stored before it are no longer served (on_reset=forget).",
+                self._what,
+            )
+
+    # -- reporting and shutdown -----------------------------------------------------------------
+
+    def health(self) -> TierHealth:
+        """A snapshot of this tier's health and chunk counters."""
+        with self._state:
+            counts = dict(self._counts)
+            in_flight = len(self._in_flight)
+        return TierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
+
+    def shutdown(self) -> None:
+        """Wait for the jobs in flight (they use the primary tier's memory, which vLLM releases
+        next), stop the lookup thread and close kvplug. Idempotent."""
+        self._wait_for_jobs()
+        self._lookups.shutdown()
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"KvplugTier({self._target})"
+
+
+__all__ = ["DEFAULT_LOOKUP_TIMEOUT", "DEFAULT_TASK_TIMEOUT", "KvplugTier", "TierHealth"]
