@@ -128,7 +128,15 @@ install_sglang() {
   "${ENGINE_PIP[@]}" -r integrations/sglang/requirements-cpu.txt
 }
 
-for engine in lmcache sglang; do
+# vLLM pins torch 2.14.0 and a CUDA stack: install it without its dependencies, then what its
+# offloading tiering code imports (integrations/vllm/requirements-cpu.txt).
+install_vllm() {
+  "${ENGINE_PIP[@]}" torch pytest hypothesis
+  "${ENGINE_PIP[@]}" --no-deps "vllm==$2"
+  "${ENGINE_PIP[@]}" -r integrations/vllm/requirements-cpu.txt
+}
+
+for engine in lmcache sglang vllm; do
   while read -r version; do
     case $version in '' | '#'*) continue ;; esac
     build_engine_venv "$engine" "$version" "install_$engine"

@@ -16,7 +16,7 @@ echo "== pytest"
 "$PY" -m pytest -p no:cacheprovider "$@"
 
 echo "== the engine integrations against the engines' own code, in each tested release's venv"
-for engine in lmcache sglang; do
+for engine in lmcache sglang vllm; do
   for version in $(grep -v '^#' "integrations/$engine/tested-versions.txt"); do
     echo "-- $engine==$version"
     # Each integration's conftest.py turns the engine's usage telemetry off.

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +46,6 @@ from typing import Any
 import torch
 
 from kvplug.keys import LMCACHE_DTYPE_NAMES, CacheKey, InvalidKey
-
-logger = logging.getLogger("kvplug.vllm")
 
 NAMESPACE_TAG = "vllm"
 """Tag whose value is the digest of a :class:`ChunkNamespace`'s layout, weights and epoch."""
@@ -71,10 +67,13 @@ def key_dtype(vllm_dtype: str) -> str:
 
 
 def offload_key_of(key: CacheKey) -> bytes:
-    """The vLLM OffloadKey a CacheKey made by :meth:`ChunkNamespace.key_of` stands for."""
-    if not isinstance(key.chunk_hash, bytes) or len(key.chunk_hash) <= GROUP_INDEX_BYTES:
+    """The vLLM OffloadKey a CacheKey made by :meth:`ChunkNamespace.key_of` stands for, also
+    after a round trip through its string form (which reads a hash without leading zero bytes
+    as an int: the same key)."""
+    text = key.chunk_hash_hex
+    if len(text) % 2 or len(text) <= 2 * GROUP_INDEX_BYTES or text.startswith("-"):
         raise InvalidKey(f"{key} was not made from a vLLM OffloadKey.")
-    return key.chunk_hash
+    return bytes.fromhex(text)
 
 
 def _local_fingerprint(directory: Path) -> str:
@@ -86,7 +85,9 @@ def _local_fingerprint(directory: Path) -> str:
     digest = hashlib.sha256()
     for path in files:
         stat = path.stat()
-        digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest.update(
+            f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode()
+        )
     return f"files:{digest.hexdigest()[:_DIGEST_HEX]}"
 
 
@@ -112,7 +113,7 @@ def model_identity(model: str, revision: str = "main") -> str | None:
     weights before the scheduler starts). Operators who update weights any other way set the
     tier's ``model_identity`` instead.
     """
-    path = Path(os.path.expanduser(model))
+    path = Path(model).expanduser()
     if path.is_dir():
         return _local_fingerprint(path)
     return _hub_snapshot(model, revision)
@@ -167,13 +168,10 @@ class ChunkNamespace:
 
     def owns(self, key: CacheKey) -> bool:
         """Whether ``key`` was made by this namespace."""
-        return (
-            key.namespace == f"{self.model_name}@{self.world_size}@0"
-            and key.dtype == self.dtype
-            and key.tags == self._tags()
-            and isinstance(key.chunk_hash, bytes)
-            and len(key.chunk_hash) > GROUP_INDEX_BYTES
-        )
+        try:
+            return self.key_of(offload_key_of(key)) == key
+        except InvalidKey:
+            return False
 
 
 __all__ = [

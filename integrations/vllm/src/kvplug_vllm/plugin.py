@@ -30,8 +30,8 @@ def register() -> None:
         if registered is not KvplugTier:
             logger.warning(
                 "vLLM's secondary tier type %r is already registered for %s.%s, so kvplug-vllm "
-                "did not register its own. Use {\"type\": \"KvplugTier\", \"module_path\": "
-                "\"kvplug_vllm.tier\"} to reach kvplug's tier.",
+                'did not register its own. Use {"type": "KvplugTier", "module_path": '
+                '"kvplug_vllm.tier"} to reach kvplug\'s tier.',
                 TIER_TYPE,
                 registered.__module__,
                 registered.__qualname__,

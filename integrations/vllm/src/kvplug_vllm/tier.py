@@ -52,7 +52,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,7 +121,7 @@ KVPLUG_KEYS = {
     "enable_kv_events": "publish KV events for chunks stored here (default false)",
 }
 _WHAT = "KvplugTier"
-_FAILURES = ("failed_stores", "failed_loads", "failed_lookups", "refused_stores")
+_FAILURES = ("failed_stores", "failed_loads", "failed_lookups")
 
 
 def _positive_seconds(settings: Mapping[str, Any], name: str, default: float) -> float:
@@ -170,7 +170,9 @@ class _Settings:
                 f"{_WHAT}: unknown key(s) {', '.join(hints)} in its secondary_tiers entry. Its "
                 f"keys are {valid}; vLLM itself reads type, module_path and backpressure."
             )
-        check_target(settings.get("url"), settings.get("config"), settings.get("options"), what=_WHAT)
+        check_target(
+            settings.get("url"), settings.get("config"), settings.get("options"), what=_WHAT
+        )
         identity = settings.get("model_identity")
         if identity is not None and (not isinstance(identity, str) or not identity):
             raise ConfigError(
@@ -181,7 +183,9 @@ class _Settings:
         if on_reset not in ON_RESET:
             raise ConfigError(f"{_WHAT}: on_reset must be one of {ON_RESET}, got {on_reset!r}.")
         queued = settings.get("max_queued_chunks")
-        if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or queued < 1):
+        if queued is not None and (
+            isinstance(queued, bool) or not isinstance(queued, int) or queued < 1
+        ):
             raise ConfigError(
                 f"{_WHAT}: max_queued_chunks must be a positive integer, got {queued!r}."
             )
@@ -237,9 +241,7 @@ def _namespace(spec: OffloadingSpec, row_bytes: int, identity: str | None) -> Ch
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
         "kv_dtype": config.model.dtype,
-        "groups": [
-            [group.tokens_per_block, list(group.layer_names)] for group in config.groups
-        ],
+        "groups": [[group.tokens_per_block, list(group.layer_names)] for group in config.groups],
         "replicated": bool(config.replicated_layout),
         "canonical": config.kv_cache_layout if config.canonical_layout else None,
     }
@@ -309,9 +311,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             )
         self._rows = torch.from_numpy(rows).view(torch.uint8)
         self._row_bytes = int(rows.strides[0])
-        self._target = (
-            mask_url(parsed.url) if parsed.url else f"the tiers in {parsed.config}"
-        )
+        self._target = mask_url(parsed.url) if parsed.url else f"the tiers in {parsed.config}"
         self._calls = CallHealth(self._what, _FAILURES, logger)
         identity = parsed.model_identity or model_identity(offloading_spec.config.model.name)
         if identity is None:
@@ -344,8 +344,10 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         self._in_flight: dict[JobId, concurrent.futures.Future[Any]] = {}
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._queued_chunks = 0
+        self._refusing = False
         self._counts = dict.fromkeys(
-            ("chunks_stored", "chunks_skipped", "chunks_loaded", "chunks_missed"), 0
+            ("refused_stores", "chunks_stored", "chunks_skipped", "chunks_loaded", "chunks_missed"),
+            0,
         )
         self._client: SyncClient = open_client(
             url=parsed.url, config=parsed.config, options=parsed.options, what=_WHAT
@@ -496,16 +498,27 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             if not refuse:
                 self._queued_chunks += chunks
         if refuse:
-            self._calls.failed(
-                "refused_stores",
-                KvplugError(
-                    f"{self._max_queued} chunks of stores are in flight; refusing {chunks} more "
-                    "(raise max_queued_chunks, or configure vLLM's backpressure for this tier)"
-                ),
-            )
+            self._refused(chunks)
             self._finished.put((JobResult(job_id=job.job_id, success=False), None))
             return
+        if self._refusing:
+            self._refusing = False
+            logger.info("%s: stores are accepted again.", self._what)
         self._submit(job, self._store(job, list(job.keys), list(job.chunk_ids)), chunks)
+
+    def _refused(self, chunks: int) -> None:
+        """Count a refused store job; the first of a stretch is logged as a warning."""
+        with self._state:
+            self._counts["refused_stores"] += 1
+            first, self._refusing = not self._refusing, True
+        (logger.warning if first else logger.debug)(
+            "%s: %d chunks of stores are in flight, so a store of %d more is refused (vLLM "
+            "counts it as a failed cascade). Raise max_queued_chunks, or give the tier a "
+            "backpressure config so vLLM stops offering stores while the store is slow.",
+            self._what,
+            self._max_queued,
+            chunks,
+        )
 
     async def _store(
         self, job: TransferJob, keys: list[OffloadKey], chunk_ids: list[int]
@@ -637,9 +650,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         epoch, so nothing stored before is served again."""
         self._wait_for_jobs()
         if self._settings.on_reset == "forget":
-            self._namespace = dataclasses.replace(
-                self._base_namespace, epoch=secrets.token_hex(8)
-            )
+            self._namespace = dataclasses.replace(self._base_namespace, epoch=secrets.token_hex(8))
             previous, self._lookups = self._lookups, _Lookups(self)
             previous.shutdown()
             logger.info(
@@ -652,7 +663,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
     def health(self) -> TierHealth:
         """A snapshot of this tier's health and chunk counters."""
         with self._state:
-            counts = dict(self._counts)
+            counts: dict[str, Any] = dict(self._counts)
             in_flight = len(self._in_flight)
         return TierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
 
@@ -662,6 +673,8 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         self._wait_for_jobs()
         self._lookups.shutdown()
         self._client.close()
+        # vLLM unmaps the primary tier next, which it can only do once no view of it is left.
+        self._rows = torch.empty(0, 0, dtype=torch.uint8)
 
     def __repr__(self) -> str:
         return f"KvplugTier({self._target})"

@@ -365,11 +365,15 @@ def _human(nbytes: int) -> str:
 
 def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
     """The first ``length`` bytes of ``obj``'s allocator block, when that block is 4096-aligned
-    host memory of a :class:`FreeListAllocator` and at least that long; else None.
+    host memory of a :class:`FreeListAllocator` and at least that long; or ``obj``'s own bytes
+    when they are 4096-aligned host memory of exactly ``length`` bytes (an engine's buffer,
+    whatever owns it); else None.
 
     Such a block can go to and from the file with O_DIRECT as it is: the bytes after the
     object's end up to ``length`` are the block's own padding.
     """
+    if obj.device.type == "cpu" and obj.nbytes == length and obj.data_ptr() % BLOCK == 0:
+        return obj.raw
     allocator = obj.allocator
     if not isinstance(allocator, FreeListAllocator) or allocator.alignment % BLOCK:
         return None

@@ -1,0 +1,476 @@
+"""KvplugTier against vLLM's own scheduler-side code: built by ``SecondaryTierFactory`` from a
+``secondary_tiers`` entry (``"type": "kvplug"``, registered by kvplug-vllm's entry point), under
+vLLM's ``TieringOffloadingManager`` with its CPU primary tier in shared memory, for ``cpu://``,
+``file://`` and a real redis-server; also while the store is down or paused, through cache
+resets with transfers in flight, and under vLLM's back-pressure detector."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from kvplug.errors import ConfigError, KvplugError
+from kvplug_redis.testing import RedisServer, free_port
+from kvplug_vllm import KvplugTier
+from kvplug_vllm.plugin import TIER_TYPE, register
+from kvplug_vllm.testing import ROW_BYTES, Engine, chunk_keys, offloading_config, payloads
+
+Start = Callable[..., Engine]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, to stop, pause and restart."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["file", "redis"])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Tier settings for a store that outlives an engine."""
+    if request.param == "file":
+        return {"url": f"file://{tmp_path}/kv"}
+    server: RedisServer = request.getfixturevalue("redis_server")
+    server.client().flushall()
+    return {"url": server.url, "options": {"timeout": 5}}
+
+
+# -- the round trip -----------------------------------------------------------------------------
+
+
+def test_an_engine_restart_finds_the_cascaded_chunks_and_promotes_them_bit_exact(
+    start: Start, shared_store: dict[str, Any]
+) -> None:
+    first = start(shared_store)
+    keys = chunk_keys(6)
+    data = payloads(6, ROW_BYTES)
+    assert first.offload(keys, data) == keys
+    first.settle()
+    assert first.tier.health().chunks_stored == 6
+    first.close()
+
+    second = start(shared_store)  # an empty primary tier
+    unknown = chunk_keys(2, seed=99)
+    assert second.fetch([*keys, *unknown]) == [*data, None, None]
+    health = second.tier.health()
+    assert health.chunks_loaded == 6 and health.healthy
+
+
+def test_a_lookup_answers_retry_then_the_promotion_is_pending_then_a_hit(
+    start: Start, tmp_path: Path
+) -> None:
+    store = {"url": f"file://{tmp_path}/kv"}
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    first = start(store)
+    first.offload(keys, data)
+    first.settle()
+    first.close()
+
+    second = start(store)
+    manager = second.manager
+    context = second.request()
+    seen: list[LookupResult] = []
+    deadline = time.monotonic() + 30
+    while not seen or seen[-1] is not LookupResult.HIT:
+        assert time.monotonic() < deadline, f"no HIT after {seen}"
+        with manager.lock:
+            answer = manager.lookup(keys[0], context)
+        if not seen or seen[-1] is not answer:
+            seen.append(answer)
+        second.step()
+        time.sleep(0.005)
+    assert seen == [LookupResult.RETRY, LookupResult.HIT_PENDING, LookupResult.HIT]
+    second.finish(context)
+    assert second.read(keys[:1]) == data[:1]
+
+
+@pytest.mark.parametrize("url", ["cpu://?max_size=64MiB", "file"])
+def test_chunks_the_primary_tier_evicted_come_back_from_kvplug(
+    start: Start, tmp_path: Path, url: str
+) -> None:
+    engine = start({"url": f"file://{tmp_path}/kv" if url == "file" else url}, chunks=4)
+    keys = chunk_keys(12)
+    data = payloads(12, ROW_BYTES)
+    for i in range(0, 12, 4):  # three requests; the primary tier keeps four chunks
+        engine.offload(keys[i : i + 4], data[i : i + 4])
+        engine.settle()
+    assert engine.fetch(keys[:4]) == data[:4]
+    assert engine.tier.health().chunks_loaded == 4
+    expected = Medium.CPU if url.startswith("cpu") else Medium.STORAGE
+    assert engine.tier.medium is expected
+
+
+def test_a_chunk_already_stored_is_not_written_again(start: Start, tmp_path: Path) -> None:
+    store = {"url": f"file://{tmp_path}/kv"}
+    keys = chunk_keys(3)
+    data = payloads(3, ROW_BYTES)
+    first = start(store)
+    first.offload(keys[:2], data[:2])
+    first.settle()
+    first.close()
+    second = start(store)
+    second.offload(keys, data)
+    second.settle()
+    health = second.tier.health()
+    assert (health.chunks_stored, health.chunks_skipped) == (1, 2)
+
+
+def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest(
+    start: Start, redis_server: RedisServer
+) -> None:
+    redis_server.client().flushall()
+    store = {"url": redis_server.url}
+    keys = chunk_keys(3)
+    data = payloads(3, ROW_BYTES)
+    first = start(store)
+    first.offload(keys, data)
+    first.settle()
+    first.close()
+
+    second = start(store)
+    manager = second.manager
+    context = second.request()
+    deadline = time.monotonic() + 30
+    while True:  # until the tier has answered HIT and the promotions are queued
+        with manager.lock:
+            answers = [manager.lookup(key, context) for key in keys]
+        if all(answer is LookupResult.HIT_PENDING for answer in answers):
+            break
+        assert time.monotonic() < deadline, answers
+        second.step()
+        time.sleep(0.005)
+    victim = second.tier._keys([keys[1]])[0]
+    assert redis_server.client().delete(second.tier._client.backend.key_string(victim)) == 1
+    second.settle()  # submits the load; one of its chunks is gone
+    second.finish(context)
+    assert second.lookup(keys) == ["HIT", "MISS", "HIT"]
+    assert second.read([keys[0], keys[2]]) == [data[0], data[2]]
+    assert second.tier.health().chunks_missed == 1
+
+
+# -- what is in a key ---------------------------------------------------------------------------
+
+
+def test_other_weights_dtypes_or_layouts_are_misses_never_their_bytes(
+    start: Start, tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path}/kv"
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    writer = start({"url": url, "model_identity": "checkpoint-1"})
+    writer.offload(keys, data)
+    writer.settle()
+    writer.close()
+
+    for tier, config in [
+        ({"model_identity": "checkpoint-2"}, {}),
+        ({"model_identity": "checkpoint-1"}, {"dtype": "float16"}),
+        ({"model_identity": "checkpoint-1"}, {"model": "kvplug-test/other"}),
+        ({"model_identity": "checkpoint-1"}, {"layers": ("model.layers.0.attn",)}),
+        ({"model_identity": "checkpoint-1"}, {"tp_size": 2}),
+    ]:
+        reader = start({"url": url, **tier}, **config)
+        assert reader.lookup(keys) == ["MISS", "MISS"], (tier, config)
+        reader.close()
+    same = start({"url": url, "model_identity": "checkpoint-1"})
+    assert same.fetch(keys) == data
+
+
+def test_parallelism_agnostic_rows_are_shared_across_tp_sizes(start: Start, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/kv"
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    writer = start({"url": url}, tp_size=1, agnostic=True)
+    writer.offload(keys, data)
+    writer.settle()
+    writer.close()
+    reader = start({"url": url}, tp_size=2, agnostic=True)
+    assert reader.fetch(keys) == data
+
+
+def test_a_retrained_local_checkpoint_is_a_new_key_space(start: Start, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights-v1")
+    url = f"file://{tmp_path}/kv"
+    keys = chunk_keys(1)
+    data = payloads(1, ROW_BYTES)
+    writer = start({"url": url}, model=str(model))
+    writer.offload(keys, data)
+    writer.settle()
+    writer.close()
+    assert start({"url": url}, model=str(model)).fetch(keys) == data
+    (model / "model.safetensors").write_bytes(b"weights-v2, retrained")
+    assert start({"url": url}, model=str(model)).lookup(keys) == ["MISS"]
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+def test_a_store_that_goes_down_gives_misses_and_failed_jobs_then_recovers(
+    start: Start, own_redis: RedisServer
+) -> None:
+    store = {"url": own_redis.url, "options": {"timeout": 1}, "lookup_timeout": 2}
+    keys = chunk_keys(4)
+    data = payloads(4, ROW_BYTES)
+    engine = start(store, chunks=2)
+    engine.offload(keys[:2], data[:2])
+    engine.settle()
+    own_redis.stop()
+    engine.offload(keys[2:], data[2:])  # evicts the first two from the primary tier
+    engine.settle()
+    assert engine.lookup(keys[:2]) == ["MISS", "MISS"]
+    health = engine.tier.health()
+    assert not health.healthy and health.failed_stores >= 1 and health.failed_lookups >= 1
+    assert "Connection refused" in (health.last_error or "") or health.last_error
+
+    own_redis.start()  # the same port, an empty server: what was stored is gone
+    more = chunk_keys(2, seed=7)
+    engine.offload(more, data[:2])
+    engine.settle()
+    assert engine.tier.health().healthy
+    restarted = start(store)
+    assert restarted.fetch(more) == data[:2]
+
+
+def test_a_paused_store_fails_jobs_within_the_task_timeout(
+    start: Start, own_redis: RedisServer
+) -> None:
+    store = {
+        "url": own_redis.url,
+        "options": {"timeout": 30},
+        "task_timeout": 1,
+        "lookup_timeout": 1,
+    }
+    engine = start(store)
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    own_redis.pause()
+    try:
+        started = time.monotonic()
+        engine.offload(keys, data)
+        engine.settle(timeout=30)
+        assert engine.lookup(chunk_keys(1, seed=5)) == ["MISS"]
+        assert time.monotonic() - started < 20
+    finally:
+        own_redis.resume()
+    health = engine.tier.health()
+    assert health.failed_stores == 1 and health.jobs_in_flight == 0
+
+
+def test_a_cache_reset_waits_for_transfers_in_flight(start: Start, own_redis: RedisServer) -> None:
+    engine = start({"url": own_redis.url, "options": {"timeout": 30}, "task_timeout": 2})
+    keys = chunk_keys(4)
+    own_redis.pause()
+    try:
+        engine.offload(keys, payloads(4, ROW_BYTES))
+        assert engine.tier.health().jobs_in_flight == 1
+        started = time.monotonic()
+        with engine.manager.lock:
+            engine.manager.reset_cache()  # asserts every job has finished
+        assert time.monotonic() - started >= 1
+    finally:
+        own_redis.resume()
+    assert engine.tier.health().jobs_in_flight == 0
+    engine.manager.on_reset_flushed()
+
+
+@pytest.mark.parametrize("on_reset", ["forget", "keep"])
+def test_what_was_stored_before_a_cache_reset_is_forgotten_unless_kept(
+    start: Start, tmp_path: Path, on_reset: str
+) -> None:
+    engine = start({"url": f"file://{tmp_path}/kv", "on_reset": on_reset})
+    keys = chunk_keys(3)
+    data = payloads(3, ROW_BYTES)
+    engine.offload(keys, data)
+    engine.settle()
+    with engine.manager.lock:
+        engine.manager.reset_cache()
+    engine.manager.on_reset_flushed()
+    if on_reset == "forget":
+        assert engine.lookup(keys) == ["MISS"] * 3
+        engine.offload(keys[:1], data[:1])  # stored again, in the new epoch
+        engine.settle()
+        with engine.manager.lock:
+            engine.manager.reset_cache()
+        engine.manager.on_reset_flushed()
+        assert engine.lookup(keys[:1]) == ["MISS"]
+    else:
+        assert engine.fetch(keys) == data
+
+
+def test_stores_beyond_max_queued_chunks_are_refused_and_trip_vllms_backpressure(
+    start: Start, own_redis: RedisServer
+) -> None:
+    detector = {"backpressure_cls": "EMABackpressureDetector", "failure_threshold": 2}
+    engine = start(
+        {
+            "url": own_redis.url,
+            "options": {"timeout": 30},
+            "task_timeout": 3,
+            "max_queued_chunks": 2,
+            "backpressure": detector,
+        },
+        chunks=16,
+    )
+    assert engine.tier.bp_detector is not None
+    own_redis.pause()
+    try:
+        for seed in range(3):
+            engine.offload(chunk_keys(2, seed=seed), payloads(2, ROW_BYTES, seed=seed))
+        engine.step()  # the manager takes finished jobs once per step
+        engine.step()
+        health = engine.tier.health()
+        assert health.refused_stores == 2 and health.jobs_in_flight == 1
+        assert engine.tier.bp_detector.is_under_pressure()
+    finally:
+        own_redis.resume()
+    engine.settle()
+
+
+def test_drain_jobs_returns_only_when_no_copy_touches_the_primary_tier(
+    start: Start, tmp_path: Path
+) -> None:
+    engine = start({"url": f"file://{tmp_path}/kv", "max_queued_chunks": 16}, chunks=16)
+    tier = engine.tier
+    keys = chunk_keys(16)
+    data = payloads(16, ROW_BYTES)
+    context = ReqContext(req_id="direct")
+    for job_id, at in enumerate(range(0, 16, 4)):
+        for row, chunk in enumerate(data[at : at + 4], start=at):
+            engine.rows[row] = np.frombuffer(chunk, dtype=np.int8)
+        tier.submit_store(
+            TransferJob(job_id, keys[at : at + 4], list(range(at, at + 4)), False, context)
+        )
+    tier.drain_jobs()
+    assert tier.health().jobs_in_flight == 0
+    assert all(result.success for result in tier.get_finished_jobs())
+    assert tier.health().chunks_stored == 16
+    restarted = start({"url": f"file://{tmp_path}/kv"})
+    assert restarted.fetch(keys[:4]) == data[:4]
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def spec_manager(tier: dict[str, Any]) -> Any:
+    return OffloadingSpecFactory.create_spec(
+        offloading_config([{"type": "kvplug", **tier}])
+    ).get_manager()
+
+
+@pytest.mark.parametrize(
+    ("tier", "words"),
+    [
+        ({"url": "cpu://", "on_rest": "keep"}, ["'on_rest'", "did you mean 'on_reset'"]),
+        ({"url": "cpu://", "config": "/x.yaml"}, ["both url and config"]),
+        ({}, ["neither url nor config"]),
+        ({"url": "cpu://", "on_reset": "drop"}, ["on_reset must be one of"]),
+        ({"url": "cpu://", "task_timeout": 0}, ["task_timeout must be a positive"]),
+        ({"url": "cpu://", "max_queued_chunks": 0}, ["max_queued_chunks"]),
+        ({"url": "cpu://", "locality": "far"}, ["locality must be one of"]),
+        ({"url": "cpu://", "model_identity": ""}, ["model_identity"]),
+    ],
+)
+def test_a_bad_tier_config_names_the_key_and_the_fix(
+    tier: dict[str, Any], words: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        spec_manager(tier)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_an_unreachable_store_fails_the_start_unless_told_otherwise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"redis://:hunter2-secret@127.0.0.1:{free_port()}"
+    with pytest.raises(KvplugError) as raised:
+        spec_manager({"url": url, "options": {"timeout": 1}})
+    assert "did not answer at start" in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+    with caplog.at_level(logging.DEBUG):
+        manager = spec_manager({"url": url, "options": {"timeout": 1}, "check_on_start": False})
+        try:
+            (tier,) = manager.secondary_tiers
+            assert tier._present(chunk_keys(1)) == [False]
+        finally:
+            manager.shutdown()
+    assert "KvplugTier on redis://" in caplog.text
+    assert "hunter2" not in caplog.text
+
+
+def test_the_module_path_form_loads_the_same_tier(tmp_path: Path) -> None:
+    manager = OffloadingSpecFactory.create_spec(
+        offloading_config(
+            [{"type": "KvplugTier", "module_path": "kvplug_vllm.tier", "url": f"file://{tmp_path}"}]
+        )
+    ).get_manager()
+    try:
+        assert isinstance(manager.secondary_tiers[0], KvplugTier)
+    finally:
+        manager.shutdown()
+
+
+def test_the_plugin_registers_once_and_never_replaces_another_packages_kvplug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = SecondaryTierFactory._registry
+    assert SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}) is KvplugTier
+    register()  # vLLM may load general plugins more than once in a process
+    assert SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}) is KvplugTier
+    ours = registry.pop(TIER_TYPE)
+    try:
+        SecondaryTierFactory.register_tier(
+            TIER_TYPE, "vllm.v1.kv_offload.tiering.fs.manager", "FileSystemTierManager"
+        )
+        with caplog.at_level(logging.WARNING, logger="kvplug.vllm"):
+            register()
+        assert (
+            SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}).__name__
+            == "FileSystemTierManager"
+        )
+        assert "already registered" in caplog.text
+    finally:
+        registry[TIER_TYPE] = ours
+
+
+def test_kv_events_name_the_chunks_stored_when_vllm_publishes_events(
+    engines: list[Engine], tmp_path: Path
+) -> None:
+    config = offloading_config(
+        [{"type": "kvplug", "url": f"file://{tmp_path}", "enable_kv_events": True}]
+    )
+    config = type(config)(**{**config.__dict__, "enable_kv_cache_events": True})
+    engine = Engine(config)
+    engines.append(engine)
+    keys = chunk_keys(2)
+    engine.offload(keys, payloads(2, ROW_BYTES))
+    engine.settle()
+    stored = [event for event in engine.tier.take_events()]
+    assert [event.keys for event in stored] == [keys]
+    assert not stored[0].removed and stored[0].medium is Medium.STORAGE
+    assert list(engine.tier.take_events()) == []
