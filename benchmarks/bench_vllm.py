@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from importlib.metadata import version
@@ -53,8 +54,9 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def one_pass(tier: dict[str, Any], args: Any, seed: int) -> tuple[float, float]:
-    """(store seconds, promote seconds) of ``args.chunks`` fresh chunks, every byte checked."""
+def one_pass(tier: dict[str, Any], tier_dir: str, args: Any, seed: int) -> tuple[float, float]:
+    """(store seconds, promote seconds) of ``args.chunks`` fresh chunks, every byte checked;
+    ``tier_dir`` (where ``tier`` writes) is removed after."""
     blocks = args.chunk_tokens // TOKENS_PER_BLOCK
     config = dict(
         chunks=args.chunks,
@@ -97,6 +99,7 @@ def one_pass(tier: dict[str, Any], args: Any, seed: int) -> tuple[float, float]:
                 raise RuntimeError(f"{tier['type']}: a chunk came back different")
     finally:
         reader.close()
+        shutil.rmtree(tier_dir, ignore_errors=True)  # every pass starts from an empty directory
     return store_s, promote_s
 
 
@@ -125,22 +128,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(
         prefix="kvplug-bench-vllm-", dir=args.dir, ignore_cleanup_errors=True
     ) as base:
+        dirs = {"kvplug": f"{base}/kvplug", "fs": f"{base}/fs"}
         tiers = {
-            "kvplug": {"type": "kvplug", "url": f"file://{base}/kvplug{args.kvplug_query}"},
-            "fs": {"type": "fs", "root_dir": f"{base}/fs"},
+            "kvplug": {"type": "kvplug", "url": f"file://{dirs['kvplug']}{args.kvplug_query}"},
+            "fs": {"type": "fs", "root_dir": dirs["fs"]},
         }
         timings: dict[str, dict[str, list[float]]] = {
             name: {"store": [], "promote": []} for name in tiers
         }
         seed = 0
-        for tier in tiers.values():  # warm-up, not counted
+        for name, tier in tiers.items():  # warm-up, not counted
             seed += 1
-            one_pass(tier, args, seed)
+            one_pass(tier, dirs[name], args, seed)
         for round_index in range(args.repeat):
             order = list(tiers) if round_index % 2 else list(reversed(tiers))
             for name in order:
                 seed += 1
-                store_s, promote_s = one_pass(tiers[name], args, seed)
+                store_s, promote_s = one_pass(tiers[name], dirs[name], args, seed)
                 timings[name]["store"].append(store_s)
                 timings[name]["promote"].append(promote_s)
     nbytes = args.chunks * chunk_bytes

@@ -28,7 +28,17 @@ def _minimum_python(specifier: str) -> tuple[int, int]:
 
 def test_every_distribution_is_found() -> None:
     names = {path.parent.name for path in DISTRIBUTIONS}
-    expected = {"core", "contracts", "cpu", "disk", "redis", "kvplug-acme", "lmcache", "sglang"}
+    expected = {
+        "core",
+        "contracts",
+        "cpu",
+        "disk",
+        "redis",
+        "kvplug-acme",
+        "lmcache",
+        "sglang",
+        "vllm",
+    }
     assert expected <= names
 
 
