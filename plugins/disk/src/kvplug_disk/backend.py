@@ -1305,16 +1305,17 @@ class DiskBackend(Backend):
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
             created = True
-            written = write_all(fd, transfer.buffers, BLOCK)
-            if written != transfer.length:
-                raise OSError(errno.EIO, f"wrote {written} of {transfer.length} payload bytes")
             header = header_buffer()
             frame = encode_header(
                 obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host, checksum.result()
             )
             header[:] = encode_block(frame, key_text)
-            if write_all(fd, [memoryview(header)], 0) != BLOCK:
-                raise OSError(errno.EIO, "short write of the header block")
+            # One sequential write from the start: no hole for the file system to fill later.
+            written = write_all(fd, [memoryview(header), *transfer.buffers], 0)
+            if written != BLOCK + transfer.length:
+                raise OSError(
+                    errno.EIO, f"wrote {written} of {BLOCK + transfer.length} bytes of the object"
+                )
             if self.options.fsync:
                 os.fsync(fd)
             os.close(fd)
