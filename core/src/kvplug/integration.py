@@ -10,7 +10,9 @@ object (:func:`needs_private_copy`)."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -51,6 +53,65 @@ def check_target(url: object, config: object, options: object, *, what: str) -> 
             f"{what}: options must be a mapping of kvplug option names to values, got "
             f"{type(options).__name__}."
         )
+
+
+def check_keys(
+    given: Iterable[object],
+    own: Mapping[str, str],
+    *,
+    what: str,
+    where: str,
+    engine: str = "",
+    engine_keys: Iterable[str] = (),
+) -> None:
+    """Raise :class:`~kvplug.errors.ConfigError` when ``given`` holds a key that is neither one
+    of kvplug's (``own``: name -> meaning) nor one the engine itself reads (``engine_keys``,
+    named ``engine``), naming each unknown key, the closest valid one and every valid key.
+    ``what`` names the integration, ``where`` the setting that held the keys.
+
+    Example::
+
+        >>> check_keys(["urll"], {"url": "a kvplug URL"}, what="MyTier", where="its config")
+        Traceback (most recent call last):
+        ...
+        kvplug.errors.ConfigError: MyTier: unknown key(s) 'urll' (did you mean 'url'?) in its ...
+    """
+    engine_keys = sorted(engine_keys)
+    valid = [*own, *engine_keys]
+    unknown = [str(name) for name in given if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    meanings = "; ".join(f"{name}: {meaning}" for name, meaning in own.items())
+    theirs = f"; {engine}'s own are {', '.join(engine_keys)}" if engine_keys else ""
+    raise ConfigError(
+        f"{what}: unknown key(s) {', '.join(hints)} in {where}. kvplug's keys are "
+        f"{meanings}{theirs}."
+    )
+
+
+def positive_seconds(value: object, *, name: str, what: str) -> float:
+    """``value`` as seconds, or :class:`~kvplug.errors.ConfigError` naming setting ``name`` of
+    ``what`` unless it is a finite positive number."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{what}: {name} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+def flag(value: object, *, name: str, what: str) -> bool:
+    """``value``, or :class:`~kvplug.errors.ConfigError` naming setting ``name`` of ``what``
+    unless it is true or false."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what}: {name} must be true or false, got {value!r}.")
+    return value
 
 
 def open_client(
@@ -237,9 +298,12 @@ class CallHealth:
 __all__ = [
     "PROBE_KEY",
     "CallHealth",
+    "check_keys",
     "check_target",
+    "flag",
     "needs_private_copy",
     "open_client",
+    "positive_seconds",
     "private_copies",
     "probe",
     "tiers_of",

@@ -580,7 +580,7 @@ def test_status_and_logs_never_show_the_password(caplog: pytest.LogCaptureFixtur
     [
         ({}, ConfigError, "neither url nor config"),
         ({"url": "cpu://", "config": "/x.yaml"}, ConfigError, "both url and config"),
-        ({"urll": "cpu://"}, ConfigError, "Did you mean 'url'"),
+        ({"urll": "cpu://"}, ConfigError, "did you mean 'url'"),
         ({"url": "cpu://", "task_timeout": 0}, ConfigError, "task_timeout"),
         ({"url": 5}, ConfigError, "url must be a non-empty string"),
         ({"url": "cpu://", "options": ["timeout", 5]}, ConfigError, "options must be a mapping"),

@@ -50,7 +50,6 @@ import asyncio
 import bisect
 import concurrent.futures
 import contextlib
-import difflib
 import itertools
 import logging
 import threading
@@ -75,9 +74,12 @@ from kvplug.errors import (
 from kvplug.eviction import PinTable
 from kvplug.integration import (
     CallHealth,
+    check_keys,
     check_target,
+    flag,
     needs_private_copy,
     open_client,
+    positive_seconds,
     private_copies,
     probe,
     tiers_of,
@@ -151,8 +153,8 @@ class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcac
         >>> try:
         ...     KvplugL2AdapterConfig.from_dict({"urll": "cpu://"})
         ... except ConfigError as error:
-        ...     print(str(error).split(" Valid")[0])
-        KvplugL2Adapter adapter_params has no field 'urll'. Did you mean 'url'?
+        ...     print(str(error).split(" kvplug's keys")[0])
+        KvplugL2Adapter: unknown key(s) 'urll' (did you mean 'url'?) in adapter_params.
     """
 
     def __init__(
@@ -183,43 +185,24 @@ class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcac
             raise ConfigError(
                 f"KvplugL2Adapter adapter_params must be a JSON object, got {type(d).__name__}."
             )
-        for name in d:
-            if name not in _PARAMS:
-                close = difflib.get_close_matches(str(name), list(_PARAMS), n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(
-                    f"KvplugL2Adapter adapter_params has no field {name!r}.{hint} Valid "
-                    f"fields: {', '.join(_PARAMS)}."
-                )
+        check_keys(d, _PARAMS, what="KvplugL2Adapter", where="adapter_params")
         url, config, options = d.get("url"), d.get("config"), d.get("options")
         check_target(url, config, options, what="KvplugL2Adapter adapter_params")
         capacity = d.get("capacity")
         if capacity is not None:
             capacity = parse_size(capacity, what="KvplugL2Adapter adapter_params.capacity")
-        seconds = {}
-        for name, default in (
-            ("task_timeout", DEFAULT_TASK_TIMEOUT),
-            ("lock_ttl", DEFAULT_LOCK_TTL),
-        ):
-            value = d.get(name, default)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not 0 < value < float("inf")
-            ):
-                raise ConfigError(
-                    f"KvplugL2Adapter adapter_params.{name} must be a positive number of "
-                    f"seconds, got {value!r}."
-                )
-            seconds[name] = float(value)
-        flags = {}
-        for name in ("check_on_start", "pin_locked"):
-            value = d.get(name, True)
-            if not isinstance(value, bool):
-                raise ConfigError(
-                    f"KvplugL2Adapter adapter_params.{name} must be true or false, got {value!r}."
-                )
-            flags[name] = value
+        what = "KvplugL2Adapter adapter_params"
+        seconds = {
+            name: positive_seconds(d.get(name, default), name=name, what=what)
+            for name, default in (
+                ("task_timeout", DEFAULT_TASK_TIMEOUT),
+                ("lock_ttl", DEFAULT_LOCK_TTL),
+            )
+        }
+        flags = {
+            name: flag(d.get(name, True), name=name, what=what)
+            for name in ("check_on_start", "pin_locked")
+        }
         return cls(
             url=url,
             config=config,

@@ -35,9 +35,7 @@ after a failed read is never written later.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -54,9 +52,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
     CallHealth,
+    check_keys,
     check_target,
+    flag,
     needs_private_copy,
     open_client,
+    positive_seconds,
     private_copies,
     probe,
     tiers_of,
@@ -139,32 +140,23 @@ class _Metrics:
 
 
 def _settings(extra: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(extra) - set(KVPLUG_KEYS) - SGLANG_KEYS)
-    if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, [*KVPLUG_KEYS, *SGLANG_KEYS], n=1)
-            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        valid = ", ".join(f"{k}: {v}" for k, v in KVPLUG_KEYS.items())
-        raise ConfigError(
-            f"{_WHAT}: unknown key(s) {', '.join(hints)} in --hicache-storage-backend-extra-config."
-            f" kvplug's keys are {valid}; SGLang's own are {', '.join(sorted(SGLANG_KEYS))}."
-        )
+    check_keys(
+        extra,
+        KVPLUG_KEYS,
+        what=_WHAT,
+        where="--hicache-storage-backend-extra-config",
+        engine="SGLang",
+        engine_keys=SGLANG_KEYS,
+    )
     check_target(extra.get("url"), extra.get("config"), extra.get("options"), what=_WHAT)
-    timeout = extra.get("task_timeout", DEFAULT_TASK_TIMEOUT)
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ConfigError(
-            f"{_WHAT}: task_timeout must be a positive number of seconds, got {timeout!r}."
-        )
-    check = extra.get("check_on_start", True)
-    if not isinstance(check, bool):
-        raise ConfigError(f"{_WHAT}: check_on_start must be true or false, got {check!r}.")
-    return {"timeout": float(timeout), "check_on_start": check}
+    return {
+        "timeout": positive_seconds(
+            extra.get("task_timeout", DEFAULT_TASK_TIMEOUT), name="task_timeout", what=_WHAT
+        ),
+        "check_on_start": flag(
+            extra.get("check_on_start", True), name="check_on_start", what=_WHAT
+        ),
+    }
 
 
 def _namespace_shard(config: HiCacheStorageConfig) -> tuple[int, int]:

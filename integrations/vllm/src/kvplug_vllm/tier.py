@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import difflib
 import logging
 import math
 import queue
@@ -80,9 +79,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
     CallHealth,
+    check_keys,
     check_target,
+    flag,
     needs_private_copy,
     open_client,
+    positive_seconds,
     private_copies,
     probe,
     tiers_of,
@@ -120,27 +122,10 @@ KVPLUG_KEYS = {
     "locality": "'LOCAL' or 'REMOTE': where the store is relative to this instance",
     "enable_kv_events": "publish KV events for chunks stored here (default false)",
 }
+VLLM_KEYS = ("type", "module_path", "backpressure")
+"""Tier config keys that vLLM's SecondaryTierFactory reads itself."""
 _WHAT = "KvplugTier"
 _FAILURES = ("failed_stores", "failed_loads", "failed_lookups")
-
-
-def _positive_seconds(settings: Mapping[str, Any], name: str, default: float) -> float:
-    value = settings.get(name, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{_WHAT}: {name} must be a positive number of seconds, got {value!r}.")
-    return float(value)
-
-
-def _check_flag(settings: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = settings.get(name, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{_WHAT}: {name} must be true or false, got {value!r}.")
-    return value
 
 
 @dataclass(frozen=True)
@@ -159,17 +144,14 @@ class _Settings:
 
     @classmethod
     def parse(cls, settings: Mapping[str, Any]) -> _Settings:
-        unknown = sorted(set(settings) - set(KVPLUG_KEYS))
-        if unknown:
-            hints = []
-            for name in unknown:
-                close = difflib.get_close_matches(name, list(KVPLUG_KEYS), n=1)
-                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            valid = "; ".join(f"{k}: {v}" for k, v in KVPLUG_KEYS.items())
-            raise ConfigError(
-                f"{_WHAT}: unknown key(s) {', '.join(hints)} in its secondary_tiers entry. Its "
-                f"keys are {valid}; vLLM itself reads type, module_path and backpressure."
-            )
+        check_keys(
+            settings,
+            KVPLUG_KEYS,
+            what=_WHAT,
+            where="its secondary_tiers entry",
+            engine="vLLM",
+            engine_keys=VLLM_KEYS,
+        )
         check_target(
             settings.get("url"), settings.get("config"), settings.get("options"), what=_WHAT
         )
@@ -199,14 +181,24 @@ class _Settings:
             url=settings.get("url"),
             config=settings.get("config"),
             options=settings.get("options"),
-            task_timeout=_positive_seconds(settings, "task_timeout", DEFAULT_TASK_TIMEOUT),
-            lookup_timeout=_positive_seconds(settings, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
-            check_on_start=_check_flag(settings, "check_on_start", True),
+            task_timeout=positive_seconds(
+                settings.get("task_timeout", DEFAULT_TASK_TIMEOUT), name="task_timeout", what=_WHAT
+            ),
+            lookup_timeout=positive_seconds(
+                settings.get("lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
+                name="lookup_timeout",
+                what=_WHAT,
+            ),
+            check_on_start=flag(
+                settings.get("check_on_start", True), name="check_on_start", what=_WHAT
+            ),
             model_identity=identity,
             on_reset=on_reset,
             max_queued_chunks=queued,
             locality=Locality(locality) if locality is not None else None,
-            enable_kv_events=_check_flag(settings, "enable_kv_events", False),
+            enable_kv_events=flag(
+                settings.get("enable_kv_events", False), name="enable_kv_events", what=_WHAT
+            ),
         )
 
 
