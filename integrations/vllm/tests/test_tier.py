@@ -474,3 +474,20 @@ def test_kv_events_name_the_chunks_stored_when_vllm_publishes_events(
     assert [event.keys for event in stored] == [keys]
     assert not stored[0].removed and stored[0].medium is Medium.STORAGE
     assert list(engine.tier.take_events()) == []
+
+
+def test_a_job_kvplug_cannot_run_finishes_failed_and_is_counted(
+    start: Start, tmp_path: Path
+) -> None:
+    engine = start({"url": f"file://{tmp_path}/kv"})
+    tier = engine.tier
+    context = ReqContext(req_id="bad")
+    not_a_key = b"\x01\x02"  # shorter than a group index: no OffloadKey vLLM makes
+    tier.submit_store(TransferJob(1, [not_a_key], [0], False, context))
+    tier.submit_load(TransferJob(2, [not_a_key], [1], True, context))
+    tier.drain_jobs()
+    results = {result.job_id: result.success for result in tier.get_finished_jobs()}
+    assert results == {1: False, 2: False}
+    health = tier.health()
+    assert (health.failed_stores, health.failed_loads, health.jobs_in_flight) == (1, 1, 0)
+    assert "OffloadKey" in (health.last_error or "")

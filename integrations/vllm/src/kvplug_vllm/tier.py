@@ -402,22 +402,24 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         """Run coroutine ``work`` (which returns the job's JobResult) on kvplug's IO thread and
         queue its result for :meth:`get_finished_jobs`."""
         job_id = job.job_id
+        counter = "failed_loads" if job.is_promotion else "failed_stores"
         try:
             future = self._client.run(work)
         except Exception as error:
             work.close()
-            self._calls.failed("failed_loads" if job.is_promotion else "failed_stores", error)
+            self._calls.failed(counter, error)
             self._finish(JobResult(job_id=job_id, success=False), chunks, job)
             return
         with self._state:
             self._in_flight[job_id] = future
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
-            result = (
-                finished.result()
-                if not finished.cancelled() and finished.exception() is None
-                else JobResult(job_id=job_id, success=False)
-            )
+            if finished.cancelled() or finished.exception() is not None:
+                error = finished.exception() if not finished.cancelled() else None
+                self._calls.failed(counter, error or KvplugError("the job was cancelled"))
+                result = JobResult(job_id=job_id, success=False)
+            else:
+                result = finished.result()
             self._finish(result, chunks, job)
 
         future.add_done_callback(done)
