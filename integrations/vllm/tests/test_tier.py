@@ -56,6 +56,16 @@ def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, An
     return {"url": server.url, "options": {"timeout": 5}}
 
 
+def stored_then_stopped(
+    start: Start, tier: dict[str, Any], keys: list[Any], data: list[bytes], **config: Any
+) -> None:
+    """An earlier engine with ``tier`` that stored ``data`` under ``keys`` and shut down."""
+    writer = start(tier, **config)
+    writer.offload(keys, data)
+    writer.settle()
+    writer.close()
+
+
 # -- the round trip -----------------------------------------------------------------------------
 
 
@@ -83,10 +93,7 @@ def test_a_lookup_answers_retry_then_the_promotion_is_pending_then_a_hit(
     store = {"url": f"file://{tmp_path}/kv"}
     keys = chunk_keys(2)
     data = payloads(2, ROW_BYTES)
-    first = start(store)
-    first.offload(keys, data)
-    first.settle()
-    first.close()
+    stored_then_stopped(start, store, keys, data)
 
     second = start(store)
     manager = second.manager
@@ -126,10 +133,7 @@ def test_a_chunk_already_stored_is_not_written_again(start: Start, tmp_path: Pat
     store = {"url": f"file://{tmp_path}/kv"}
     keys = chunk_keys(3)
     data = payloads(3, ROW_BYTES)
-    first = start(store)
-    first.offload(keys[:2], data[:2])
-    first.settle()
-    first.close()
+    stored_then_stopped(start, store, keys[:2], data[:2])
     second = start(store)
     second.offload(keys, data)
     second.settle()
@@ -144,10 +148,7 @@ def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest
     store = {"url": redis_server.url}
     keys = chunk_keys(3)
     data = payloads(3, ROW_BYTES)
-    first = start(store)
-    first.offload(keys, data)
-    first.settle()
-    first.close()
+    stored_then_stopped(start, store, keys, data)
 
     second = start(store)
     manager = second.manager
@@ -179,10 +180,7 @@ def test_other_weights_dtypes_or_layouts_are_misses_never_their_bytes(
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(2)
     data = payloads(2, ROW_BYTES)
-    writer = start({"url": url, "model_identity": "checkpoint-1"})
-    writer.offload(keys, data)
-    writer.settle()
-    writer.close()
+    stored_then_stopped(start, {"url": url, "model_identity": "checkpoint-1"}, keys, data)
 
     for tier, config in [
         ({"model_identity": "checkpoint-2"}, {}),
@@ -202,10 +200,7 @@ def test_parallelism_agnostic_rows_are_shared_across_tp_sizes(start: Start, tmp_
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(2)
     data = payloads(2, ROW_BYTES)
-    writer = start({"url": url}, tp_size=1, agnostic=True)
-    writer.offload(keys, data)
-    writer.settle()
-    writer.close()
+    stored_then_stopped(start, {"url": url}, keys, data, tp_size=1, agnostic=True)
     reader = start({"url": url}, tp_size=2, agnostic=True)
     assert reader.fetch(keys) == data
 
@@ -218,10 +213,7 @@ def test_a_retrained_local_checkpoint_is_a_new_key_space(start: Start, tmp_path:
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(1)
     data = payloads(1, ROW_BYTES)
-    writer = start({"url": url}, model=str(model))
-    writer.offload(keys, data)
-    writer.settle()
-    writer.close()
+    stored_then_stopped(start, {"url": url}, keys, data, model=str(model))
     assert start({"url": url}, model=str(model)).fetch(keys) == data
     (model / "model.safetensors").write_bytes(b"weights-v2, retrained")
     assert start({"url": url}, model=str(model)).lookup(keys) == ["MISS"]

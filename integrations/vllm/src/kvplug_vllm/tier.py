@@ -429,28 +429,31 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             self._in_flight.pop(job.job_id, None)
             if not job.is_promotion:
                 self._queued_chunks -= chunks
-        stored = None if job.is_promotion else list(job.keys)
-        self._finished.put((result, stored))
+        publish = self._events is not None and not job.is_promotion
+        self._finished.put((result, list(job.keys) if publish else None))
 
     # -- lookups --------------------------------------------------------------------------------
+
+    async def _contains_each(
+        self, keys: Sequence[CacheKey], timeout: float, what: str
+    ) -> list[bool]:
+        """Whether each of ``keys`` is stored (not a prefix count: vLLM asks per key), asked
+        at once and within ``timeout`` seconds; ``what`` names the operation for the error."""
+        backend = self._client.backend
+        found = await within_deadline(
+            asyncio.gather(*(backend.contains(key) for key in keys)),
+            timeout,
+            f"{what} on {self._target}",
+        )
+        return [bool(hit) for hit in found]
 
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Whether each key is stored (runs on the lookup thread; MISS on any failure)."""
         if not keys:
             return []
-        cache_keys = self._keys(keys)
-        backend = self._client.backend
-
-        async def ask() -> list[bool]:
-            found = await within_deadline(
-                asyncio.gather(*(backend.contains(key) for key in cache_keys)),
-                self._settings.lookup_timeout,
-                f"a lookup on {self._target}",
-            )
-            return [bool(hit) for hit in found]
-
+        ask = self._contains_each(self._keys(keys), self._settings.lookup_timeout, "a lookup")
         try:
-            asking = self._client.run(ask())
+            asking = self._client.run(ask)
             try:
                 answer = asking.result(self._settings.lookup_timeout + 1)
             except concurrent.futures.TimeoutError:
@@ -498,7 +501,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         if self._refusing:
             self._refusing = False
             logger.info("%s: stores are accepted again.", self._what)
-        self._submit(job, self._store(job, list(job.keys), list(job.chunk_ids)), chunks)
+        self._submit(job, self._store(job), chunks)
 
     def _refused(self, chunks: int) -> None:
         """Count a refused store job; the first of a stretch is logged as a warning."""
@@ -514,18 +517,13 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             chunks,
         )
 
-    async def _store(
-        self, job: TransferJob, keys: list[OffloadKey], chunk_ids: list[int]
-    ) -> JobResult:
+    async def _store(self, job: TransferJob) -> JobResult:
         started = time.perf_counter()
         backend = self._client.backend
+        keys, chunk_ids = list(job.keys), list(job.chunk_ids)
         cache_keys = self._keys(keys)
         try:
-            present = await within_deadline(
-                asyncio.gather(*(backend.contains(key) for key in cache_keys)),
-                self._settings.task_timeout,
-                f"a store on {self._target}",
-            )
+            present = await self._contains_each(cache_keys, self._settings.task_timeout, "a store")
             wanted = [index for index, hit in enumerate(present) if not hit]
             views = self._views([chunk_ids[index] for index in wanted])
             copies: list[MemoryObj] = []
@@ -564,14 +562,12 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         keys = list(job.keys)
         with self._state:
             self._load_keys[job.job_id] = keys
-        self._submit(job, self._load(job, keys, list(job.chunk_ids)), len(keys))
+        self._submit(job, self._load(job, keys), len(keys))
 
-    async def _load(
-        self, job: TransferJob, keys: list[OffloadKey], chunk_ids: list[int]
-    ) -> JobResult:
+    async def _load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
         started = time.perf_counter()
         backend = self._client.backend
-        views = self._views(chunk_ids)
+        views = self._views(job.chunk_ids)
         try:
             try:
                 found = await within_deadline(
