@@ -18,15 +18,16 @@ from kvplug import (
     FreeListAllocator,
     MemoryFormat,
     NotSupported,
+    RefCountError,
     UnknownOption,
 )
-from kvplug.backend import Buffer, BytesBackendOptions
+from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
 
 
 class DictBytes(BytesBackend):
     """A byte store in a dict, with switches to make it fail."""
 
-    capabilities = Capabilities(delete=True)
+    capabilities = Capabilities(remove=True)
 
     def __init__(self, url: Any = "dict://", **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -47,12 +48,19 @@ class DictBytes(BytesBackend):
     async def remove_bytes(self, key: str) -> bool:
         return self.values.pop(key, None) is not None
 
-    async def close(self) -> None:
-        self.mark_closed()
-
 
 class NoDelete(DictBytes):
     capabilities = Capabilities()
+
+
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint8,
+]
 
 
 def key(n: int, model: str = "m") -> CacheKey:
@@ -76,17 +84,7 @@ def filled(allocator: FreeListAllocator, shape: tuple[int, ...], dtype: torch.dt
     return obj
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.uint8,
-    ],
-)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_bytes_backend_round_trip_is_bit_exact(allocator, dtype) -> None:
     backend = DictBytes(allocator=allocator)
     obj = filled(allocator, (2, 3, 17, 24), dtype, 1)
@@ -220,15 +218,25 @@ def test_undeclared_capabilities_raise_not_supported(allocator) -> None:
         run(backend.unpin(key(1)))
     with pytest.raises(NotSupported):
         backend.list_keys()
-    assert Capabilities(pin=True, list=True).declared() == ("pin", "list")
+    assert Capabilities(pin=True, list_keys=True).declared() == ("pin", "list_keys")
 
 
-def test_deadline_turns_a_hang_into_backend_timeout() -> None:
-    backend = DictBytes("dict://?timeout=0.05")
+class HangingBytes(DictBytes):
+    async def get_bytes(self, key: str) -> Buffer | None:
+        await asyncio.sleep(5)
+        return None
+
+
+def test_deadline_turns_a_hang_into_backend_timeout_naming_the_operation_and_key() -> None:
+    backend = HangingBytes("dict://?timeout=0.05")
 
     async def main() -> None:
-        with pytest.raises(BackendTimeout, match=r"longer than 0\.05 s"):
-            await backend.with_deadline(asyncio.sleep(5), "get")
+        with pytest.raises(
+            BackendTimeout,
+            match=r"get of m@1@0@1@half on dict://\?timeout=0\.05 took longer than 0\.05 s",
+        ):
+            await backend.get(key(1))
+        assert backend.operation_stats()["get"].errors == 1
 
     run(main())
 
@@ -246,3 +254,359 @@ def test_closed_backend_refuses_operations(allocator) -> None:
                 await operation
 
     run(main())
+
+
+# -- the template: what the base does for every backend ------------------------------------------
+
+
+class CountingHooks(DictBytes):
+    """Counts the calls that reach each hook, so a test can tell the base stopped one."""
+
+    def __init__(self, url: Any = "dict://", **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.reached: list[str] = []
+
+    async def get_bytes(self, key: str) -> Buffer | None:
+        self.reached.append("get_bytes")
+        return await super().get_bytes(key)
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        self.reached.append("put_bytes")
+        await super().put_bytes(key, parts)
+
+
+@pytest.mark.parametrize("operation", ["get", "put", "close", "batched_get", "list_keys"])
+def test_a_backend_that_defines_a_public_operation_is_refused_naming_the_hook(
+    operation: str,
+) -> None:
+    async def public(self: Any, *args: Any) -> None:
+        return None
+
+    with pytest.raises(TypeError, match=rf"defines {operation}, .*the hook instead: _{operation}"):
+        type("Overrides", (DictBytes,), {operation: public})
+
+
+@pytest.mark.parametrize(
+    ("capability", "missing"),
+    [
+        ("pin", "_pin, _unpin"),
+        ("list_keys", "_list_keys"),
+        ("native_batching", "batched_get_bytes|receive_frames, batched_put_bytes"),
+    ],
+)
+def test_declaring_a_capability_without_its_hooks_is_refused(capability: str, missing: str) -> None:
+    with pytest.raises(TypeError, match=rf"declares the '{capability}' capability but does not "):
+        type("Claims", (DictBytes,), {"capabilities": Capabilities(**{capability: True})})
+    try:
+        type("Claims", (DictBytes,), {"capabilities": Capabilities(**{capability: True})})
+    except TypeError as error:
+        assert missing in str(error)
+
+
+def test_a_byte_store_without_remove_bytes_cannot_declare_remove() -> None:
+    namespace = {
+        "capabilities": Capabilities(remove=True),
+        "remove_bytes": BytesBackend.remove_bytes,
+    }
+    with pytest.raises(TypeError, match="implement remove_bytes"):
+        type("NoRemoveBytes", (DictBytes,), namespace)
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda b, obj: b.get("m@1@0@1@half"), "get needs a kvplug.CacheKey, got str"),
+        (lambda b, obj: b.put(key(1), obj.tensor), "put needs a kvplug.MemoryObj, got Tensor"),
+        (lambda b, obj: b.batched_get(key(1)), "batched_get needs a sequence of kvplug.CacheKey"),
+        (lambda b, obj: b.batched_put([key(1)], []), "batched_put got 1 keys but 0 objects"),
+        (lambda b, obj: b.get_into(key(1), None), "get_into needs a kvplug.MemoryObj, got None"),
+    ],
+    ids=["key-type", "object-type", "keys-not-a-sequence", "length-mismatch", "no-destination"],
+)
+def test_bad_arguments_are_refused_before_any_hook_runs(allocator, call: Any, error: str) -> None:
+    backend = CountingHooks(allocator=allocator)
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+
+    async def main() -> None:
+        with pytest.raises((TypeError, ValueError), match=error):
+            await call(backend, obj)
+
+    run(main())
+    obj.release()
+    assert backend.reached == []
+
+
+def test_a_freed_object_is_refused_by_put(allocator) -> None:
+    backend = CountingHooks(allocator=allocator)
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+    obj.release()
+    with pytest.raises(RefCountError, match="already freed"):
+        run(backend.put(key(1), obj))
+    assert backend.reached == []
+
+
+def test_operation_stats_count_calls_hits_misses_bytes_and_errors(allocator) -> None:
+    backend = DictBytes(allocator=allocator)
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+
+    async def main() -> None:
+        await backend.put(key(1), obj)
+        for n in (1, 2, 1):
+            got = await backend.get(key(n))
+            if got is not None:
+                got.release()
+        backend.fail_puts = True
+        with pytest.raises(ConnectionError):
+            await backend.put(key(3), obj)
+        assert await backend.batched_contains([key(1), key(2), key(1)]) == 1
+
+    run(main())
+    obj.release()
+    stats = backend.operation_stats()
+    assert (stats["get"].calls, stats["get"].hits, stats["get"].misses) == (3, 2, 1)
+    assert stats["get"].bytes == 2 * obj.nbytes
+    assert (stats["put"].calls, stats["put"].errors, stats["put"].bytes) == (2, 1, obj.nbytes)
+    assert (stats["batched_contains"].hits, stats["batched_contains"].misses) == (1, 1)
+    assert stats["get"].seconds > 0
+    stats["get"].calls = 100
+    assert backend.operation_stats()["get"].calls == 3  # a copy
+
+
+def test_a_hook_returning_the_wrong_thing_is_an_error_that_leaks_nothing(allocator) -> None:
+    class ReturnsATensor(DictBytes):
+        async def _get(self, key: CacheKey) -> Any:
+            return torch.zeros(4)
+
+    class ReturnsTooFew(DictBytes):
+        async def _batched_get(self, keys: Sequence[CacheKey]) -> Any:
+            return [await self._get(keys[0])]
+
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+
+    async def main() -> None:
+        with pytest.raises(TypeError, match=r"ReturnsATensor._get returned Tensor"):
+            await ReturnsATensor(allocator=allocator).get(key(1))
+        short = ReturnsTooFew(allocator=allocator)
+        await short.put(key(1), obj)
+        with pytest.raises(TypeError, match=r"returned 1 results for 2 keys"):
+            await short.batched_get([key(1), key(1)])
+
+    run(main())
+    obj.release()
+    assert allocator.stats().used == 0
+
+
+def test_a_hook_that_waits_runs_to_its_result_its_error_or_its_cancellation() -> None:
+    finished: list[str] = []
+
+    class Waits(DictBytes):
+        async def get_bytes(self, key: str) -> Buffer | None:
+            try:
+                await asyncio.sleep(0)
+                await asyncio.sleep(0.01)
+                if key.startswith("boom"):
+                    raise ConnectionError("lost")
+                if key.startswith("slow"):
+                    await asyncio.sleep(60)
+                return self.values.get(key)
+            finally:
+                finished.append(key.partition("@")[0])
+
+    async def main() -> None:
+        backend = Waits("dict://?timeout=30")
+        assert await backend.get(key(1)) is None
+        with pytest.raises(ConnectionError, match="lost"):
+            await backend.get(key(1, model="boom"))
+        task = asyncio.ensure_future(backend.get(key(1, model="slow")))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert backend.operation_stats()["get"].errors == 2
+
+    run(main())
+    assert finished == ["m", "boom", "slow"]
+
+
+def test_close_runs_its_hook_once_and_gives_up_on_one_that_hangs(caplog) -> None:
+    closes: list[int] = []
+
+    class HangsOnClose(DictBytes):
+        async def _close(self) -> None:
+            closes.append(1)
+            await asyncio.sleep(60)
+
+    async def main() -> None:
+        backend = HangsOnClose("dict://?timeout=0.1")
+        await asyncio.gather(backend.close(), backend.close(), backend.close())
+        await backend.close()
+        with pytest.raises(BackendClosed):
+            await backend.get(key(1))
+
+    run(main())
+    assert closes == [1]
+    assert "took longer than 0.1 s and was abandoned" in caplog.text
+
+
+def test_a_wrapper_forwards_to_the_inner_backend_and_keeps_its_capabilities(allocator) -> None:
+    class Tap(Wrapper):
+        pass
+
+    inner = DictBytes(allocator=allocator)
+    wrapper = Tap("tap://", inner=inner)
+    obj = filled(allocator, (4, 8), torch.float16, 2)
+    dest = filled(allocator, (4, 8), torch.float16, 3)
+
+    async def main() -> None:
+        await wrapper.put(key(1), obj)
+        assert await wrapper.get_into(key(1), dest)
+        assert torch.equal(dest.raw, obj.raw)
+        assert await wrapper.batched_contains([key(1), key(2)]) == 1
+        assert await wrapper.remove(key(1))
+        await wrapper.close()
+        assert inner.closed
+
+    run(main())
+    obj.release()
+    dest.release()
+    assert isinstance(wrapper, Wraps) and wrapper.inner is inner
+    assert wrapper.capabilities is inner.capabilities and wrapper.allocator is inner.allocator
+    assert inner.operation_stats()["get_into"].hits == 1
+
+
+# -- byte stores: batched and zero-copy hooks ------------------------------------------------------
+
+
+class StreamingBytes(DictBytes):
+    """A byte store whose transport hands values over in small pieces (like a socket), through
+    the zero-copy hook, and whose batched hooks count their calls."""
+
+    capabilities = Capabilities(remove=True, native_batching=True)
+    PIECE = 7
+
+    def __init__(self, url: Any = "dict://", **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.batches: list[str] = []
+
+    async def receive_frames(self, keys: Sequence[str], receivers: Sequence[Any]) -> None:
+        self.batches.append("receive")
+        for name, receiver in zip(keys, receivers, strict=True):
+            value = self.values.get(name)
+            if value is None:
+                continue
+            receiver.start(len(value))
+            prefix = value[: self.PIECE * 10]
+            size = receiver.header_len(prefix)
+            sink = receiver.take_header(value[:size])
+            rest = memoryview(value)[size:]
+            assert len(rest) == receiver.remaining
+            for start in range(0, len(rest), self.PIECE):
+                if sink is not None:
+                    sink[start : start + self.PIECE] = rest[start : start + self.PIECE]
+
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        self.batches.append("put")
+        for name, parts in zip(keys, values, strict=True):
+            self.values[name] = b"".join(parts)
+
+    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+        self.batches.append("contains")
+        return [name in self.values for name in keys]
+
+
+def test_a_streaming_byte_store_reads_into_the_callers_memory_bit_exact(allocator) -> None:
+    backend = StreamingBytes(allocator=allocator)
+    objs = [filled(allocator, (3, 5, 7), dtype, n) for n, dtype in enumerate(DTYPES)]
+    keys = [key(n) for n in range(len(objs))]
+
+    async def main() -> None:
+        await backend.batched_put(keys, objs)
+        got = await backend.batched_get([*keys, key(99)])
+        assert got[-1] is None
+        for expected, obj in zip(objs, got, strict=False):
+            assert obj is not None and torch.equal(obj.raw, expected.raw)
+            assert obj.dtype == expected.dtype and obj.shape == expected.shape
+            obj.release()
+        dests = [filled(allocator, (3, 5, 7), obj.dtype, 50) for obj in objs]
+        before = allocator.stats().object_count
+        assert await backend.batched_get_into(keys, dests) == [True] * len(keys)
+        assert allocator.stats().object_count == before  # no object of its own: zero-copy
+        for expected, dest in zip(objs, dests, strict=True):
+            assert torch.equal(dest.raw, expected.raw)
+            dest.release()
+        assert await backend.batched_contains([*keys, key(99)]) == len(keys)
+
+    run(main())
+    for obj in objs:
+        obj.release()
+    assert backend.batches == ["put", "receive", "receive", "contains"]
+    assert allocator.stats().used == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_a_damaged_value_read_through_the_receiver_is_counted_and_removed(
+    allocator, damage: str
+) -> None:
+    backend = StreamingBytes(allocator=allocator)
+    obj = filled(allocator, (64, 16), torch.float16, 4)
+    name = backend.key_string(key(1))
+
+    async def main() -> None:
+        await backend.put(key(1), obj)
+        value = bytearray(backend.values[name])
+        if damage == "flip":
+            value[-3] ^= 0x40
+        elif damage == "truncate":
+            del value[len(value) // 2 :]
+        else:
+            value[:] = b"not a frame at all"
+        backend.values[name] = bytes(value)
+        dest = filled(allocator, (64, 16), torch.float16, 5)
+        assert await backend.get_into(key(1), dest) is False
+        dest.release()
+
+    run(main())
+    obj.release()
+    assert backend.corrupt_objects == 1
+    assert name not in backend.values
+    assert allocator.stats().used == 0
+
+
+def test_a_byte_store_that_cannot_delete_counts_damage_and_keeps_serving_misses(allocator) -> None:
+    class CannotDelete(DictBytes):
+        capabilities = Capabilities()
+        remove_bytes = BytesBackend.remove_bytes
+
+    backend = CannotDelete(allocator=allocator)
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+    name = backend.key_string(key(1))
+
+    async def main() -> None:
+        await backend.put(key(1), obj)
+        backend.values[name] = backend.values[name][:-1]
+        assert await backend.get(key(1)) is None
+        assert await backend.get(key(1)) is None
+
+    run(main())
+    obj.release()
+    assert backend.corrupt_objects == 2
+    assert name in backend.values
+
+
+def test_raw_values_read_and_overwrite_the_stored_frame(allocator) -> None:
+    backend = DictBytes(allocator=allocator)
+    obj = filled(allocator, (4, 8), torch.float16, 1)
+
+    async def main() -> None:
+        assert await backend.read_raw(key(1)) is None
+        await backend.put(key(1), obj)
+        frame = await backend.read_raw(key(1))
+        assert frame == backend.values[backend.key_string(key(1))]
+        await backend.write_raw(key(1), b"junk")
+        assert await backend.get(key(1)) is None
+
+    run(main())
+    obj.release()
+    assert isinstance(backend, RawValues)

@@ -23,8 +23,8 @@ SMALL = ["--shape", "2,2,16,64", "--count", "3"]
 class CorruptingCpu(CpuBackend):
     """A cpu tier whose reads come back with one bit flipped."""
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        obj = await super().get(key)
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        obj = await super()._get(key)
         if obj is not None:
             obj.raw[0] ^= 1
         return obj

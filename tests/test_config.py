@@ -19,12 +19,15 @@ from kvplug.config import (
     CONFIG_KEYS,
     DEFAULT_CPU_SIZE,
     LMCACHE_TIER_KEYS,
+    OTHER_ENV_VARS,
     Config,
     ConfigWarning,
     TierConfig,
+    core_env_names,
     default_tiers,
     load_config,
 )
+from kvplug.env import env_owner, installed_plugin_names, plugin_env, plugin_env_prefix
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.units import parse_size
 
@@ -765,6 +768,69 @@ def test_other_kvplug_and_foreign_variables_are_left_alone() -> None:
         "PATH": "/usr/bin",
     }
     assert load_config(env=env).chunk_size == 256
+
+
+# --- KVPLUG_<PLUGIN>_* belongs to the plugin ------------------------------------------------
+
+
+def test_a_plugins_env_variable_is_neither_an_error_nor_read_by_kvplug() -> None:
+    assert "redis" in installed_plugin_names()
+    env = {"KVPLUG_REDIS_FOO": "bar", "KVPLUG_REDIS_SOCKET_TIMEOUT": "5", "KVPLUG_CHUNK_SIZE": "64"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load_config(env=env)
+    assert config.chunk_size == 64
+    assert config == load_config(env={"KVPLUG_CHUNK_SIZE": "64"})
+    assert plugin_env("redis", env) == {"foo": "bar", "socket_timeout": "5"}
+
+
+def test_kvplug_keeps_its_own_names_under_a_plugins_prefix() -> None:
+    # gds_path and audit_actual_remote_url are config keys although gds and audit are plugins.
+    env = {"KVPLUG_GDS_PATH": "/mnt/gds", "KVPLUG_GDS_BATCH": "4"}
+    assert load_config(env=env).gds_path == "/mnt/gds"
+    assert plugin_env("gds", env) == {"batch": "4"}
+    assert plugin_env("audit", {"KVPLUG_AUDIT_ACTUAL_REMOTE_URL": "redis://h:1"}) == {}
+    for name in core_env_names():
+        assert env_owner(name, installed_plugin_names()) is None, name
+
+
+def test_core_env_names_are_kvplugs_config_keys_and_other_variables() -> None:
+    names = core_env_names()
+    assert OTHER_ENV_VARS.issubset(names)
+    assert {"KVPLUG_DISABLE_PLUGINS", "KVPLUG_DISABLE_PLUGIN_AUTOLOAD", "KVPLUG_TIERS"} <= names
+    assert {f"KVPLUG_{key.upper()}" for key in CONFIG_KEYS} <= names
+    assert all(name.startswith("KVPLUG_") for name in names)
+
+
+def test_an_unclaimed_prefix_is_still_an_error_naming_the_plugin_rule() -> None:
+    message = _error(load_config, env={"KVPLUG_NOPLUGIN_FOO": "1"})
+    assert "KVPLUG_NOPLUGIN_FOO is not a kvplug setting" in message
+    assert "KVPLUG_<PLUGIN>_*" in message and "KVPLUG_REDIS_*" in message
+
+
+def test_a_misspelled_plugin_prefix_gets_a_did_you_mean() -> None:
+    message = _error(load_config, env={"KVPLUG_REDSI_SOCKET_TIMEOUT": "5"})
+    assert "Did you mean KVPLUG_REDIS_SOCKET_TIMEOUT?" in message
+
+
+def test_plugin_env_prefix_and_overlapping_plugin_names() -> None:
+    assert plugin_env_prefix("redis") == "KVPLUG_REDIS_"
+    assert plugin_env_prefix("acme.cloud-v2") == "KVPLUG_ACME_CLOUD_V2_"
+    with pytest.raises(ValueError, match="entry-point name"):
+        plugin_env_prefix("--")
+    names = ["acme", "acme-cloud"]
+    assert env_owner("KVPLUG_ACME_CLOUD_REGION", names) == "acme-cloud"
+    assert env_owner("KVPLUG_ACME_REGION", names) == "acme"
+    assert env_owner("KVPLUG_ACME_", names) is None
+    assert env_owner("KVPLUG_CHUNK_SIZE", ["chunk"]) is None
+    env = {"KVPLUG_ZETA_X": "1", "KVPLUG_ZETA_": "2", "KVPLUG_ZETAX_Y": "3", "ZETA_Z": "4"}
+    assert plugin_env("zeta", env) == {"x": "1"}
+
+
+def test_plugin_env_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLUG_REDIS_FOO", "from-environ")
+    assert plugin_env("redis")["foo"] == "from-environ"
+    assert load_config().chunk_size == 256
 
 
 def test_ignored_lmcache_key_from_env_warns_once() -> None:

@@ -14,6 +14,8 @@ from kvplug.frame import (
     MAGIC,
     MIN_HEADER_LEN,
     VERSION,
+    Buffer,
+    FrameReceiver,
     decode_frame,
     decode_header,
     encode_frame,
@@ -22,7 +24,7 @@ from kvplug.frame import (
     verify_payload,
 )
 from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
-from kvplug.serde import get_serde
+from kvplug.serde import NaiveSerde, get_serde
 
 DTYPES = list(DTYPE_CODES)  # every dtype kvplug can store: fp16, bf16, fp32, fp64, fp8 x2, ints
 SHAPES: dict[MemoryFormat, list[tuple[int, ...]]] = {
@@ -381,3 +383,112 @@ def test_corrupt_frame_into_full_allocator_still_raises(sample: tuple[MemoryObj,
     with pytest.raises(CorruptObject):
         decode_frame(damaged, allocator)
     blocker.release()
+
+
+# -- FrameReceiver: a frame received in pieces straight into its final memory ------------------
+
+
+def _received(value: bytes, receiver: FrameReceiver, piece: int) -> MemoryObj | None:
+    """Feed ``value`` to ``receiver`` as a transport would, ``piece`` bytes at a time."""
+    receiver.start(len(value))
+    size = receiver.header_len(value[:MIN_HEADER_LEN])
+    sink = receiver.take_header(value[:size])
+    rest = value[size:]
+    assert len(rest) == receiver.remaining
+    if sink is not None:
+        for start in range(0, len(rest), piece):
+            sink[start : start + piece] = rest[start : start + piece]
+    return receiver.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 13, 1 << 20])
+def test_receiver_puts_the_payload_in_the_callers_memory_without_a_copy(piece: int) -> None:
+    obj = random_obj((2, 3, 17, 8), torch.bfloat16, MemoryFormat.KV_2LTD, seed=3)
+    value = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(1 << 20)
+    dest = allocator.allocate(obj.shape, obj.dtype, obj.fmt)
+    receiver = FrameReceiver(allocator, into=dest)
+    got = _received(value, receiver, piece)
+    assert got is dest and torch.equal(dest.raw, obj.raw)
+    assert allocator.stats().object_count == 1  # only dest: nothing allocated for the read
+    got.release()
+    dest.release()
+
+
+def test_receiver_allocates_from_the_header_when_there_is_no_destination() -> None:
+    obj = random_obj((33, 2, 8), torch.float8_e4m3fn, MemoryFormat.KV_T2D, seed=4)
+    allocator = FreeListAllocator(1 << 20)
+    got = _received(b"".join(encode_frame(obj)), FrameReceiver(allocator), 100)
+    assert got is not None
+    assert (got.shape, got.dtype, got.fmt) == (obj.shape, obj.dtype, obj.fmt)
+    assert torch.equal(got.raw, obj.raw)
+    got.release()
+
+
+def test_receiver_reads_a_value_of_another_size_than_the_callers_as_a_miss() -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD)
+    allocator = FreeListAllocator(1 << 20)
+    dest = allocator.allocate((4, 4), torch.float16, MemoryFormat.KV_2LTD)
+    assert _received(b"".join(encode_frame(obj)), FrameReceiver(allocator, into=dest), 5) is None
+    assert dest.ref_count == 1
+    dest.release()
+
+
+def test_receiver_reads_as_a_miss_when_the_allocator_is_full() -> None:
+    obj = random_obj((64, 64), torch.float32, MemoryFormat.KV_2LTD)
+    allocator = FreeListAllocator(4096)
+    assert _received(b"".join(encode_frame(obj)), FrameReceiver(allocator), 4096) is None
+    assert allocator.stats().used == 0
+
+
+@pytest.mark.parametrize("damage", ["payload-bit", "header-bit", "truncated", "extended"])
+def test_receiver_reports_damage_after_draining_the_value(damage: str) -> None:
+    obj = random_obj((2, 4, 1, 16), torch.float16, MemoryFormat.KV_2LTD)
+    value = bytearray(b"".join(encode_frame(obj)))
+    if damage == "payload-bit":
+        value[-1] ^= 1
+    elif damage == "header-bit":
+        value[20] ^= 1
+    elif damage == "truncated":
+        del value[-10:]
+    else:
+        value += b"\0" * 64
+    allocator = FreeListAllocator(1 << 20)
+    receiver = FrameReceiver(allocator)
+    with pytest.raises(CorruptObject):
+        _received(bytes(value), receiver, 7)
+    assert allocator.stats().used == 0
+
+
+def test_receiver_decodes_other_serdes_from_a_scratch_buffer() -> None:
+    class Xor(NaiveSerde):
+        name = "test-xor"
+
+        def encode(self, obj: MemoryObj) -> bytes:
+            return bytes(b ^ 0x5A for b in obj.memoryview())
+
+        def decode(self, payload: Buffer, obj: MemoryObj) -> None:
+            obj.memoryview()[:] = bytes(b ^ 0x5A for b in memoryview(payload))
+
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD, seed=9)
+    value = b"".join(encode_frame(obj, Xor()))
+    allocator = FreeListAllocator(1 << 20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvplug.frame.get_serde", lambda name: Xor())
+        dest = allocator.allocate(obj.shape, obj.dtype, obj.fmt)
+        got = _received(value, FrameReceiver(allocator, into=dest), 3)
+    assert got is not None and got is not dest and torch.equal(got.raw, obj.raw)
+    got.release()
+    dest.release()
+
+
+def test_an_abandoned_receiver_releases_what_it_received_into() -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD)
+    value = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(1 << 20)
+    receiver = FrameReceiver(allocator)
+    receiver.start(len(value))
+    assert receiver.take_header(value[: receiver.header_len(value)]) is not None
+    assert allocator.stats().object_count == 1
+    receiver.abandon()
+    assert allocator.stats().used == 0

@@ -24,7 +24,9 @@ from kvplug import (
     PluginLoadError,
     UnknownScheme,
 )
-from kvplug.registry import PluginWarning, create_backend, reset_registry
+from kvplug.hookspecs import InvalidBackendSpec
+from kvplug.registry import PluginWarning, create_backend, register_plugin, registry, reset_registry
+from kvplug.url import BackendURL
 from kvplug_blackhole.backend import BlackholeBackend
 
 DISTS = Path(__file__).parent / "dists"
@@ -60,6 +62,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dup": ("kvplug-tinyplug", "kvplug-dup-a", "kvplug-dup-b"),
         "broken": ("kvplug-brokenplug",),
         "lazy": ("kvplug-lazyfail",),
+        "bad": ("kvplug-badplugins",),
     }
     sites = {}
     for name, dists in layout.items():
@@ -203,6 +206,50 @@ def test_wrappers_compose_only_in_front_of_a_backend() -> None:
     assert _round_trip("audit::cpu://?max_size=8MiB")
 
 
+@pytest.mark.parametrize(
+    ("scheme", "fix"),
+    [
+        ("my_store", "Write e.g. 'my-store'"),
+        ("1abc", "Write e.g. 'abc'"),
+        ("", "an empty scheme"),
+        ("redis://", "Write 'redis'"),
+        ("Acme", "Write 'acme'"),
+        ("ac me", "Write e.g. 'ac-me'"),
+    ],
+)
+def test_backend_spec_rejects_what_is_not_a_url_scheme(scheme: str, fix: str) -> None:
+    with pytest.raises(InvalidBackendSpec) as caught:
+        BackendSpec("acme", ("acme", scheme), "kvplug_acme.backend:AcmeBackend")
+    message = str(caught.value)
+    assert f"BackendSpec 'acme' declares the scheme {scheme!r}" in message
+    assert fix in message
+    # A ValueError as before, and a kvplug error naming a broken plugin.
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, PluginLoadError)
+
+
+@pytest.mark.parametrize("scheme", ["acme", "acme+tls", "redis+sentinel", "a.b-c", "s3", "x"])
+def test_every_scheme_a_spec_accepts_parses_in_a_url(scheme: str) -> None:
+    spec = BackendSpec("acme", scheme, "kvplug_acme.backend:AcmeBackend")
+    assert spec.schemes == (scheme,)
+    assert BackendURL.parse(f"{scheme}://").scheme == scheme
+
+
+@pytest.mark.parametrize("scheme", ["my_store", "1abc", "Acme", "a!b"])
+def test_a_scheme_a_spec_rejects_does_not_parse_in_a_url_either(scheme: str) -> None:
+    with pytest.raises(InvalidBackendSpec):
+        BackendSpec("acme", (scheme,), "kvplug_acme.backend:AcmeBackend")
+    with pytest.raises(kvplug.InvalidBackendURL):
+        BackendURL.parse(f"{scheme}://")
+
+
+def test_backend_spec_rejects_no_scheme_and_a_scheme_twice() -> None:
+    with pytest.raises(InvalidBackendSpec, match="non-empty tuple"):
+        BackendSpec("acme", (), "kvplug_acme.backend:AcmeBackend")
+    with pytest.raises(InvalidBackendSpec, match="declares a scheme twice"):
+        BackendSpec("acme", ("acme", "acme"), "kvplug_acme.backend:AcmeBackend")
+    assert BackendSpec("acme", ["acme"], "m:C").schemes == ("acme",)  # type: ignore[arg-type]
+
+
 def test_backend_spec_rejects_bad_factories() -> None:
     with pytest.raises(ValueError, match="module:Class"):
         BackendSpec("bad", ("bad",), "no_colon_here")
@@ -231,20 +278,20 @@ def test_cli_lists_an_installed_plugin_end_to_end(sites) -> None:
 
 
 class FailsToOpen(BlackholeBackend):
-    """Takes a resource in open() and then fails, as a client that connected and then could
+    """Takes a resource in _open() and then fails, as a client that connected and then could
     not log in would."""
 
     instances: ClassVar[list[FailsToOpen]] = []
     resource_held = False
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         FailsToOpen.instances.append(self)
         self.resource_held = True
         raise kvplug.BackendUnavailable("the server refused the log-in")
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         self.resource_held = False
-        await super().close()
+        await super()._close()
 
 
 def test_a_backend_whose_open_fails_is_closed_before_the_error_reaches_the_caller(
@@ -257,3 +304,119 @@ def test_a_backend_whose_open_fails_is_closed_before_the_error_reaches_the_calle
         asyncio.run(kvplug.open_backend("fails-to-open://"))
     (backend,) = FailsToOpen.instances
     assert backend.closed and not backend.resource_held
+
+
+# --- plugins with broken hooks -------------------------------------------------------------
+
+
+class MisspelledHook:
+    """kvplug_backend instead of kvplug_backends: pluggy would register it and never call it."""
+
+    @kvplug.hookimpl
+    def kvplug_backend(self) -> list[BackendSpec]:
+        return [BackendSpec("never", ("never",), "kvplug_cpu.backend:CpuBackend")]
+
+
+class WrongArgument:
+    """kvplug_backends takes no argument; this one asks for one."""
+
+    @kvplug.hookimpl
+    def kvplug_backends(self, config: object) -> list[BackendSpec]:
+        return [BackendSpec("never", ("never",), "kvplug_cpu.backend:CpuBackend")]
+
+
+class Working:
+    """A correct plugin object, to show a rejected plugin leaves nothing behind."""
+
+    @kvplug.hookimpl
+    def kvplug_backends(self) -> list[BackendSpec]:
+        return [BackendSpec("runtime-cpu", ("runtime-cpu",), "kvplug_cpu.backend:CpuBackend")]
+
+
+@pytest.fixture
+def fresh_registry() -> Iterator[None]:
+    reset_registry()
+    yield
+    reset_registry()
+
+
+@pytest.mark.usefixtures("fresh_registry")
+def test_runtime_plugin_with_a_misspelled_hook_is_rejected_naming_the_fix() -> None:
+    with pytest.raises(PluginLoadError) as caught:
+        register_plugin(MisspelledHook(), name="misspelled")
+    message = str(caught.value)
+    assert "'misspelled'" in message and "registered at runtime" in message
+    assert "'kvplug_backend' is marked @hookimpl but is not a kvplug hook" in message
+    assert "Rename it to 'kvplug_backends'" in message
+    assert not registry().manager.has_plugin("misspelled")
+    assert "never" not in kvplug.available_schemes()
+
+
+@pytest.mark.usefixtures("fresh_registry")
+def test_runtime_plugin_with_a_wrong_argument_is_rejected_naming_the_fix() -> None:
+    with pytest.raises(PluginLoadError) as caught:
+        register_plugin(WrongArgument(), name="wrong-argument")
+    message = str(caught.value)
+    assert "'wrong-argument'" in message
+    assert "kvplug_backends() takes the argument(s) config" in message
+    assert "Declare it as def kvplug_backends()" in message
+    assert not registry().manager.has_plugin("wrong-argument")
+    assert "never" not in kvplug.available_schemes()
+
+
+@pytest.mark.usefixtures("fresh_registry")
+def test_a_rejected_plugin_leaves_nothing_behind_and_a_fixed_one_registers() -> None:
+    with pytest.raises(PluginLoadError):
+        register_plugin(MisspelledHook(), name="fixed-later")
+    (spec,) = register_plugin(Working(), name="fixed-later")
+    assert spec.schemes == ("runtime-cpu",)
+    assert _round_trip("runtime-cpu://?max_size=8MiB")
+    info = next(p for p in kvplug.plugins() if p.name == "fixed-later")
+    assert info.error is None and info.specs == [spec]
+
+
+@pytest.mark.usefixtures("fresh_registry")
+def test_runtime_plugin_serving_an_installed_scheme_is_a_conflict() -> None:
+    class ServesCpu:
+        @kvplug.hookimpl
+        def kvplug_backends(self) -> list[BackendSpec]:
+            return [BackendSpec("mine", ("cpu",), "kvplug_cpu.backend:CpuBackend")]
+
+    with pytest.raises(PluginConflict, match="kvplug-cpu"):
+        register_plugin(ServesCpu(), name="serves-cpu")
+    assert not registry().manager.has_plugin("serves-cpu")
+    assert kvplug.registry.backend_class("cpu://").__module__ == "kvplug_cpu.backend"
+
+
+@pytest.mark.usefixtures("fresh_registry")
+def test_a_plugin_given_to_pluggy_directly_is_checked_at_discovery() -> None:
+    plugin = MisspelledHook()
+    registry().manager.register(plugin, name="past-kvplug")
+    with pytest.warns(PluginWarning, match=r"'past-kvplug'.*Rename it to 'kvplug_backends'"):
+        schemes = kvplug.available_schemes()
+    assert "cpu" in schemes
+    assert not registry().manager.is_registered(plugin)
+
+
+def test_installed_plugins_with_broken_hooks_or_schemes_warn_and_fail_when_used(
+    sites, use_site
+) -> None:
+    use_site(sites["bad"])
+    with pytest.warns(PluginWarning) as caught:
+        schemes = kvplug.available_schemes()
+    messages = {str(w.message).split("'")[1]: str(w.message) for w in caught}
+    assert "cpu" in schemes
+    assert not {"misspelled", "wrongarg", "badscheme", "bad_scheme"} & set(schemes)
+    for name in ("misspelled", "wrongarg", "badscheme"):
+        assert "kvplug-badplugins 0.0.1" in messages[name]
+        assert f"KVPLUG_DISABLE_PLUGINS={name}" in messages[name]
+        assert "its schemes are unavailable" in messages[name]
+    assert "Rename it to 'kvplug_backends'" in messages["misspelled"]
+    assert "takes the argument(s) config" in messages["wrongarg"]
+    assert "the scheme 'bad_scheme'" in messages["badscheme"]
+    assert "Write e.g. 'bad-scheme'" in messages["badscheme"]
+    # Opening a scheme nobody serves names the broken plugins and what is wrong with them.
+    with pytest.raises(UnknownScheme) as unknown:
+        create_backend("misspelled://")
+    assert "misspelled (kvplug-badplugins)" in str(unknown.value)
+    assert "'kvplug_backend' is marked @hookimpl" in str(unknown.value)

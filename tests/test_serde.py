@@ -9,21 +9,26 @@ import pytest
 import torch
 
 import kvplug.serde as serde_module
-from kvplug.errors import ConfigError, CorruptObject
+from kvplug import hookimpl
+from kvplug.errors import ConfigError, CorruptObject, PluginConflict
 from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.registry import PluginWarning, register_plugin, reset_registry
 from kvplug.serde import NaiveSerde, Serde, available_serdes, get_serde, register_serde
 
 
 @pytest.fixture
 def clean_registry() -> Iterator[None]:
-    """Undo any serde registered by a test."""
-    serdes = dict(serde_module._serdes)
-    instances = dict(serde_module._instances)
+    """Undo any serde or plugin registered by a test."""
+    saved = {
+        name: getattr(serde_module, name).copy()
+        for name in ("_serdes", "_sources", "_from_plugins", "_conflicts", "_instances")
+    }
     yield
-    serde_module._serdes.clear()
-    serde_module._serdes.update(serdes)
-    serde_module._instances.clear()
-    serde_module._instances.update(instances)
+    reset_registry()
+    for name, value in saved.items():
+        current = getattr(serde_module, name)
+        current.clear()
+        current.update(value)
 
 
 def random_obj(shape: tuple[int, ...], dtype: torch.dtype) -> MemoryObj:
@@ -142,7 +147,7 @@ def test_register_same_class_twice_is_fine() -> None:
 def test_register_serde_conflict_raises_unless_replace() -> None:
     register_serde(_Reverse)
     first = get_serde("test-reverse")
-    with pytest.raises(ConfigError, match="already registered") as info:
+    with pytest.raises(PluginConflict, match="already registered") as info:
         register_serde(_OtherReverse)
     assert "replace=True" in str(info.value)
     assert __name__.rsplit(".", 1)[-1] in str(info.value)
@@ -158,6 +163,83 @@ def test_naive_cannot_be_silently_replaced() -> None:
     class Impostor(NaiveSerde):
         pass
 
-    with pytest.raises(ConfigError, match="'naive' is already registered"):
+    with pytest.raises(PluginConflict, match="'naive' is served twice") as info:
         register_serde(Impostor)
+    assert "kvplug (kvplug.serde.NaiveSerde)" in str(info.value)
     assert type(get_serde("naive")) is NaiveSerde
+
+
+# --------------------------------------------------------------------------- from plugins
+
+
+class _ServesSerdes:
+    """A plugin object whose kvplug_serdes returns the given classes."""
+
+    def __init__(self, *serdes: type[Serde]) -> None:
+        self.serdes = list(serdes)
+
+    @hookimpl
+    def kvplug_serdes(self) -> list[type[Serde]]:
+        return self.serdes
+
+
+class _Rot(_Reverse):
+    name = "test-rot"
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_plugin_serde_is_found_by_name() -> None:
+    reset_registry()
+    register_plugin(_ServesSerdes(_Reverse), name="reverse-plugin")
+    assert "test-reverse" in available_serdes()
+    assert isinstance(get_serde("test-reverse"), _Reverse)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_serde_served_by_two_plugins_is_a_conflict_naming_both() -> None:
+    reset_registry()
+    register_plugin(_ServesSerdes(_Reverse, _Rot), name="plugin-one")
+    register_plugin(_ServesSerdes(_OtherReverse), name="plugin-two")
+    with pytest.raises(PluginConflict) as info:
+        get_serde("test-reverse")
+    message = str(info.value)
+    assert "'test-reverse' is served twice" in message
+    assert "plugin 'plugin-one'" in message and "_Reverse" in message
+    assert "plugin 'plugin-two'" in message and "_OtherReverse" in message
+    assert "KVPLUG_DISABLE_PLUGINS" in message
+    # The conflict stays one name's problem.
+    assert isinstance(get_serde("test-rot"), _Rot)
+    assert isinstance(get_serde("naive"), NaiveSerde)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_plugin_serving_naive_conflicts_with_kvplug_whatever_was_used_first() -> None:
+    class Impostor(NaiveSerde):
+        pass
+
+    reset_registry()
+    naive = get_serde("naive")
+    assert isinstance(naive, NaiveSerde)
+    register_plugin(_ServesSerdes(Impostor), name="impostor-plugin")
+    with pytest.raises(PluginConflict, match=r"by kvplug \(kvplug\.serde\.NaiveSerde\)") as info:
+        get_serde("naive")
+    assert "plugin 'impostor-plugin'" in str(info.value)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_registering_a_serde_a_plugin_serves_is_a_conflict() -> None:
+    reset_registry()
+    register_plugin(_ServesSerdes(_Reverse), name="reverse-plugin")
+    assert isinstance(get_serde("test-reverse"), _Reverse)
+    with pytest.raises(PluginConflict, match="plugin 'reverse-plugin'"):
+        register_serde(_OtherReverse)
+    assert type(get_serde("test-reverse")) is _Reverse
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_plugin_returning_a_non_serde_warns_and_serves_nothing() -> None:
+    reset_registry()
+    register_plugin(_ServesSerdes(_Rot, int), name="int-plugin")  # type: ignore[arg-type]
+    with pytest.warns(PluginWarning, match=r"plugin 'int-plugin'.*not a Serde subclass"):
+        names = available_serdes()
+    assert "naive" in names and "test-rot" not in names

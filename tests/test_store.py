@@ -29,7 +29,7 @@ from kvplug.store import Store, open_store
 class DictTier(BytesBackend):
     """A byte store in a dict that can be told to fail or to be slow."""
 
-    capabilities = Capabilities(delete=True, list=True)
+    capabilities = Capabilities(remove=True, list_keys=True)
 
     def __init__(self, url: Any = "dict://", **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -59,15 +59,12 @@ class DictTier(BytesBackend):
         await self._maybe_fail()
         return self.values.pop(key, None) is not None
 
-    def list_keys(self) -> Any:
+    def _list_keys(self) -> Any:
         async def keys() -> Any:
             for text in list(self.values):
                 yield CacheKey.parse(text)
 
         return keys()
-
-    async def close(self) -> None:
-        self.mark_closed()
 
 
 def key(n: int) -> CacheKey:
@@ -252,13 +249,13 @@ def test_remove_and_clear_per_tier() -> None:
             await store.put(key(n), obj)
             obj.release()
         await store.flush()
-        assert await store.remove(key(0), tiers=[0]) is True
+        assert await store.remove_from(key(0), tiers=[0]) is True
         assert await store.remove(key(0)) is True
         assert await store.remove(key(0)) is False
         assert await store.clear(tiers=[1]) == 2
         assert len(fast.values) == 2 and not slow.values
         with pytest.raises(kvplug.ConfigError, match="no tier 5"):
-            await store.remove(key(1), tiers=[5])
+            await store.remove_from(key(1), tiers=[5])
         await store.close()
 
     asyncio.run(main())
@@ -300,8 +297,7 @@ def test_open_from_config_allocates_in_the_cpu_tier_for_zero_copy_puts() -> None
 class BrokenCloseTier(DictTier):
     """A tier whose close fails after releasing what it can."""
 
-    async def close(self) -> None:
-        await super().close()
+    async def _close(self) -> None:
         raise BackendUnavailable("could not say goodbye to the server")
 
 

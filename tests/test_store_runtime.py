@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,19 +75,19 @@ class CountingTier(DictTier):
             await self.put_gate.wait()
         await super().put_bytes(key, parts)
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         self.calls.append(("get", [k.chunk_hash for k in keys]))
-        return await super().batched_get(keys)
+        return await super()._batched_get(keys)
 
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         self.calls.append(("put", [k.chunk_hash for k in keys]))
         if self.refuse_puts:
             raise CapacityExceeded("the counting tier is full")
-        await super().batched_put(keys, objs)
+        await super()._batched_put(keys, objs)
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         self.calls.append(("contains", [k.chunk_hash for k in keys]))
-        return await super().batched_contains(keys)
+        return await super()._batched_contains(keys)
 
     def of(self, operation: str) -> list[list[int]]:
         return [keys for op, keys in self.calls if op == operation]
@@ -522,16 +523,35 @@ def test_bad_store_urls_and_configs_say_what_to_fix(tmp_path: Path) -> None:
         asyncio.run(open_missing())
 
 
-def test_a_store_refuses_a_second_event_loop() -> None:
+def test_a_store_serves_other_loops_on_its_own_while_it_runs_and_refuses_them_after() -> None:
     allocator = FreeListAllocator(8 * MiB, pin=False)
     store = Store(tiers=[DictTier(allocator=allocator)], allocator=allocator)
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    obj = small(allocator, 3.0)
 
-    async def miss() -> None:
-        assert await store.get(key(1)) is None
+    async def round_trip() -> float:
+        await store.put(key(1), obj)
+        got = await store.get(key(1))
+        assert got is not None
+        try:
+            return float(got.tensor.sum())
+        finally:
+            got.release()
 
-    asyncio.run(miss())
-    with pytest.raises(KvplugError, match="another event loop"):
-        asyncio.run(miss())
+    try:
+        first = asyncio.run_coroutine_threadsafe(round_trip(), home).result(10)
+        assert asyncio.run(round_trip()) == first  # another loop, served on the store's own
+        with pytest.raises(KvplugError, match=r"offer, flush, .* only from that one"):
+            asyncio.run(store.offer([key(2)], [obj]))
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)
+    with pytest.raises(BackendUnavailable, match="belongs to an event loop that is no longer"):
+        asyncio.run(round_trip())
+    obj.release()
+    home.close()
 
 
 # -- never an older value: random schedules -----------------------------------------------------
@@ -620,13 +640,13 @@ def test_a_get_returns_the_latest_accepted_value_or_a_miss_never_an_older_one(
 class SlowCpu(CpuBackend):
     """A host-memory tier whose batched reads and writes take a few milliseconds."""
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         await asyncio.sleep(0.01)
-        return await super().batched_get(keys)
+        return await super()._batched_get(keys)
 
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         await asyncio.sleep(0.01)
-        await super().batched_put(keys, objs)
+        await super()._batched_put(keys, objs)
 
 
 class CopyingCpu(CpuBackend):
@@ -738,9 +758,9 @@ def test_a_read_in_flight_when_the_store_closes_leaves_no_worker_and_no_entry() 
     removes: list[CacheKey] = []
 
     class CountingRemoves(CopyingCpu):
-        async def remove(self, key: CacheKey) -> bool:
+        async def _remove(self, key: CacheKey) -> bool:
             removes.append(key)
-            return await super().remove(key)
+            return await super()._remove(key)
 
     async def main() -> None:
         first, lower = await opened(

@@ -187,14 +187,13 @@ class SlowToOpen(BlackholeBackend):
     instances: ClassVar[list[SlowToOpen]] = []
     resource_held = False
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         SlowToOpen.instances.append(self)
         self.resource_held = True
         await asyncio.Event().wait()
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         self.resource_held = False
-        await super().close()
 
 
 def test_an_open_that_runs_past_open_timeout_is_cancelled_and_closed(

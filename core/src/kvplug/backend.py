@@ -4,43 +4,61 @@ A backend stores :class:`~kvplug.memory.MemoryObj` s under :class:`~kvplug.keys.
 returns them bit-exact, or reports a miss. It is ``async``: engines reach it from worker threads
 through :class:`~kvplug.sync.SyncClient`, so vendors never write synchronous code.
 
-There are two ways to write one:
+:class:`Backend` is a template. Users call its public operations (``get``, ``put``,
+``contains``, ``remove``, the batched forms, ``get_into``, ``pin``/``unpin``, ``list_keys``,
+``open``, ``close``); vendors implement protected hooks (``_get``, ``_put``, ...). The public
+operation does, for every backend, what each would otherwise do by hand or forget: it checks the
+arguments, raises :class:`~kvplug.errors.BackendClosed` after ``close``, applies the deadline
+(``options.timeout``), holds a reference to the caller's object while the hook runs, checks what
+the hook returns, gates operations on the declared :class:`Capabilities`, and counts calls,
+errors, hits, misses, bytes and time (:meth:`Backend.operation_stats`). A subclass that defines
+a public operation itself is refused when the class is created, and so is one that declares a
+capability without its hook.
 
-* subclass :class:`Backend` when the store can hold memory objects directly (host memory, local
-  files, GPU-direct storage);
-* subclass :class:`BytesBackend` when the store moves bytes only (Redis, Valkey, Mooncake, an
-  HTTP object store): implement four byte operations and the core does framing, checksums,
-  serde and allocation.
+There are three bases to start from:
+
+* :class:`Backend` when the store can hold memory objects directly (host memory, local files,
+  GPU-direct storage): implement ``_get``, ``_put``, ``_contains`` (and the hooks of what it
+  declares);
+* :class:`BytesBackend` when the store moves bytes only (Redis, Valkey, Mooncake, an HTTP object
+  store): implement four byte operations and the core does framing, checksums, serde,
+  allocation and damage handling; batched and zero-copy byte hooks are optional;
+* :class:`Wrapper` for a backend that wraps another (``audit::redis://h:6379``).
 
 The numbered clauses of the contract (DESIGN.md §4) are stated on the methods they govern; the
 ``kvplug-contracts`` suite checks every one of them.
 
 A minimal byte store, complete and correct::
 
-    import asyncio
-    from kvplug.backend import BytesBackend, Capabilities
-
-    class DictBackend(BytesBackend):
-        capabilities = Capabilities(delete=True)
-
-        def __init__(self, url, **kwargs):
-            super().__init__(url, **kwargs)
-            self._data: dict[str, bytes] = {}
-
-        async def get_bytes(self, key):
-            return self._data.get(key)
-
-        async def put_bytes(self, key, parts):
-            self._data[key] = b"".join(parts)   # one assignment: readers never see a mix
-
-        async def contains_bytes(self, key):
-            return key in self._data
-
-        async def remove_bytes(self, key):
-            return self._data.pop(key, None) is not None
-
-        async def close(self):
-            self.mark_closed()
+    >>> import asyncio, torch, kvplug
+    >>> from kvplug.backend import BytesBackend, Capabilities
+    >>> class DictBackend(BytesBackend):
+    ...     capabilities = Capabilities(remove=True)
+    ...
+    ...     def __init__(self, url, **kwargs):
+    ...         super().__init__(url, **kwargs)
+    ...         self._data: dict[str, bytes] = {}
+    ...
+    ...     async def get_bytes(self, key):
+    ...         return self._data.get(key)
+    ...
+    ...     async def put_bytes(self, key, parts):
+    ...         self._data[key] = b"".join(parts)  # one assignment: readers never see a mix
+    ...
+    ...     async def contains_bytes(self, key):
+    ...         return key in self._data
+    ...
+    ...     async def remove_bytes(self, key):
+    ...         return self._data.pop(key, None) is not None
+    >>> async def demo() -> list[object]:
+    ...     backend = DictBackend("dict://")
+    ...     key = kvplug.CacheKey("llama", 1, 0, 7)
+    ...     await backend.put(key, kvplug.MemoryObj.from_tensor(torch.ones(4)))
+    ...     got = await backend.get(key)
+    ...     await backend.close()
+    ...     return [got.tensor.tolist(), backend.operation_stats()["get"].hits]
+    >>> asyncio.run(demo())
+    [[1.0, 1.0, 1.0, 1.0], 1]
 
 Registered through an entry point (see :mod:`kvplug.registry`), it is opened with
 ``kvplug.open_backend("dict://")``.
@@ -51,29 +69,105 @@ from __future__ import annotations
 import abc
 import asyncio
 import difflib
+import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar, cast
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pathlib import Path
+from types import ModuleType
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Generic,
+    Protocol,
+    TypeVar,
+    cast,
+    runtime_checkable,
+)
 
 from kvplug.errors import (
     BackendClosed,
     BackendTimeout,
+    BackendUnavailable,
     CorruptObject,
     NotSupported,
+    RefCountError,
     UnknownOption,
 )
-from kvplug.frame import decode_frame, encode_frame
 from kvplug.keys import CacheKey
-from kvplug.memory import Allocator, MemoryObj, shared_host_allocator
 from kvplug.secrets import MASK, install_log_filter, is_secret_name, mask_repr, mask_text, remember
-from kvplug.serde import get_serde
 from kvplug.url import BackendURL
+
+if TYPE_CHECKING:
+    from kvplug.frame import FrameReceiver
+    from kvplug.memory import Allocator, MemoryObj
+    from kvplug.options import BackendOptions, BytesBackendOptions
+    from kvplug.serde import Serde
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
+logger = logging.getLogger(__name__)
+
+
+_memory_module: ModuleType | None = None
+
+
+def _memory() -> ModuleType:
+    """:mod:`kvplug.memory`, imported on first use (it imports torch)."""
+    global _memory_module
+    if _memory_module is None:
+        import kvplug.memory
+
+        _memory_module = kvplug.memory
+    return _memory_module
+
+
+class _Resumed(Generic[T]):
+    """The rest of a coroutine that was stepped once by hand and is waiting on ``awaited``:
+    awaiting this continues it in the current task, as ``await coroutine`` would have."""
+
+    __slots__ = ("_awaited", "_coroutine")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T], awaited: Any) -> None:
+        self._coroutine = coroutine
+        self._awaited = awaited
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        coroutine, awaited = self._coroutine, self._awaited
+        while True:
+            try:
+                sent = yield awaited
+            except GeneratorExit:
+                coroutine.close()
+                raise
+            except BaseException as error:
+                try:
+                    awaited = coroutine.throw(error)
+                except StopIteration as done:
+                    return cast(T, done.value)
+            else:
+                try:
+                    awaited = coroutine.send(sent)
+                except StopIteration as done:
+                    return cast(T, done.value)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("BackendOptions", "BytesBackendOptions"):
+        import kvplug.options
+
+        return getattr(kvplug.options, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 async def gather_all(operations: Iterable[Awaitable[T]]) -> list[T]:
@@ -107,10 +201,11 @@ def fill_into(found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj]) -> 
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares it can do. Declared means it works; undeclared operations raise
-    :class:`~kvplug.errors.NotSupported` (clause 13)."""
+    :class:`~kvplug.errors.NotSupported` (clause 13). A capability named like a method gates
+    that method, and declaring it requires the method's hook."""
 
     pin: bool = False
-    """``pin``/``unpin`` keep keys from eviction (clause 8)."""
+    """``pin``/``unpin`` keep keys from eviction (clause 8). Hooks: ``_pin``, ``_unpin``."""
     persistent: bool = False
     """Data survives ``close`` and a new ``open_backend`` of the same URL (clause 14)."""
     shared_across_processes: bool = False
@@ -118,11 +213,14 @@ class Capabilities:
     zero_copy: bool = False
     """``get`` can return memory without copying it (host-memory tiers)."""
     native_batching: bool = False
-    """The batched operations are one round trip, not a loop."""
-    delete: bool = False
-    """``remove`` deletes stored objects. Without it ``remove`` raises ``NotSupported``."""
-    list: bool = False
-    """``list_keys`` enumerates stored keys."""
+    """The batched operations are one round trip, not a loop: the backend implements their
+    hooks (``_batched_get``, ``_batched_put``, ``_batched_contains``, or a byte store's
+    ``batched_*_bytes``)."""
+    remove: bool = False
+    """``remove`` deletes stored objects; without it ``remove`` raises ``NotSupported``.
+    Hook: ``_remove`` (a byte store's ``remove_bytes``)."""
+    list_keys: bool = False
+    """``list_keys`` enumerates stored keys. Hook: ``_list_keys``."""
     device_memory: bool = False
     """``get`` may return objects in GPU memory."""
 
@@ -131,41 +229,181 @@ class Capabilities:
         return tuple(f.name for f in fields(self) if getattr(self, f.name))
 
 
-class BackendOptions(BaseModel):
-    """Options every backend accepts. A backend extends this model with its own fields.
+@dataclass
+class OperationStats:
+    """What one public operation of a backend has done so far."""
 
-    Values arrive as URL query strings or config values and are converted by the model
-    (``"2.5"`` becomes ``2.5``, ``"true"`` becomes ``True``); unknown names are rejected.
-    """
+    calls: int = 0
+    errors: int = 0
+    """Calls that raised (a miss is not an error)."""
+    hits: int = 0
+    """Keys found, by ``get``, ``contains``, ``get_into`` and their batched forms."""
+    misses: int = 0
+    bytes: int = 0
+    """Bytes of the objects put, or read by hits."""
+    seconds: float = 0.0
+    """Time spent in the operation, summed over calls."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    timeout: float = Field(10.0, gt=0, description="deadline of one operation, in seconds")
+# -- protocols the contract suite (and tools) use to look inside a backend ------------------
+
+
+@runtime_checkable
+class Wraps(Protocol):
+    """A backend over another: :class:`Wrapper` s and anything else with an ``inner``."""
+
+    inner: Backend
+
+
+@runtime_checkable
+class CountsCorruptObjects(Protocol):
+    """A backend that counts the damaged objects it read as misses (clause 6)."""
+
+    corrupt_objects: int
+
+
+@runtime_checkable
+class StoredFiles(Protocol):
+    """A backend that keeps each key in local files, and can say which ones (so the suite can
+    damage them, clause 6)."""
+
+    def stored_files(self, key: CacheKey) -> list[Path]:
+        """The files that hold ``key`` now (none when it is absent)."""
+        ...
+
+
+@runtime_checkable
+class RawValues(Protocol):
+    """A backend whose stored value for a key can be read and overwritten as bytes, under the
+    contract (so the suite can damage it, clause 6). Every :class:`BytesBackend` is one."""
+
+    async def read_raw(self, key: CacheKey) -> bytes | None:
+        """The bytes stored for ``key``, or ``None`` when absent."""
+        ...
+
+    async def write_raw(self, key: CacheKey, data: bytes) -> None:
+        """Replace what is stored for ``key`` with ``data`` as it is (no framing)."""
+        ...
+
+
+_TEMPLATE_METHODS = frozenset(
+    {
+        "open",
+        "close",
+        "get",
+        "put",
+        "contains",
+        "remove",
+        "get_into",
+        "batched_get",
+        "batched_put",
+        "batched_contains",
+        "batched_get_into",
+        "pin",
+        "unpin",
+        "list_keys",
+    }
+)
+
+
+class _DefaultOptions:
+    """``Backend.Options`` until a subclass names its own: the options model, imported on
+    first use so that importing the contract does not import pydantic."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type) -> type[BackendOptions]:
+        import kvplug.options
+
+        return cast("type[BackendOptions]", getattr(kvplug.options, self.name))
 
 
 class Backend(abc.ABC):
-    """An asynchronous store of memory objects. Subclass it and register it with a plugin.
+    """An asynchronous store of memory objects. Subclass it, implement its hooks and register
+    it with a plugin.
 
     Construction takes the parsed URL, an optional allocator for the objects ``get`` returns
     (the process-wide host allocator when none is given) and the options, validated against
     :attr:`Options`. Construction does not connect; :meth:`open` does, once, before the
     first operation (``kvplug.open_backend`` awaits it for you).
 
+    Hooks to implement: ``_get``, ``_put`` and ``_contains`` always; ``_remove``, ``_pin`` /
+    ``_unpin`` and ``_list_keys`` with the capability that gates them; ``_open`` and
+    ``_close`` when there is something to connect or release; the batched hooks and
+    ``_get_into`` when the store does them better than the defaults (one call per key, and a
+    copy). The hooks receive checked arguments, run only while the backend is open, and may
+    rely on the caller's objects staying alive while they are awaited; one that hands an
+    object's memory to work that outlives its own await (a thread still running after a
+    deadline cancelled the await, a socket still receiving) retains it for that work.
+
     Contract clauses that hold for every method:
 
-    * Keys are isolated per namespace (model name, world size, worker id): a key never reads or
-      writes another key's data, and no key content escapes into paths or other key spaces
-      (clause 12).
-    * Every method is safe under concurrency from many tasks (clause 15).
+    * Keys are isolated per namespace (model name, world size, worker id, chunk hash and
+      tags): a key never reads or writes another key's data, and no key content escapes into
+      paths or other key spaces (clause 12).
+    * Every method is safe under concurrency from many tasks, and from threads or event loops
+      other than the one that opened the backend, one at a time (clause 15).
     * After :meth:`close`, every method raises :class:`~kvplug.errors.BackendClosed`
       (clause 11).
-    * Remote operations finish within ``options.timeout`` with a result, a
+    * Operations finish within ``options.timeout`` with a result, a
       :class:`~kvplug.errors.BackendTimeout` or a :class:`~kvplug.errors.BackendUnavailable`,
       and recover without reopening when the server returns (clause 10).
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities()
-    Options: ClassVar[type[BackendOptions]] = BackendOptions
+    _GATES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "pin": ("_pin", "_unpin"),
+        "remove": ("_remove",),
+        "list_keys": ("_list_keys",),
+        "native_batching": ("_batched_get", "_batched_put", "_batched_contains"),
+    }
+    """The hooks each capability needs (``a|b``: either); a class that declares the capability
+    and keeps the default of a hook (the one of the class defining ``_GATES``) is refused."""
+
+    loop_bound: ClassVar[bool] = False
+    """True for a backend whose state (clients, tasks, asyncio primitives) belongs to the event
+    loop it is first used on: the template then runs every hook on that loop, also for callers
+    on other loops and threads (while that loop runs). False: hooks run on the caller's loop,
+    so the backend must not keep loop-bound state."""
+
+    capabilities: Capabilities = Capabilities()
+    """What this backend can do; a class attribute, or set per instance (a wrapper's are its
+    inner backend's)."""
+    Options: ClassVar[type[BackendOptions]] = cast(
+        "type[BackendOptions]", _DefaultOptions("BackendOptions")
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = sorted(_TEMPLATE_METHODS & cls.__dict__.keys())
+        if overridden:
+            raise TypeError(
+                f"{cls.__qualname__} defines {', '.join(overridden)}, which kvplug.Backend "
+                "implements for every backend (open check, deadline, argument checks, counters, "
+                "references). Implement the hook instead: "
+                f"{', '.join('_' + name for name in overridden)}."
+            )
+        capabilities = cls.__dict__.get("capabilities")
+        if isinstance(capabilities, Capabilities):
+            for name in capabilities.declared():
+                missing = cls.missing_hooks(name)
+                if missing:
+                    raise TypeError(
+                        f"{cls.__qualname__} declares the {name!r} capability but does not "
+                        f"implement {', '.join(missing)}. Implement them, or do not declare "
+                        f"{name!r} (undeclared, the operation raises NotSupported)."
+                    )
+
+    @classmethod
+    def missing_hooks(cls, capability: str) -> list[str]:
+        """The hooks ``capability`` needs that this class leaves at their defaults (``a|b``:
+        neither is implemented); empty when it implements them all."""
+        base = next(c for c in cls.__mro__ if "_GATES" in c.__dict__)
+        return [
+            hook
+            for hook in cls._GATES.get(capability, ())
+            if all(getattr(cls, h) is getattr(base, h) for h in hook.split("|"))
+        ]
 
     def __init__(
         self,
@@ -179,17 +417,23 @@ class Backend(abc.ABC):
         self._allocator = allocator
         self.options = self.parse_options(self.url, options)
         self._closed = False
+        self._opened = False
+        self._home_loop: asyncio.AbstractEventLoop | None = None
         self._close_lock = threading.Lock()
+        self._operation_stats: dict[str, OperationStats] = {}
 
     @classmethod
     def parse_options(cls, url: BackendURL, explicit: dict[str, Any]) -> BackendOptions:
         """The URL's query merged with ``explicit`` (explicit wins), validated by
         :attr:`Options`; unknown or bad values raise with the valid names listed."""
+        from pydantic import ValidationError
+
         merged: dict[str, Any] = {**url.options, **explicit}
         remember(*(value for name, value in merged.items() if is_secret_name(name)))
-        known = sorted(cls.Options.model_fields)
+        model = cls.Options
+        known = sorted(model.model_fields)
         for name in merged:
-            if name not in cls.Options.model_fields:
+            if name not in model.model_fields:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise UnknownOption(
@@ -197,7 +441,7 @@ class Backend(abc.ABC):
                     f"Valid options: {', '.join(known)}."
                 )
         try:
-            return cls.Options.model_validate(merged)
+            return model.model_validate(merged)
         except ValidationError as error:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
@@ -213,96 +457,190 @@ class Backend(abc.ABC):
     def allocator(self) -> Allocator:
         """Where objects returned by ``get`` are allocated."""
         if self._allocator is None:
-            self._allocator = shared_host_allocator()
+            self._allocator = _memory().shared_host_allocator()
         return self._allocator
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def mark_closed(self) -> bool:
-        """Mark the backend closed; True only for the first call (so ``close`` is idempotent)."""
-        with self._close_lock:
-            first = not self._closed
-            self._closed = True
-            return first
+    def deadline(self) -> float | None:
+        """Seconds one operation may take before it raises ``BackendTimeout``:
+        ``options.timeout``. A backend whose operations only call other backends that keep
+        deadlines of their own (a wrapper, a tiered store) returns ``None``."""
+        return self.options.timeout
 
-    def ensure_open(self) -> None:
-        """Raise :class:`BackendClosed` if :meth:`close` was called."""
-        if self._closed:
-            raise BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
-
-    async def with_deadline(self, operation: Awaitable[T], what: str) -> T:
-        """Await ``operation`` within ``options.timeout``, else raise ``BackendTimeout``."""
-        try:
-            return await asyncio.wait_for(operation, self.options.timeout)
-        except TimeoutError:
-            raise BackendTimeout(
-                f"{what} on {self.url} took longer than {self.options.timeout} s; "
-                "the store is slow or unreachable. Raise the 'timeout' option or check it."
-            ) from None
-
-    async def open(self) -> None:
-        """Connect or prepare; called once before the first operation. Default: nothing."""
+    def operation_stats(self) -> dict[str, OperationStats]:
+        """Counters of each public operation called so far (a copy), by operation name."""
+        return {
+            name: OperationStats(**vars(stats)) for name, stats in self._operation_stats.items()
+        }
 
     def describe(self) -> dict[str, str]:
         """What ``kvplug check`` prints about this backend once it is open, beyond its URL and
         capabilities (for example how data moves: ``{"mode": "compat"}``). Default: nothing."""
         return {}
 
-    # -- required ---------------------------------------------------------------------------
+    # -- the template ------------------------------------------------------------------------
 
-    @abc.abstractmethod
+    def ensure_open(self) -> None:
+        """Raise :class:`~kvplug.errors.BackendClosed` if :meth:`close` was called (the
+        template checks before every hook; a hook that waits long may check again)."""
+        if self._closed:
+            raise BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
+
+    def _operation_counter(self, operation: str) -> OperationStats:
+        stats = self._operation_stats.get(operation)
+        if stats is None:
+            stats = self._operation_stats.setdefault(operation, OperationStats())
+        return stats
+
+    async def _run_hook(self, operation: str, hook: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``hook(*args)`` as ``operation``: open check, deadline, counters."""
+        if self._closed:
+            self.ensure_open()
+        if self.loop_bound:
+            home = self._home_loop
+            loop = asyncio.get_running_loop()
+            if home is None:
+                self._home_loop = loop
+            elif home is not loop:
+                return await self._run_on_home_loop(home, self._run_hook(operation, hook, *args))
+        stats = self._operation_stats.get(operation) or self._operation_counter(operation)
+        stats.calls += 1
+        started = time.perf_counter()
+        try:
+            limit = self.deadline()
+            if limit is None:
+                return await hook(*args)
+            # A timer per call costs more than a whole in-memory operation, and only a hook
+            # that waits can overrun: the deadline (from the call's start) is armed at the
+            # hook's first wait, and a hook that finishes without waiting needs none.
+            coroutine = cast("Coroutine[Any, Any, T]", hook(*args))
+            try:
+                awaited = coroutine.send(None)
+            except StopIteration as done:
+                return cast(T, done.value)
+            try:
+                async with asyncio.timeout_at(asyncio.get_running_loop().time() + limit):
+                    return await _Resumed(coroutine, awaited)
+            except TimeoutError:
+                raise BackendTimeout(
+                    f"{operation}{_of_keys(args)} on {self.url} took longer than {limit} s; the "
+                    "store is slow or unreachable. Raise the 'timeout' option or check the store."
+                ) from None
+        except BaseException:
+            stats.errors += 1
+            raise
+        finally:
+            stats.seconds += time.perf_counter() - started
+
+    async def _run_on_home_loop(
+        self, home: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]
+    ) -> T:
+        """Await ``work`` on the loop a :attr:`loop_bound` backend belongs to."""
+        if home.is_closed() or not home.is_running():
+            work.close()
+            raise BackendUnavailable(
+                f"{self.url} belongs to an event loop that is no longer running, so it cannot "
+                "serve this one. Use a backend from the loop that first used it, or keep that "
+                "loop running (kvplug.sync.SyncClient does)."
+            )
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
+
+    def _count_found(self, operation: str, hits: int, misses: int, nbytes: int = 0) -> None:
+        stats = self._operation_counter(operation)
+        stats.hits += hits
+        stats.misses += misses
+        stats.bytes += nbytes
+
+    async def open(self) -> None:
+        """Connect or prepare (the ``_open`` hook), once; ``kvplug.open_backend`` calls it.
+        A second call does nothing."""
+        if self._opened:
+            self.ensure_open()
+            return
+        await self._run_hook("open", self._open)
+        self._opened = True
+
+    async def close(self) -> None:
+        """Release every resource (the ``_close`` hook). Idempotent; bounded in time even with
+        operations in flight: a ``_close`` that outlasts the deadline is abandoned with a
+        warning. Later operations raise :class:`~kvplug.errors.BackendClosed` (clause 11)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        limit = self.deadline()
+        home = self._home_loop
+        closing = self._close()
+        if home is not None and home is not asyncio.get_running_loop() and home.is_running():
+            closing = self._run_on_home_loop(home, closing)
+        try:
+            async with asyncio.timeout(limit):
+                await closing
+        except TimeoutError:
+            logger.warning(
+                "closing %s took longer than %s s and was abandoned; some of its resources "
+                "may be released late",
+                self.url,
+                limit,
+            )
+
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The object stored under ``key``, or ``None`` for a miss.
 
         * A miss is ``None``, never an exception (clause 1).
-        * A hit is bit-identical to what the last completed ``put`` stored: bytes, dtype,
-          shape and format (clause 2); never a mix of two puts (clause 3).
+        * A hit is bit-identical to what the last completed ``put`` of ``key`` stored: bytes,
+          dtype, shape and format (clause 2); never a mix of two puts (clause 3). Put v1, put
+          v2, get gives v2 (read-your-writes); a backend that may keep the old value on
+          overwrite says so in its documentation and the suite is told (clause 3).
         * The caller owns one reference of the returned object and releases it (clause 5).
         * Stored data that is corrupt, torn or truncated reads as a miss, is counted and is
           removed (clause 6).
         """
+        _check_key(key, "get")
+        obj = await self._run_hook("get", self._get, key)
+        if obj is None:
+            self._count_found("get", 0, 1)
+            return None
+        _check_result(self, obj, "_get")
+        self._count_found("get", 1, 0, obj.nbytes)
+        return obj
 
-    @abc.abstractmethod
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Store ``obj`` under ``key``; when this returns, ``get`` finds it.
 
-        * ``put`` of an existing key replaces it or keeps the old value, atomically (clause 3).
-        * ``put`` does not take the caller's reference: it retains ``obj`` while it needs it
-          and releases that reference when done, on success and on failure (clause 5).
+        * ``put`` of an existing key replaces it atomically: a reader never sees a mix
+          (clause 3).
+        * ``put`` does not take the caller's reference: the base holds one of its own while
+          the hook runs and releases it when done, on success and on failure (clause 5).
         * A full store raises :class:`~kvplug.errors.CapacityExceeded` or evicts by policy;
           reads keep working (clause 9).
         """
+        _check_key(key, "put")
+        _check_obj(obj, "put")
+        obj.retain()
+        try:
+            await self._run_hook("put", self._put, key, obj)
+        finally:
+            obj.release()
+        self._count_found("put", 0, 0, obj.nbytes)
 
-    @abc.abstractmethod
     async def contains(self, key: CacheKey) -> bool:
         """Whether ``get`` would hit now (clause 7: no "exists but cannot be read")."""
+        _check_key(key, "contains")
+        found = bool(await self._run_hook("contains", self._contains, key))
+        self._count_found("contains", int(found), int(not found))
+        return found
 
-    @abc.abstractmethod
     async def remove(self, key: CacheKey) -> bool:
-        """Delete ``key``: True if it was there, False if absent (clause 7). Backends without
-        the ``delete`` capability raise :class:`~kvplug.errors.NotSupported`."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Release every resource. Idempotent; bounded in time even with operations in flight;
-        later operations raise :class:`~kvplug.errors.BackendClosed` (clause 11). Use
-        :meth:`mark_closed` to make it idempotent."""
-
-    # -- batched forms (correct defaults; override when the store batches natively) --------
-
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        """``get`` of each key, concurrently; the result is aligned with ``keys`` (clause 4).
-        If any get fails, the objects already read are released and the error is raised."""
-        results = await asyncio.gather(*(self.get(k) for k in keys), return_exceptions=True)
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            for result in results:
-                if isinstance(result, MemoryObj):
-                    result.release()
-            raise error
-        return [r for r in results if not isinstance(r, BaseException)]
+        """Delete ``key``: True if it was there, False if absent (clause 7). Needs the
+        ``remove`` capability; without it raises :class:`~kvplug.errors.NotSupported`."""
+        _check_key(key, "remove")
+        self.ensure_open()
+        self._require_capability("remove", "cannot remove keys")
+        return bool(await self._run_hook("remove", self._remove, key))
 
     async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """Read the bytes stored under ``key`` into ``dest``'s memory (an engine's own buffer).
@@ -314,8 +652,7 @@ class Backend(abc.ABC):
 
         ``dest`` stays the caller's; the backend retains it while it may write into it, so a
         caller that stopped waiting (a deadline) can wait for ``dest.ref_count`` to drop back
-        before reusing the buffer. The default reads with :meth:`get` and copies once; a
-        backend that can read straight into the caller's memory overrides it.
+        before reusing the buffer.
 
         Example::
 
@@ -333,47 +670,203 @@ class Backend(abc.ABC):
             >>> asyncio.run(demo())
             [True, True, False]
         """
-        return fill_into([await self.get(key)], [dest])[0]
+        _check_key(key, "get_into")
+        _check_obj(dest, "get_into")
+        dest.retain()
+        try:
+            hit = bool(await self._run_hook("get_into", self._get_into, key, dest))
+        finally:
+            dest.release()
+        self._count_found("get_into", int(hit), int(not hit), dest.nbytes if hit else 0)
+        return bool(hit)
 
-    async def batched_get_into(
-        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
-    ) -> list[bool]:
-        """:meth:`get_into` of each pair; aligned with ``keys``. The default is one
-        :meth:`batched_get` (the backend's own batching) and one copy per hit."""
-        if len(keys) != len(dests):
-            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        return fill_into(await self.batched_get(keys), dests)
+    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """``get`` of each key; the result is aligned with ``keys`` (clause 4). If the
+        operation fails, no object read so far is left allocated."""
+        _check_keys(keys, "batched_get")
+        if not keys:
+            self.ensure_open()
+            return []
+        objs = list(await self._run_hook("batched_get", self._batched_get, keys))
+        if len(objs) != len(keys):
+            _release_objects(objs)
+            raise TypeError(
+                f"{type(self).__qualname__}._batched_get returned {len(objs)} results for "
+                f"{len(keys)} keys; it must return one per key, None for a miss (clause 4)."
+            )
+        for obj in objs:
+            if obj is not None:
+                _check_result(self, obj, "_batched_get", objs)
+        hits = [obj for obj in objs if obj is not None]
+        self._count_found(
+            "batched_get", len(hits), len(objs) - len(hits), sum(o.nbytes for o in hits)
+        )
+        return objs
 
     async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        """``put`` of each pair, concurrently. Raises the first error after all have finished."""
+        """``put`` of each pair. Raises the first error once every put has finished."""
+        _check_keys(keys, "batched_put")
         if len(keys) != len(objs):
             raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
-        await gather_all(self.put(k, o) for k, o in zip(keys, objs, strict=True))
+        for obj in objs:
+            _check_obj(obj, "batched_put")
+        if not keys:
+            self.ensure_open()
+            return
+        held = [obj.retain() for obj in objs]
+        try:
+            await self._run_hook("batched_put", self._batched_put, keys, objs)
+        finally:
+            for obj in held:
+                obj.release()
+        self._count_found("batched_put", 0, 0, sum(obj.nbytes for obj in objs))
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading keys are present: the prefix length up to the first miss
         (clause 4)."""
-        count = 0
-        for key in keys:
-            if not await self.contains(key):
-                break
-            count += 1
+        _check_keys(keys, "batched_contains")
+        if not keys:
+            self.ensure_open()
+            return 0
+        count = await self._run_hook("batched_contains", self._batched_contains, keys)
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= len(keys):
+            raise TypeError(
+                f"{type(self).__qualname__}._batched_contains returned {count!r} for "
+                f"{len(keys)} keys; it must return the count of leading keys present (clause 4)."
+            )
+        self._count_found("batched_contains", count, int(count < len(keys)))
         return count
 
-    # -- capability-gated ----------------------------------------------------------------------
+    async def batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        """:meth:`get_into` of each pair; aligned with ``keys``."""
+        _check_keys(keys, "batched_get_into")
+        if len(keys) != len(dests):
+            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
+        for dest in dests:
+            _check_obj(dest, "batched_get_into")
+        if not keys:
+            self.ensure_open()
+            return []
+        held = [dest.retain() for dest in dests]
+        try:
+            hits = [
+                bool(hit)
+                for hit in await self._run_hook(
+                    "batched_get_into", self._batched_get_into, keys, dests
+                )
+            ]
+        finally:
+            for dest in held:
+                dest.release()
+        if len(hits) != len(keys):
+            raise TypeError(
+                f"{type(self).__qualname__}._batched_get_into returned {len(hits)} results for "
+                f"{len(keys)} keys; it must return one per key."
+            )
+        nbytes = sum(dest.nbytes for dest, hit in zip(dests, hits, strict=True) if hit)
+        self._count_found("batched_get_into", sum(hits), len(hits) - sum(hits), nbytes)
+        return hits
 
     async def pin(self, key: CacheKey) -> bool:
         """Keep ``key`` from eviction until :meth:`unpin` or the pin's expiry; False if absent
         (clause 8). Needs the ``pin`` capability."""
-        raise NotSupported(f"{type(self).__name__} ({self.url.scheme}://) cannot pin keys.")
+        _check_key(key, "pin")
+        self.ensure_open()
+        self._require_capability("pin", "cannot pin keys")
+        return bool(await self._run_hook("pin", self._pin, key))
 
     async def unpin(self, key: CacheKey) -> bool:
         """Undo one :meth:`pin`. Always succeeds; True if a pin was released (clause 8)."""
-        raise NotSupported(f"{type(self).__name__} ({self.url.scheme}://) cannot pin keys.")
+        _check_key(key, "unpin")
+        self.ensure_open()
+        self._require_capability("pin", "cannot pin keys")
+        return bool(await self._run_hook("unpin", self._unpin, key))
 
     def list_keys(self) -> AsyncIterator[CacheKey]:
-        """Every stored key, in no particular order. Needs the ``list`` capability."""
-        raise NotSupported(f"{type(self).__name__} ({self.url.scheme}://) cannot list keys.")
+        """Every stored key, in no particular order. Needs the ``list_keys`` capability."""
+        self.ensure_open()
+        self._require_capability("list_keys", "cannot list keys")
+        self._operation_counter("list_keys").calls += 1
+        return self._list_keys()
+
+    def _require_capability(self, capability: str, cannot: str) -> None:
+        if not getattr(self.capabilities, capability):
+            raise NotSupported(
+                f"{type(self).__name__} ({self.url.scheme}://) {cannot}: it does not declare "
+                f"the {capability!r} capability."
+            )
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        """Connect or prepare. Default: nothing."""
+
+    async def _close(self) -> None:
+        """Release every resource; called once. Default: nothing."""
+
+    @abc.abstractmethod
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        """The object stored under ``key`` (a new reference, the caller's) or ``None``."""
+
+    @abc.abstractmethod
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        """Store ``obj`` under ``key``, atomically. Retain ``obj`` to keep it after this
+        returns; the caller's reference is not this hook's to release."""
+
+    @abc.abstractmethod
+    async def _contains(self, key: CacheKey) -> bool:
+        """Whether ``key`` is stored and readable."""
+
+    async def _remove(self, key: CacheKey) -> bool:
+        """Delete ``key``; True if it was there. Required with the ``remove`` capability."""
+        raise NotImplementedError
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        """Read ``key`` into ``dest``; the default is :meth:`_get` and one copy."""
+        return fill_into([await self._get(key)], [dest])[0]
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """``_get`` of each key, concurrently; every object read is released if one fails."""
+        results = await asyncio.gather(*(self._get(k) for k in keys), return_exceptions=True)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        objs = [r for r in results if not isinstance(r, BaseException)]
+        if error is not None:
+            _release_objects(objs)
+            raise error
+        return objs
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """``_put`` of each pair, concurrently; the first error once all have finished."""
+        await gather_all(self._put(k, o) for k, o in zip(keys, objs, strict=True))
+
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        """The count of leading keys present, asking one key at a time."""
+        count = 0
+        for key in keys:
+            if not await self._contains(key):
+                break
+            count += 1
+        return count
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        """The default is one :meth:`_batched_get` and one copy per hit."""
+        return fill_into(await self._batched_get(keys), dests)
+
+    async def _pin(self, key: CacheKey) -> bool:
+        """Pin ``key``; False if absent. Required with the ``pin`` capability."""
+        raise NotImplementedError
+
+    async def _unpin(self, key: CacheKey) -> bool:
+        """Release one pin of ``key``; never raises for a key without pins."""
+        raise NotImplementedError
+
+    def _list_keys(self) -> AsyncIterator[CacheKey]:
+        """Every stored key. Required with the ``list_keys`` capability."""
+        raise NotImplementedError
 
     async def __aenter__(self) -> Backend:
         return self
@@ -385,6 +878,64 @@ class Backend(abc.ABC):
         return f"{type(self).__name__}({str(self.url)!r})"
 
 
+def _of_keys(args: Sequence[object]) -> str:
+    """`` of <key>`` (or of the first of several keys) for a message about an operation."""
+    for arg in args:
+        if isinstance(arg, CacheKey):
+            return f" of {arg}"
+        if isinstance(arg, Sequence) and arg and isinstance(arg[0], CacheKey):
+            more = f" and {len(arg) - 1} more key(s)" if len(arg) > 1 else ""
+            return f" of {arg[0]}{more}"
+    return ""
+
+
+def _check_key(key: object, operation: str) -> None:
+    if not isinstance(key, CacheKey):
+        raise TypeError(
+            f"{operation} needs a kvplug.CacheKey, got {type(key).__name__}; build one with "
+            "CacheKey(model_name, world_size, worker_id, chunk_hash)."
+        )
+
+
+def _check_keys(keys: object, operation: str) -> None:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(
+            f"{operation} needs a sequence of kvplug.CacheKey, got {type(keys).__name__}."
+        )
+    for key in keys:
+        _check_key(key, operation)
+
+
+def _check_obj(obj: object, operation: str) -> None:
+    memory = _memory()
+    if not isinstance(obj, memory.MemoryObj):
+        raise TypeError(
+            f"{operation} needs a kvplug.MemoryObj, got {type(obj).__name__}; wrap a tensor "
+            "with MemoryObj.from_tensor() or allocate one from an allocator."
+        )
+    if not obj.is_valid:
+        raise RefCountError(
+            f"{operation} got a memory object that was already freed ({obj!r}); keep a "
+            "reference until the operation returns."
+        )
+
+
+def _check_result(backend: Backend, obj: object, hook: str, others: Sequence[object] = ()) -> None:
+    if not isinstance(obj, _memory().MemoryObj):
+        _release_objects(others)
+        raise TypeError(
+            f"{type(backend).__qualname__}.{hook} returned {type(obj).__name__}; it must "
+            "return a kvplug.MemoryObj (the caller's reference) or None for a miss."
+        )
+
+
+def _release_objects(objs: Iterable[object]) -> None:
+    memory_obj = _memory().MemoryObj
+    for obj in objs:
+        if isinstance(obj, memory_obj):
+            obj.release()
+
+
 def _shown_input(location: tuple[int | str, ...], value: object) -> str:
     """An option's rejected value as an error shows it: masked when any name on its path
     looks secret, whatever its type."""
@@ -393,35 +944,153 @@ def _shown_input(location: tuple[int | str, ...], value: object) -> str:
     return mask_repr(value)
 
 
-class BytesBackendOptions(BackendOptions):
-    """Options of every :class:`BytesBackend`."""
+class Wrapper(Backend):
+    """Base of wrappers: a backend over another backend, written before it with ``::``
+    (``audit::redis://h:6379``). The registry constructs it with its own URL and
+    ``inner=<the wrapped backend>``.
 
-    serde: str = Field("naive", description="serde that turns objects into payload bytes")
-    key_prefix: str = Field("", description="prepended to every stored key")
+    Every hook forwards to the same public operation of :attr:`inner` (so its batching,
+    zero-copy reads and deadlines are kept); a wrapper overrides the hooks it adds behaviour to
+    and calls ``self.inner``. Its capabilities and allocator are the inner backend's, its
+    ``open`` and ``close`` open and close the inner backend, and it keeps no deadline of its
+    own (the inner backend's applies).
+
+    Example::
+
+        >>> import asyncio, kvplug
+        >>> from kvplug.backend import Wrapper
+        >>> class CountingWrapper(Wrapper):
+        ...     async def _get(self, key):
+        ...         self.reads = getattr(self, "reads", 0) + 1
+        ...         return await self.inner.get(key)
+        >>> async def demo() -> int:
+        ...     inner = await kvplug.open_backend("cpu://")
+        ...     wrapper = CountingWrapper("count://", inner=inner)
+        ...     await wrapper.get(kvplug.CacheKey("llama", 1, 0, 7))
+        ...     await wrapper.close()
+        ...     return wrapper.reads
+        >>> asyncio.run(demo())
+        1
+    """
+
+    def __init__(
+        self,
+        url: BackendURL | str,
+        *,
+        inner: Backend,
+        allocator: Allocator | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(url, allocator=allocator, **options)
+        self.inner = inner
+        self.capabilities = inner.capabilities
+
+    @property
+    def allocator(self) -> Allocator:
+        """The inner backend's allocator: objects from ``get`` come from there."""
+        return self.inner.allocator
+
+    def deadline(self) -> float | None:
+        return None
+
+    def describe(self) -> dict[str, str]:
+        return self.inner.describe()
+
+    async def _open(self) -> None:
+        await self.inner.open()
+
+    async def _close(self) -> None:
+        await self.inner.close()
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        return await self.inner.get(key)
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        await self.inner.put(key, obj)
+
+    async def _contains(self, key: CacheKey) -> bool:
+        return await self.inner.contains(key)
+
+    async def _remove(self, key: CacheKey) -> bool:
+        return await self.inner.remove(key)
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        return await self.inner.get_into(key, dest)
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        return await self.inner.batched_get(keys)
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        await self.inner.batched_put(keys, objs)
+
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        return await self.inner.batched_contains(keys)
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        return await self.inner.batched_get_into(keys, dests)
+
+    async def _pin(self, key: CacheKey) -> bool:
+        return await self.inner.pin(key)
+
+    async def _unpin(self, key: CacheKey) -> bool:
+        return await self.inner.unpin(key)
+
+    def _list_keys(self) -> AsyncIterator[CacheKey]:
+        return self.inner.list_keys()
 
 
 class BytesBackend(Backend):
-    """Base of stores that move bytes only. Implement the four ``*_bytes`` methods and
-    :meth:`close`; the core frames each object (header, checksums, payload), applies the
-    serde, allocates what ``get`` returns and turns damaged frames into counted misses.
+    """Base of stores that move bytes only. Implement the four ``*_bytes`` hooks; the core
+    frames each object (header, checksums, payload; :mod:`kvplug.frame`), applies the serde,
+    allocates what ``get`` returns and turns damaged frames into counted, deleted misses.
 
     Each object is stored as **one** value holding the whole frame, so data and metadata can
     never disagree, and a value is written in one store operation, so readers never see a mix.
+
+    Optional hooks, for stores that do better than one call per key or than a copy:
+
+    * :meth:`batched_get_bytes`, :meth:`batched_put_bytes`, :meth:`batched_contains_bytes`:
+      one round trip for many keys (a pipeline, a multi-get);
+    * :meth:`receive_frames`: zero-copy reads. A transport that receives a value in pieces
+      (a socket, a file) hands each piece to a :class:`~kvplug.frame.FrameReceiver`, which
+      puts the payload straight into the memory the caller gets (``get_into``'s buffer, or the
+      object ``get`` returns), verifies it and reports damage.
+
+    Every hook receives the store key (:meth:`key_string`: ``key_prefix`` and LMCache's key
+    string), already checked, only while the backend is open and within its deadline.
     """
 
-    Options: ClassVar[type[BackendOptions]] = BytesBackendOptions
+    Options: ClassVar[type[BackendOptions]] = cast(
+        "type[BackendOptions]", _DefaultOptions("BytesBackendOptions")
+    )
     options: BytesBackendOptions
+    _GATES: ClassVar[dict[str, tuple[str, ...]]] = {
+        **Backend._GATES,
+        "remove": ("remove_bytes",),
+        "native_batching": (
+            "batched_get_bytes|receive_frames",
+            "batched_put_bytes",
+            "batched_contains_bytes",
+        ),
+    }
 
     def __init__(
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
     ) -> None:
         super().__init__(url, allocator=allocator, **options)
-        self.serde = get_serde(self.options.serde)
+        from kvplug.serde import get_serde
+
+        self.serde: Serde = get_serde(self.options.serde)
         self.corrupt_objects = 0
+        """Damaged values read as misses (and deleted) so far (clause 6)."""
 
     def key_string(self, key: CacheKey) -> str:
         """The store key for ``key``: the prefix and LMCache's string form."""
         return self.options.key_prefix + key.to_string()
+
+    # -- byte hooks ------------------------------------------------------------------------
 
     @abc.abstractmethod
     async def get_bytes(self, key: str) -> Buffer | None:
@@ -436,49 +1105,144 @@ class BytesBackend(Backend):
     async def contains_bytes(self, key: str) -> bool:
         """Whether a value is stored under ``key``."""
 
-    @abc.abstractmethod
     async def remove_bytes(self, key: str) -> bool:
-        """Delete ``key``'s value; True if it was there."""
+        """Delete ``key``'s value; True if it was there. Required with the ``remove``
+        capability; without it, damaged values cannot be deleted and are only counted."""
+        raise NotImplementedError
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """:meth:`get_bytes` of each key, aligned; default: concurrently, one call each."""
+        return await gather_all(self.get_bytes(key) for key in keys)
+
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        """:meth:`put_bytes` of each pair; default: concurrently, one call each."""
+        await gather_all(self.put_bytes(k, v) for k, v in zip(keys, values, strict=True))
+
+    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains_bytes` of each key, aligned; default: concurrently, one call each."""
+        return await gather_all(self.contains_bytes(key) for key in keys)
+
+    async def receive_frames(self, keys: Sequence[str], receivers: Sequence[FrameReceiver]) -> None:
+        """Read the value of each key into its receiver: for a stored value call
+        ``receivers[i].start(length)`` and feed it (see :class:`~kvplug.frame.FrameReceiver`);
+        for an absent key leave it untouched. The default is one :meth:`batched_get_bytes` and
+        :meth:`~kvplug.frame.FrameReceiver.receive` of each value (one copy of the payload).
+
+        A transport that may still write into a receiver's memory after this returns or
+        raises (a socket buffer) must be stopped first: abort it before raising."""
+        for value, receiver in zip(await self.batched_get_bytes(keys), receivers, strict=True):
+            if value is not None:
+                receiver.receive(value)
+
+    # -- the object hooks, on the byte hooks -----------------------------------------------
+
+    async def read_raw(self, key: CacheKey) -> bytes | None:
+        """:class:`RawValues`: the stored frame of ``key`` as it is."""
         self.ensure_open()
-        store_key = self.key_string(key)
-        data = await self.get_bytes(store_key)
-        if data is None:
-            return None
+        value = await self.get_bytes(self.key_string(key))
+        return None if value is None else bytes(value)
+
+    async def write_raw(self, key: CacheKey, data: bytes) -> None:
+        """:class:`RawValues`: overwrite the stored value of ``key`` with ``data``."""
+        self.ensure_open()
+        await self.put_bytes(self.key_string(key), [data])
+
+    async def _read(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj | None]
+    ) -> list[MemoryObj | None]:
+        from kvplug.frame import FrameReceiver
+
+        names = [self.key_string(key) for key in keys]
+        receivers = [FrameReceiver(self.allocator, into=dest) for dest in dests]
+        results: list[MemoryObj | None] = []
+        damaged: list[str] = []
         try:
-            return decode_frame(data, self.allocator)
-        except CorruptObject:
-            self.corrupt_objects += 1
-            await self.remove_bytes(store_key)
-            return None
+            await self.receive_frames(names, receivers)
+            for name, receiver in zip(names, receivers, strict=True):
+                try:
+                    results.append(receiver.finish())
+                except CorruptObject:
+                    results.append(None)
+                    damaged.append(name)
+        except BaseException:
+            for receiver in receivers:
+                receiver.abandon()
+            _release_objects(results)
+            raise
+        if damaged:
+            await self._drop_damaged(damaged)
+        return results
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        self.ensure_open()
-        obj.retain()
-        try:
-            header, payload = encode_frame(obj, self.serde)
-            await self.put_bytes(self.key_string(key), (header, payload))
-        finally:
-            obj.release()
+    async def _drop_damaged(self, names: Sequence[str]) -> None:
+        """Count damaged values and delete them (clause 6), also in a store that does not
+        declare ``remove`` but implements :meth:`remove_bytes`; a failed delete is logged, and
+        the value reads as a miss again next time."""
+        self.corrupt_objects += len(names)
+        outcomes = await asyncio.gather(
+            *(self.remove_bytes(name) for name in names), return_exceptions=True
+        )
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, NotImplementedError):
+                continue  # a store that cannot delete: the value stays, and reads as a miss
+            if isinstance(outcome, Exception):
+                logger.warning(
+                    "could not delete the damaged value %s from %s: %s", name, self.url, outcome
+                )
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
-    async def contains(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        return (await self._read([key], [None]))[0]
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        return await self._read(keys, [None] * len(keys))
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        return fill_into(await self._read([key], [dest]), [dest])[0]
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        return fill_into(await self._read(keys, dests), dests)
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        from kvplug.frame import encode_frame
+
+        await self.put_bytes(self.key_string(key), encode_frame(obj, self.serde))
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        from kvplug.frame import encode_frame
+
+        await self.batched_put_bytes(
+            [self.key_string(key) for key in keys], [encode_frame(obj, self.serde) for obj in objs]
+        )
+
+    async def _contains(self, key: CacheKey) -> bool:
         return await self.contains_bytes(self.key_string(key))
 
-    async def remove(self, key: CacheKey) -> bool:
-        self.ensure_open()
-        if not self.capabilities.delete:
-            raise NotSupported(f"{type(self).__name__} ({self.url.scheme}://) cannot delete.")
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        found = await self.batched_contains_bytes([self.key_string(key) for key in keys])
+        return next((i for i, present in enumerate(found) if not present), len(found))
+
+    async def _remove(self, key: CacheKey) -> bool:
         return await self.remove_bytes(self.key_string(key))
 
 
 __all__ = [
     "Backend",
     "BackendOptions",
+    "Buffer",
     "BytesBackend",
     "BytesBackendOptions",
     "Capabilities",
+    "CountsCorruptObjects",
+    "OperationStats",
+    "RawValues",
+    "StoredFiles",
+    "Wrapper",
+    "Wraps",
     "fill_into",
     "gather_all",
 ]

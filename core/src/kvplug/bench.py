@@ -218,7 +218,7 @@ async def _remove_from_every_tier(
 ) -> None:
     """Remove the run's chunks from every tier that can delete, so nothing is left behind."""
     for index, (backend, outcome) in enumerate(zip(store.tiers, outcomes, strict=True)):
-        if not backend.capabilities.delete:
+        if not backend.capabilities.remove:
             continue
         outcome.removed = 0
         for done, key in enumerate(keys):

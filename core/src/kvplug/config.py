@@ -36,6 +36,7 @@ from urllib.parse import quote
 
 import yaml
 
+from kvplug.env import env_owner, installed_plugin_names, plugin_env_prefix
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.eviction import POLICIES
 from kvplug.secrets import mask_data, mask_repr, mask_url, remember_in
@@ -54,7 +55,9 @@ TIERS_ENV = "KVPLUG_TIERS"
 EXTRA_CONFIG_ENV = "KVPLUG_EXTRA_CONFIG"
 
 #: ``KVPLUG_*`` variables that other parts of kvplug read; the config loader leaves them alone.
-#: Every other ``KVPLUG_*`` variable must name a config key, so that a typo is an error.
+#: Every other ``KVPLUG_*`` variable must name a config key or belong to an installed plugin
+#: (``KVPLUG_<PLUGIN>_*``, see :mod:`kvplug.env`), so that a typo is an error. A new name here
+#: is taken from the plugins' namespaces: keep it clear of installed plugins' prefixes.
 OTHER_ENV_VARS: frozenset[str] = frozenset(
     {
         CONFIG_FILE_ENV,
@@ -63,6 +66,7 @@ OTHER_ENV_VARS: frozenset[str] = frozenset(
         "KVPLUG_HOST_BUFFER_SIZE",
         "KVPLUG_CONTRACT_URL",
         "KVPLUG_VENV",
+        "KVPLUG_HOG_PROCESSES",
     }
 )
 
@@ -832,6 +836,19 @@ def _env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
+def core_env_names() -> frozenset[str]:
+    """Every ``KVPLUG_*`` variable that kvplug itself reads: ``KVPLUG_<KEY>`` for each config
+    key and each LMCache key it accepts and ignores, and :data:`OTHER_ENV_VARS`. These stay
+    kvplug's whatever plugins are installed; the rest of ``KVPLUG_<PLUGIN>_*`` is the plugin's
+    (:mod:`kvplug.env`)."""
+    return _CORE_ENV_NAMES
+
+
+_CORE_ENV_NAMES = frozenset(
+    {_env_name(key) for key in (*CONFIG_KEYS, *IGNORED_LMCACHE_KEYS)} | OTHER_ENV_VARS
+)
+
+
 class _Layers:
     """Raw settings with the place each came from; later layers override earlier ones."""
 
@@ -875,6 +892,7 @@ class _Layers:
             raise ConfigError(_unknown_keys_message(unknown, source))
 
     def add_env(self, env: Mapping[str, str]) -> None:
+        plugin_names: list[str] | None = None
         for name in sorted(env):
             if not name.startswith(ENV_PREFIX) or name in OTHER_ENV_VARS:
                 continue
@@ -888,10 +906,17 @@ class _Layers:
                 self._set(key, _json_object(name, raw), source)
             elif key in _COERCERS:
                 self._set(key, raw, source)
-            elif _is_ignored(key):
+            elif key in IGNORED_LMCACHE_KEYS:
                 self.ignored[name] = source
             else:
-                raise ConfigError(_unknown_env_message(name))
+                if plugin_names is None:
+                    plugin_names = installed_plugin_names()
+                if env_owner(name, plugin_names) is not None:
+                    continue  # KVPLUG_<PLUGIN>_*: the plugin reads it (kvplug.env.plugin_env)
+                if _is_ignored(key):
+                    self.ignored[name] = source
+                else:
+                    raise ConfigError(_unknown_env_message(name, plugin_names))
 
     def build(self) -> Config:
         if self.ignored:
@@ -996,14 +1021,20 @@ def _unknown_keys_message(keys: list[str], source: str) -> str:
     )
 
 
-def _unknown_env_message(name: str) -> str:
+def _unknown_env_message(name: str, plugin_names: list[str]) -> str:
     config_names = [_env_name(key) for key in CONFIG_KEYS]
-    hint = _suggest(name, [*config_names, *OTHER_ENV_VARS])
+    # A misspelled plugin prefix (KVPLUG_REDSI_TIMEOUT) is compared with the same setting under
+    # each installed plugin's prefix.
+    _, _, setting = name[len(ENV_PREFIX) :].partition("_")
+    plugin_variables = [plugin_env_prefix(p) + setting for p in plugin_names] if setting else []
+    hint = _suggest(name, [*config_names, *OTHER_ENV_VARS, *plugin_variables])
     did_you_mean = f" Did you mean {hint}?" if hint else ""
+    prefixes = ", ".join(f"{plugin_env_prefix(p)}*" for p in plugin_names) or "none installed"
     return (
         f"environment variable {name} is not a kvplug setting.{did_you_mean} Rename or unset "
         f"it. kvplug reads KVPLUG_<KEY> for each config key ({', '.join(config_names)}) and "
-        f"also uses {', '.join(sorted(OTHER_ENV_VARS))}."
+        f"also uses {', '.join(sorted(OTHER_ENV_VARS))}; each installed plugin reads its own "
+        f"KVPLUG_<PLUGIN>_* ({prefixes})."
     )
 
 
@@ -1051,6 +1082,7 @@ __all__ = [
     "Config",
     "ConfigWarning",
     "TierConfig",
+    "core_env_names",
     "default_tiers",
     "load_config",
 ]

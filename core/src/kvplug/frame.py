@@ -46,7 +46,14 @@ import torch
 import xxhash
 
 from kvplug.errors import CorruptObject
-from kvplug.memory import DTYPES_BY_CODE, Allocator, MemoryFormat, MemoryObj, dtype_code
+from kvplug.memory import (
+    DTYPES_BY_CODE,
+    Allocator,
+    MemoryFormat,
+    MemoryObj,
+    dtype_code,
+    nbytes_of,
+)
 from kvplug.serde import Serde, get_serde
 
 MAGIC = b"KVPF"
@@ -219,11 +226,179 @@ def decode_payload(header: FrameHeader, payload: Buffer, allocator: Allocator) -
     return obj
 
 
+MAX_HEADER_LEN = 4096
+"""More header bytes than any frame has (the largest is 384); a longer claim is damage."""
+_HEADER_LEN_FIELD = struct.Struct("<I")
+_HEADER_LEN_OFFSET = 12
+
+
+class FrameReceiver:
+    """One stored frame, received piece by piece straight into the memory it ends up in: the
+    zero-copy read of a byte store (:meth:`kvplug.backend.BytesBackend.receive_frames`).
+
+    A transport that learns a value's length before its bytes (a RESP bulk string, a file's
+    size, an RPC's length field) drives it in four steps:
+
+    1. :meth:`start` with the value's length (never called for a missing key: a miss);
+    2. :meth:`header_len` of the value's first bytes (at least ``MIN_HEADER_LEN`` of them, or
+       the whole value when shorter) says how many bytes the header takes;
+    3. :meth:`take_header` with those bytes returns the memory the next :attr:`remaining`
+       bytes go to, or ``None`` when they are to be read and dropped (the value is damaged, is
+       not the caller's size, or the allocator is full);
+    4. :meth:`finish` verifies the payload's checksum and returns the object.
+
+    With ``into`` (a caller's :class:`~kvplug.memory.MemoryObj` in host memory), a ``naive``
+    payload of exactly its size is received into the caller's memory: no copy at all.
+    Whoever drives a receiver that may be written into later (a socket's buffer) stops those
+    writes before calling :meth:`abandon` or letting go of the result.
+
+    Example (what :meth:`receive` does with a whole value)::
+
+        >>> import torch
+        >>> from kvplug.frame import FrameReceiver, encode_frame
+        >>> from kvplug.memory import FreeListAllocator, MemoryObj
+        >>> value = b"".join(encode_frame(MemoryObj.from_tensor(torch.arange(4.0))))
+        >>> receiver = FrameReceiver(FreeListAllocator(1 << 16))
+        >>> receiver.start(len(value))
+        >>> size = receiver.header_len(value)
+        >>> sink = receiver.take_header(value[:size])
+        >>> sink[:] = value[size:]
+        >>> receiver.finish().tensor.tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+
+    __slots__ = (
+        "_allocator",
+        "_obj",
+        "_scratch",
+        "damage",
+        "header",
+        "into",
+        "length",
+        "remaining",
+    )
+
+    def __init__(self, allocator: Allocator, into: MemoryObj | None = None) -> None:
+        self._allocator = allocator
+        self.into = into
+        self.length: int | None = None
+        """The stored value's length, once :meth:`start` ran; ``None`` is a miss."""
+        self.header: FrameHeader | None = None
+        self.damage: CorruptObject | None = None
+        self.remaining = 0
+        """Bytes of the value after the header, to be written into the sink (or dropped)."""
+        self._obj: MemoryObj | None = None
+        self._scratch: bytearray | None = None
+
+    def start(self, length: int) -> None:
+        """The key is stored, as a value of ``length`` bytes."""
+        self.length = length
+
+    def header_len(self, prefix: Buffer) -> int:
+        """How many leading bytes of the value the header takes, given at least its first
+        ``min(length, MIN_HEADER_LEN)`` bytes; never more than the value."""
+        length = self._length()
+        view = memoryview(prefix).cast("B")
+        if length < MIN_HEADER_LEN or view.nbytes < MIN_HEADER_LEN:
+            return min(length, MIN_HEADER_LEN)
+        (claimed,) = _HEADER_LEN_FIELD.unpack_from(view, _HEADER_LEN_OFFSET)
+        return min(length, max(MIN_HEADER_LEN, min(int(claimed), MAX_HEADER_LEN)))
+
+    def take_header(self, data: Buffer) -> memoryview | None:
+        """Parse the header (the :meth:`header_len` first bytes of the value) and return where
+        the next :attr:`remaining` bytes go, or ``None`` to read and drop them."""
+        length = self._length()
+        view = memoryview(data).cast("B")
+        try:
+            header = decode_header(view)
+            if header.frame_len != length:
+                raise CorruptObject(
+                    f"frame is {length} bytes, its header says {header.frame_len} (truncated "
+                    "or torn)."
+                )
+            if header.serde == "naive" and header.payload_len != nbytes_of(
+                header.shape, header.dtype
+            ):
+                raise CorruptObject(
+                    f"naive payload has {header.payload_len} bytes but shape {header.shape} "
+                    f"{header.dtype} needs {nbytes_of(header.shape, header.dtype)}."
+                )
+        except CorruptObject as error:
+            self.damage = error
+            self.remaining = length - view.nbytes
+            return None
+        self.header = header
+        self.remaining = header.payload_len
+        if header.serde == "naive":
+            into = self.into
+            if into is not None and into.device.type == "cpu":
+                if into.nbytes != header.payload_len:
+                    return None  # not the caller's size: a miss
+                self._obj = into.retain()
+                return into.memoryview()
+            obj = self._allocator.allocate(header.shape, header.dtype, header.fmt)
+            if obj is None:
+                return None  # the allocator is full: a miss
+            if obj.device.type == "cpu":
+                self._obj = obj
+                return obj.memoryview()
+            obj.release()  # memory a transport cannot write: decoded from a scratch copy
+        self._scratch = bytearray(header.payload_len)
+        return memoryview(self._scratch)
+
+    def receive(self, value: Buffer) -> None:
+        """All of a value at once: :meth:`start`, the header, and the payload copied in."""
+        view = memoryview(value).cast("B")
+        self.start(view.nbytes)
+        size = self.header_len(view)
+        sink = self.take_header(view[:size])
+        if sink is not None:
+            sink[:] = view[size : size + self.remaining]
+
+    def finish(self) -> MemoryObj | None:
+        """The object received (one reference, the caller's; ``into`` itself when the payload
+        went there), or ``None`` for a miss. Raises :class:`CorruptObject` for damage, after
+        which the stored value should be counted and deleted."""
+        if self.damage is not None:
+            raise self.damage
+        header = self.header
+        if header is None:
+            return None
+        obj, self._obj = self._obj, None
+        if obj is not None:
+            try:
+                verify_payload(header, obj.memoryview()[: header.payload_len])
+            except BaseException:
+                obj.release()
+                raise
+            return obj
+        scratch, self._scratch = self._scratch, None
+        if scratch is None:
+            return None
+        return decode_payload(header, scratch, self._allocator)
+
+    def abandon(self) -> None:
+        """Let go of what was received and start afresh, as if nothing had arrived: the read
+        failed, was cancelled, or is about to be sent again."""
+        obj, self._obj, self._scratch = self._obj, None, None
+        self.length = self.header = self.damage = None
+        self.remaining = 0
+        if obj is not None:
+            obj.release()
+
+    def _length(self) -> int:
+        if self.length is None:
+            raise RuntimeError("FrameReceiver.start(length) must be called first.")
+        return self.length
+
+
 __all__ = [
     "MAGIC",
+    "MAX_HEADER_LEN",
     "MIN_HEADER_LEN",
     "VERSION",
     "FrameHeader",
+    "FrameReceiver",
     "decode_frame",
     "decode_header",
     "decode_payload",

@@ -27,36 +27,60 @@ import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 import xxhash
 
 from kvplug.errors import ConfigError
 
+# torch and numpy are imported where a dtype or an array is handled, not here, so that naming
+# keys (the CLI, config checks, plugin discovery) does not load them.
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    LMCACHE_DTYPE_NAMES: Mapping[torch.dtype, str]
+
 DEFAULT_CHUNK_SIZE = 256
 _INT64_SPAN = 1 << 64
 
-LMCACHE_DTYPE_NAMES: Mapping[torch.dtype, str] = {
-    torch.float16: "half",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
-    torch.float8_e4m3fn: "fp8_e4m3fn",
-    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
-    torch.float8_e5m2: "fp8_e5m2",
-    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+_LMCACHE_NAME_BY_TORCH_DTYPE_NAME: Mapping[str, str] = {
+    "float16": "half",
+    "bfloat16": "bfloat16",
+    "float32": "float",
+    "float64": "double",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2": "fp8_e5m2",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
 }
-"""The dtype names LMCache writes in its key strings, by torch dtype."""
 
-_DTYPE_NAMES = frozenset(LMCACHE_DTYPE_NAMES.values())
+_DTYPE_NAMES = frozenset(_LMCACHE_NAME_BY_TORCH_DTYPE_NAME.values())
 _HEX = re.compile(r"-?[0-9a-f]+")
+
+
+@functools.cache
+def _lmcache_dtype_names() -> Mapping[torch.dtype, str]:
+    import torch
+
+    return {
+        getattr(torch, dtype): name for dtype, name in _LMCACHE_NAME_BY_TORCH_DTYPE_NAME.items()
+    }
+
+
+def __getattr__(name: str) -> Any:
+    # LMCACHE_DTYPE_NAMES, the dtype names LMCache writes in its key strings by torch dtype
+    # (torch.float16 -> "half"), is built on first use so that importing this module needs no
+    # torch.
+    if name == "LMCACHE_DTYPE_NAMES":
+        return _lmcache_dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class InvalidKey(ConfigError):
@@ -65,12 +89,13 @@ class InvalidKey(ConfigError):
 
 def lmcache_dtype_name(dtype: torch.dtype) -> str:
     """The name LMCache writes for ``dtype`` in a key string (``torch.float16`` -> ``"half"``)."""
+    names = _lmcache_dtype_names()
     try:
-        return LMCACHE_DTYPE_NAMES[dtype]
+        return names[dtype]
     except KeyError:
         raise InvalidKey(
             f"{dtype} has no LMCache key name; the supported dtypes are "
-            f"{', '.join(str(d) for d in LMCACHE_DTYPE_NAMES)}."
+            f"{', '.join(str(d) for d in names)}."
         ) from None
 
 
@@ -253,6 +278,8 @@ def chain_hash(prefix_hash: int, token_ids: Sequence[int] | np.ndarray) -> int:
     The same tokens after the same prefix hash give the same value in every process and on every
     machine (unlike Python's salted ``hash``).
     """
+    import numpy as np
+
     hasher = xxhash.xxh3_64()
     hasher.update((prefix_hash % _INT64_SPAN).to_bytes(8, "little"))
     hasher.update(np.ascontiguousarray(token_ids, dtype="<i8").tobytes())
@@ -271,6 +298,8 @@ def chunk_hashes(
     Hash ``i`` depends on every token up to the end of chunk ``i``, so equal hashes mean equal
     prefixes. A trailing partial chunk gets a hash unless ``save_unfull_chunk`` is false.
     """
+    import numpy as np
+
     if chunk_size <= 0:
         raise ConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
     tokens = np.asarray(token_ids, dtype=np.int64)

@@ -8,7 +8,14 @@ Environment:
 * ``KVPLUG_DISABLE_PLUGINS=name,name``: skip these entry points (by entry-point or
   distribution name).
 * ``KVPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point at all; only backends added with
-  :func:`register_backend` are available.
+  :func:`register_backend` or :func:`register_plugin` are available.
+* ``KVPLUG_<PLUGIN>_*``: each plugin's own settings, read with :func:`kvplug.env.plugin_env`.
+
+Every plugin is checked when it is registered: each function it marks ``@hookimpl`` must be a
+kvplug hook (pluggy's ``check_pending``) taking only the hook's arguments, and every scheme it
+declares must be a URL scheme. A plugin that fails a check, or fails to import, is a
+:class:`PluginWarning` at discovery and serves nothing; opening one of its schemes then fails
+with an error that names it.
 
 Example::
 
@@ -34,22 +41,27 @@ import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, cast
 
 import pluggy
 
 from kvplug import hookspecs
 from kvplug.backend import Backend
+from kvplug.env import ENTRY_POINT_GROUP, plugin_env
 from kvplug.errors import PluginConflict, PluginLoadError, UnknownScheme
-from kvplug.hookspecs import PROJECT, BackendSpec
+from kvplug.hookspecs import HOOK_NAMES, PROJECT, BackendSpec, InvalidBackendSpec
 from kvplug.memory import Allocator
+from kvplug.secrets import install_log_filter
+from kvplug.serde import Serde, add_plugin_serdes, forget_plugin_serdes
 from kvplug.url import BackendURL, split_chain
 
 logger = logging.getLogger("kvplug.registry")
+# ``import kvplug`` no longer imports this module, so its logger gets the secret filter here.
+install_log_filter()
 
-ENTRY_POINT_GROUP = "kvplug"
 RUNTIME_DISTRIBUTION = "<registered at runtime>"
+# The plugin that holds every spec given to register_backend.
+_RUNTIME_BACKENDS = "runtime"
 
 # Where each first-party scheme lives, for the install hint of a scheme nobody serves.
 FIRST_PARTY_SCHEMES: dict[str, str] = {
@@ -82,6 +94,16 @@ class PluginWarning(UserWarning):
     """A plugin could not be loaded; its schemes fail when opened."""
 
 
+class _Rejected(Exception):
+    """A plugin that cannot be used: what is wrong with it (``cause``) and who fixes what."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(cause)
+        # Messages go on after the cause ("...; its schemes are unavailable").
+        self.cause = cause.rstrip(". ")
+        self.fix = fix
+
+
 @dataclass
 class PluginInfo:
     """One discovered plugin: where it came from, what it serves, and what went wrong."""
@@ -109,7 +131,10 @@ class Registry:
         self.manager.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
         self._schemes: dict[str, list[_Served]] = {}
-        self._runtime = PluginInfo("runtime", RUNTIME_DISTRIBUTION, "")
+        self._runtime = PluginInfo(_RUNTIME_BACKENDS, RUNTIME_DISTRIBUTION, "")
+        # pluggy's name of each plugin -> what kvplug knows about it.
+        self._infos: dict[str, PluginInfo] = {}
+        self.serdes_loaded = False
 
     def _disabled(self) -> set[str]:
         raw = os.environ.get("KVPLUG_DISABLE_PLUGINS", "")
@@ -134,25 +159,130 @@ class Registry:
             self.plugins.append(info)
             try:
                 module = entry_point.load()
-                self.manager.register(module, name=f"{dist_name}:{entry_point.name}")
-                specs = self._call_backends_hook(module)
             except Exception as error:
-                info.error = f"{type(error).__name__}: {error}"
-                warnings.warn(
-                    f"kvplug plugin {entry_point.name!r} from {dist_name} {version} failed to "
-                    f"load ({info.error}); its schemes are unavailable. Reinstall it: "
-                    f"pip install --force-reinstall {dist_name}",
-                    PluginWarning,
-                    stacklevel=3,
+                self._reject(
+                    info,
+                    _Rejected(
+                        f"failed to load ({type(error).__name__}: {error})",
+                        f"Reinstall it: pip install --force-reinstall {dist_name}",
+                    ),
                 )
+                continue
+            try:
+                specs = self._register(module, f"{dist_name}:{entry_point.name}", info)
+            except _Rejected as rejected:
+                self._reject(info, rejected)
                 continue
             for spec in specs:
                 self._add(spec, info)
 
-    def _call_backends_hook(self, module: ModuleType) -> list[BackendSpec]:
+    def _reject(self, info: PluginInfo, rejected: _Rejected) -> None:
+        info.error = rejected.cause
+        warnings.warn(
+            f"kvplug plugin {info.name!r} from {_source(info)} {rejected.cause}; its schemes "
+            f"are unavailable. {rejected.fix}",
+            PluginWarning,
+            stacklevel=4,
+        )
+
+    def _register(self, plugin: object, plugin_name: str, info: PluginInfo) -> list[BackendSpec]:
+        """Register ``plugin`` with pluggy, check its hooks, and return the specs it serves.
+
+        Raises :class:`_Rejected` with nothing of the plugin left registered.
+        """
+        if self.manager.is_registered(plugin) or self.manager.has_plugin(plugin_name):
+            raise _Rejected(
+                "is registered already",
+                "Register each plugin once; its schemes are served by the first registration.",
+            )
+        bug_fix = (
+            f"This is a bug in {info.distribution}: upgrade it, or disable it with "
+            f"KVPLUG_DISABLE_PLUGINS={info.name}."
+            if info.distribution != RUNTIME_DISTRIBUTION
+            else "Fix the plugin object and register it again."
+        )
+        try:
+            self.manager.register(plugin, name=plugin_name)
+            self._check_pending(plugin)
+        except pluggy.PluginValidationError as error:
+            self.manager.unregister(name=plugin_name)
+            problems = self._hook_problems(plugin) or [str(error)]
+            raise _Rejected(
+                f"has {'an invalid hook' if len(problems) == 1 else 'invalid hooks'}: "
+                + "; ".join(problems),
+                bug_fix,
+            ) from error
+        self._infos[plugin_name] = info
+        try:
+            return self._call_backends_hook(plugin)
+        except Exception as error:
+            self.manager.unregister(name=plugin_name)
+            del self._infos[plugin_name]
+            if isinstance(error, InvalidBackendSpec):
+                cause = f"returned an invalid BackendSpec from kvplug_backends: {error}"
+            else:
+                cause = f"failed in kvplug_backends ({type(error).__name__}: {error})"
+            raise _Rejected(cause, bug_fix) from error
+
+    def _check_pending(self, plugin: object) -> None:
+        """pluggy's check that every hook implementation has a spec, for ``plugin``.
+
+        A plugin given to ``manager.register`` directly, past kvplug, can fail it too: it is
+        unregistered with a warning, so that it cannot make every later plugin fail.
+        """
+        while True:
+            try:
+                self.manager.check_pending()
+                return
+            except pluggy.PluginValidationError as error:
+                if error.plugin is plugin:
+                    raise
+                name = self.manager.get_name(error.plugin) or repr(error.plugin)
+                self.manager.unregister(error.plugin)
+                warnings.warn(
+                    f"pluggy plugin {name!r}, registered with kvplug's PluginManager directly, "
+                    f"has an invalid hook: {'; '.join(self._hook_problems(error.plugin))}; it "
+                    "was unregistered. Register plugins with kvplug.register_plugin.",
+                    PluginWarning,
+                    stacklevel=6,
+                )
+
+    def _hook_problems(self, plugin: object) -> list[str]:
+        """What is wrong with each kvplug hook implementation of ``plugin``, with the fix."""
+        problems = []
+        for attribute in dir(plugin):
+            options = self.manager.parse_hookimpl_opts(plugin, attribute)
+            if options is None:
+                continue
+            hook_name = options.get("specname") or attribute
+            caller = getattr(self.manager.hook, hook_name, None)
+            spec = caller.spec if caller is not None else None
+            if spec is None:
+                if options.get("optionalhook"):
+                    continue
+                close = difflib.get_close_matches(hook_name, HOOK_NAMES, n=1)
+                problems.append(
+                    f"{hook_name!r} is marked @hookimpl but is not a kvplug hook, so kvplug would "
+                    "never call it. "
+                    + (f"Rename it to {close[0]!r}" if close else "Rename it")
+                    + f" (kvplug's hooks: {', '.join(HOOK_NAMES)}) or remove its @hookimpl"
+                )
+                continue
+            impl = pluggy.HookImpl(plugin, "", getattr(plugin, attribute), options)
+            extra = [name for name in impl.argnames if name not in spec.argnames]
+            if extra:
+                expected = ", ".join(spec.argnames)
+                passes = f"it passes only {expected}" if expected else "it passes none"
+                problems.append(
+                    f"{hook_name}() takes the argument(s) {', '.join(extra)}, which the hook "
+                    f"does not pass ({passes}). Declare it as def {hook_name}({expected})"
+                )
+        return problems
+
+    def _call_backends_hook(self, plugin: object) -> list[BackendSpec]:
         specs: list[BackendSpec] = []
         for impl in self.manager.hook.kvplug_backends.get_hookimpls():
-            if impl.plugin is module:
+            if impl.plugin is plugin:
                 specs.extend(cast(Iterable[BackendSpec], impl.function() or []))
         for spec in specs:
             if not isinstance(spec, BackendSpec):
@@ -181,6 +311,36 @@ class Registry:
                 self.plugins.append(self._runtime)
             self._add(spec, self._runtime, replace=replace)
 
+    def register_plugin(self, plugin: object, name: str) -> list[BackendSpec]:
+        with self._lock:
+            self.ensure_loaded()
+            info = PluginInfo(name, RUNTIME_DISTRIBUTION, "")
+            try:
+                specs = self._register(plugin, name, info)
+            except _Rejected as rejected:
+                raise PluginLoadError(
+                    f"kvplug plugin {name!r} (registered at runtime) {rejected.cause}. "
+                    f"{rejected.fix}"
+                ) from rejected.__cause__
+            for spec in specs:
+                for scheme in spec.schemes:
+                    for served in self._schemes.get(scheme, []):
+                        self.manager.unregister(name=name)
+                        del self._infos[name]
+                        raise PluginConflict(
+                            f"plugin {name!r} serves the scheme {scheme!r}, which "
+                            f"{served.spec.name!r} from {_source(served.plugin)} serves already; "
+                            "nothing of the plugin was registered. Pick another scheme, or "
+                            "register_backend(spec, replace=True) to override it on purpose."
+                        )
+            self.plugins.append(info)
+            for spec in specs:
+                self._add(spec, info)
+            if self.serdes_loaded:
+                self.serdes_loaded = False
+                self.load_serdes()
+            return specs
+
     def schemes(self) -> list[str]:
         self.ensure_loaded()
         return sorted(self._schemes)
@@ -190,10 +350,7 @@ class Registry:
         self.ensure_loaded()
         served = self._schemes.get(scheme, [])
         if len(served) > 1:
-            names = " and ".join(
-                f"{s.spec.name!r} from {s.plugin.distribution} {s.plugin.version}".rstrip()
-                for s in served
-            )
+            names = " and ".join(f"{s.spec.name!r} from {_source(s.plugin)}" for s in served)
             raise PluginConflict(
                 f"scheme {scheme!r} is served by two plugins, {names}. kvplug never picks one "
                 "silently: uninstall one, or disable it with KVPLUG_DISABLE_PLUGINS=<name>."
@@ -235,14 +392,60 @@ class Registry:
             )
         return factory
 
-    def serdes(self) -> Iterable[Any]:
+    def load_serdes(self) -> None:
+        """Register the plugins' serdes with :mod:`kvplug.serde`, once per discovery."""
+        with self._lock:
+            if self.serdes_loaded:
+                return
+            self.serdes_loaded = True
+            forget_plugin_serdes()
+            add_plugin_serdes(self.serdes())
+
+    def serdes(self) -> list[tuple[type[Serde], str]]:
+        """Every serde class that plugins provide, with the plugin each comes from.
+
+        A plugin whose ``kvplug_serdes`` fails or returns something other than a named
+        :class:`~kvplug.serde.Serde` subclass is a :class:`PluginWarning`, and its serdes are
+        left out.
+        """
         self.ensure_loaded()
-        for result in self.manager.hook.kvplug_serdes():
-            yield from result or []
+        found: list[tuple[type[Serde], str]] = []
+        for impl in self.manager.hook.kvplug_serdes.get_hookimpls():
+            info = self._infos.get(impl.plugin_name)
+            source = _source(info) if info is not None else f"plugin {impl.plugin_name!r}"
+            serdes: list[type[Serde]] = []
+            try:
+                for serde in cast(Iterable[object], impl.function() or []):
+                    if not (
+                        isinstance(serde, type)
+                        and issubclass(serde, Serde)
+                        and isinstance(getattr(serde, "name", None), str)
+                        and serde.name
+                    ):
+                        raise TypeError(f"{serde!r} is not a Serde subclass with a name")
+                    serdes.append(serde)
+            except Exception as error:
+                disable = f" (KVPLUG_DISABLE_PLUGINS={info.name})" if info is not None else ""
+                warnings.warn(
+                    f"kvplug_serdes of {source} failed ({type(error).__name__}: {error}); its "
+                    f"serdes are unavailable. Upgrade the plugin or disable it{disable}.",
+                    PluginWarning,
+                    stacklevel=5,
+                )
+                continue
+            found.extend((serde, source) for serde in serdes)
+        return found
+
+
+def _source(info: PluginInfo) -> str:
+    """Where a plugin comes from, for messages: its distribution and version, or its name for
+    one registered at runtime with :func:`register_plugin`."""
+    if info.distribution == RUNTIME_DISTRIBUTION and info.name != _RUNTIME_BACKENDS:
+        return f"plugin {info.name!r} {RUNTIME_DISTRIBUTION}"
+    return f"{info.distribution} {info.version}".rstrip()
 
 
 _registry = Registry()
-_serdes_loaded = False
 
 
 def registry() -> Registry:
@@ -252,14 +455,42 @@ def registry() -> Registry:
 
 def reset_registry() -> None:
     """Forget every discovered plugin, so the next call discovers them again (for tests)."""
-    global _registry, _serdes_loaded
+    global _registry
     _registry = Registry()
-    _serdes_loaded = False
+    forget_plugin_serdes()
 
 
 def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
     """Serve ``spec``'s schemes from this process without an entry point."""
     _registry.register(spec, replace)
+
+
+def register_plugin(plugin: object, *, name: str | None = None) -> list[BackendSpec]:
+    """Register a plugin object (a module or any object with ``@hookimpl`` functions) from this
+    process, as if an entry point named it, and return the specs it serves.
+
+    It is checked as a discovered plugin is, but here a problem raises at once:
+    :class:`~kvplug.errors.PluginLoadError` for a function marked ``@hookimpl`` that is not a
+    kvplug hook (a misspelling such as ``kvplug_backend``), one that takes arguments its hook
+    does not pass, an invalid :class:`BackendSpec` or a failing hook;
+    :class:`~kvplug.errors.PluginConflict` for a scheme another plugin serves. Nothing of a
+    rejected plugin stays registered. ``name`` defaults to the object's ``__name__``.
+
+    Example::
+
+        >>> import kvplug
+        >>> class Acme:
+        ...     @kvplug.hookimpl
+        ...     def kvplug_backend(self):  # misspelled: kvplug_backends
+        ...         return []
+        >>> try:
+        ...     kvplug.register_plugin(Acme(), name="acme-doc")
+        ... except kvplug.PluginLoadError as error:
+        ...     print("Rename it to 'kvplug_backends'" in str(error))
+        True
+    """
+    plugin_name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+    return _registry.register_plugin(plugin, plugin_name)
 
 
 def available_schemes() -> list[str]:
@@ -274,15 +505,12 @@ def plugins() -> list[PluginInfo]:
 
 
 def load_plugin_serdes() -> None:
-    """Register the serdes that plugins provide through ``kvplug_serdes``."""
-    global _serdes_loaded
-    if _serdes_loaded:
-        return
-    _serdes_loaded = True
-    from kvplug.serde import register_serde
+    """Register the serdes that plugins provide through ``kvplug_serdes`` (once per discovery).
 
-    for serde in _registry.serdes():
-        register_serde(serde, replace=True)
+    A serde name served twice is not resolved here: :func:`kvplug.serde.get_serde` raises
+    :class:`~kvplug.errors.PluginConflict` naming both sources when that name is used.
+    """
+    _registry.load_serdes()
 
 
 def backend_class(url: str | BackendURL) -> type[Backend]:
@@ -367,8 +595,10 @@ __all__ = [
     "create_backend",
     "load_plugin_serdes",
     "open_backend",
+    "plugin_env",
     "plugins",
     "register_backend",
+    "register_plugin",
     "registry",
     "reset_registry",
 ]

@@ -342,8 +342,8 @@ def _store_capabilities(backends: Sequence[Backend]) -> Capabilities:
         shared_across_processes=each[0].shared_across_processes,
         zero_copy=each[0].zero_copy,
         native_batching=True,
-        delete=all(c.delete for c in each),
-        list=all(c.list for c in each),
+        remove=all(c.remove for c in each),
+        list_keys=all(c.list_keys for c in each),
         device_memory=any(c.device_memory for c in each),
     )
 
@@ -355,13 +355,15 @@ class Store(Backend):
     Build it from a :class:`~kvplug.config.Config` with :func:`open_store`, by URL with
     ``kvplug.open_backend("store:///path/config.yaml")`` (``store://`` alone reads
     :func:`~kvplug.config.load_config`), or around backends you opened yourself with
-    ``Store(tiers=[...])``. A store lives on the event loop that first uses it; engine threads
-    reach it through a :class:`~kvplug.sync.SyncClient`.
+    ``Store(tiers=[...])``. A store lives on the event loop that first uses it (it is
+    :attr:`~kvplug.backend.Backend.loop_bound`): its backend operations called from another
+    loop run there, while that loop runs; engine threads reach it through a
+    :class:`~kvplug.sync.SyncClient`.
     """
 
-    capabilities: Capabilities  # type: ignore[misc]  # per store: from its tiers
     Options: ClassVar[type[BackendOptions]] = StoreOptions
     options: StoreOptions
+    loop_bound = True
 
     def __init__(
         self,
@@ -397,7 +399,6 @@ class Store(Backend):
         self._progress = asyncio.Event()
         """Set whenever the write-behind may have become flushed (see :meth:`flush`)."""
         self._room_freed = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._opened = False
         self._largest_object = 0
         self._writes = 0
@@ -452,10 +453,14 @@ class Store(Backend):
             or self._default_budget()
         )
 
-    async def open(self) -> None:
+    def deadline(self) -> None:
+        """None: every tier keeps its own deadline, and a put may wait for write-behind room
+        (``write_behind_wait``)."""
+        return None
+
+    async def _open(self) -> None:
         """Open every configured tier with the one memory budget; a failure closes what was
         opened and raises."""
-        self.ensure_open()
         if self._opened:
             return
         config = self._configured()
@@ -539,23 +544,25 @@ class Store(Backend):
     ) -> MemoryObj | None:
         """An object to fill and put, in the memory budget: the cpu tier evicts entries only
         it references to make room. ``None`` when no room can be made (never blocks)."""
-        self._ensure_open()
+        self._ensure_usable()
         if self._memory is not None:
             return self._memory.allocate(shape, dtype, fmt)
         return self.budget.allocate(shape, dtype, fmt)
 
-    def _ensure_open(self) -> None:
+    def _ensure_usable(self) -> None:
         if self._closed:
             raise BackendClosed("this Store is closed; open a new one with open_store().")
         if not self._opened:
             raise KvplugError("this Store is not open yet; await store.open() first.")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif loop is not self._loop:
+        if self._home_loop is None:
+            self._home_loop = loop
+        elif loop is not self._home_loop:
             raise KvplugError(
-                "this Store belongs to another event loop; use it from the loop that opened it, "
-                "or from threads through one kvplug.sync.SyncClient."
+                "this Store belongs to the event loop that first used it: its backend operations "
+                "(get, put, contains, remove and their batched forms) work from any loop, but "
+                "offer, flush, lookup, prefetch, clear, remove_from and allocate only from that "
+                "one (or from threads through one kvplug.sync.SyncClient)."
             )
 
     def _available(self, tier: _Tier) -> bool:
@@ -855,7 +862,7 @@ class Store(Backend):
             self._queue_removal(self._entry(key), tier, key)
 
     async def _remove_older(self, tier: _Tier, keys: list[CacheKey]) -> None:
-        if not tier.backend.capabilities.delete:
+        if not tier.backend.capabilities.remove:
             return
         results = await asyncio.gather(
             *(self._call(tier, "remove", tier.backend.remove(key)) for key in keys),
@@ -896,7 +903,7 @@ class Store(Backend):
         """Store each object in the first tier now and queue it for the lower tiers; whether
         each was accepted (stored or queued). Never waits for the lower tiers. Puts that were
         not accepted are counted (``kvplug_store_rejected_puts``) and each tier's reason too."""
-        self._ensure_open()
+        self._ensure_usable()
         if len(keys) != len(objs):
             raise ValueError(f"a put got {len(keys)} keys but {len(objs)} objects.")
         for obj in objs:
@@ -939,11 +946,11 @@ class Store(Backend):
         self.metrics.rejected.inc(accepted.count(False))
         return accepted
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        """Store ``obj`` (see :meth:`batched_put`); the caller keeps its reference."""
-        await self.batched_put([key], [obj])
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        """Store ``obj`` (see :meth:`_batched_put`); the caller keeps its reference."""
+        await self._batched_put([key], [obj])
 
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Store the objects: in the first tier before this returns, in the lower tiers through
         the write-behind queue. Raises :class:`~kvplug.errors.CapacityExceeded` (or
         :class:`~kvplug.errors.BackendUnavailable` when a tier failed) naming the keys that no
@@ -1142,24 +1149,24 @@ class Store(Backend):
                     with contextlib.suppress(BackendError, OSError):
                         await tier.backend.remove(key)
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
         """The object from the first tier that has it (the caller releases it); ``None`` when
         no tier has it, or when the memory budget had no room for it within ``timeout``."""
-        self._ensure_open()
+        self._ensure_usable()
         return (await self._read([key]))[0]
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """The objects for ``keys`` (aligned with them): each tier is asked once, in order,
         for the keys the faster ones missed."""
-        self._ensure_open()
+        self._ensure_usable()
         return await self._read(list(keys))
 
-    async def contains(self, key: CacheKey) -> bool:
-        return await self.batched_contains([key]) == 1
+    async def _contains(self, key: CacheKey) -> bool:
+        return await self._batched_contains([key]) == 1
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading ``keys`` are present in some tier (each key may be in any tier)."""
-        self._ensure_open()
+        self._ensure_usable()
         keys = list(keys)
         position = 0
         while position < len(keys):
@@ -1200,7 +1207,7 @@ class Store(Backend):
     async def prefetch(self, keys: Sequence[CacheKey]) -> int:
         """Load the leading present ``keys`` into the first tier, stopping at the first key no
         tier has; how many of them the first tier now holds."""
-        self._ensure_open()
+        self._ensure_usable()
         present = await self.batched_contains(keys)
         objs = await self._read(list(keys[:present]))
         loaded = next((n for n, obj in enumerate(objs) if obj is None), len(objs))
@@ -1221,20 +1228,26 @@ class Store(Backend):
                 )
         return [self._tiers[index] for index in tiers]
 
-    async def remove(self, key: CacheKey, tiers: Sequence[int] | None = None) -> bool:
-        """Remove ``key`` from the given tiers (all by default) and from the write-behind;
-        whether any held it. A tier that cannot be reached now removes it once it is back."""
-        self._ensure_open()
+    async def _remove(self, key: CacheKey) -> bool:
+        return await self.remove_from(key)
+
+    async def remove_from(self, key: CacheKey, tiers: Sequence[int] | None = None) -> bool:
+        """Remove ``key`` from the given tiers (all by default: :meth:`remove`) and from the
+        write-behind; whether any held it. A tier that cannot be reached now removes it once
+        it is back."""
+        self._ensure_usable()
         selected = self._selected(tiers)
-        if not all(tier.backend.capabilities.delete for tier in selected):
+        if not all(tier.backend.capabilities.remove for tier in selected):
             raise NotSupported(
-                "these tiers cannot delete: "
-                + ", ".join(t.name for t in selected if not t.backend.capabilities.delete)
+                "these tiers cannot remove keys: "
+                + ", ".join(t.name for t in selected if not t.backend.capabilities.remove)
             )
         with self._changing([key]):
-            return await self._remove(key, selected, everywhere=tiers is None)
+            return await self._remove_selected(key, selected, everywhere=tiers is None)
 
-    async def _remove(self, key: CacheKey, selected: list[_Tier], *, everywhere: bool) -> bool:
+    async def _remove_selected(
+        self, key: CacheKey, selected: list[_Tier], *, everywhere: bool
+    ) -> bool:
         # What a tier holds while a write or removal of the key is under way there is the
         # write-behind's business: it does not make the key present (a second remove is False).
         unsettled = {tier.index for tier in selected if self._skipped(key, tier.index)}
@@ -1262,28 +1275,26 @@ class Store(Backend):
         return found or any(results)
 
     async def clear(self, tiers: Sequence[int] | None = None) -> int:
-        """Remove every key from the given tiers (all by default); needs ``list`` and
-        ``delete`` on each. Returns how many objects were removed."""
-        self._ensure_open()
+        """Remove every key from the given tiers (all by default); needs ``list_keys`` and
+        ``remove`` on each. Returns how many objects were removed."""
+        self._ensure_usable()
         await self.flush()
         removed = 0
         for tier in self._selected(tiers):
             capabilities = tier.backend.capabilities
-            if not (capabilities.list and capabilities.delete):
+            if not (capabilities.list_keys and capabilities.remove):
                 raise NotSupported(
-                    f"tier {tier.name} cannot be cleared: it does not declare both 'list' and "
-                    "'delete'. Clear it with its own tools."
+                    f"tier {tier.name} cannot be cleared: it does not declare both 'list_keys' "
+                    "and 'remove'. Clear it with its own tools."
                 )
             keys = [key async for key in tier.backend.list_keys()]
             for key in keys:
                 removed += bool(await tier.backend.remove(key))
         return removed
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
+    def _list_keys(self) -> AsyncIterator[CacheKey]:
         """Every key stored in some tier or waiting to be written, each once."""
-        self._ensure_open()
-        if not self.capabilities.list:
-            raise NotSupported("this Store cannot list keys: not every tier declares 'list'.")
+        self._ensure_usable()
 
         async def keys() -> AsyncIterator[CacheKey]:
             seen: set[CacheKey] = set()
@@ -1363,11 +1374,9 @@ class Store(Backend):
             "write-behind limit": format_size(self.write_behind_limit),
         }
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         """Finish queued writes (up to ``close_timeout`` seconds; what is left is counted as
-        dropped), then close every tier. Idempotent."""
-        if not self.mark_closed():
-            return
+        dropped), then close every tier."""
         if self._tiers and self._pending:
             with contextlib.suppress(TimeoutError):
                 await self.flush(self.options.close_timeout)

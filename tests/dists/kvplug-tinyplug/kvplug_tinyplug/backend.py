@@ -2,7 +2,7 @@ from kvplug import BytesBackend, Capabilities
 
 
 class TinyBackend(BytesBackend):
-    capabilities = Capabilities(delete=True)
+    capabilities = Capabilities(remove=True)
 
     def __init__(self, url, **kwargs):
         super().__init__(url, **kwargs)
@@ -19,6 +19,3 @@ class TinyBackend(BytesBackend):
 
     async def remove_bytes(self, key):
         return self.values.pop(key, None) is not None
-
-    async def close(self):
-        self.mark_closed()

@@ -1,0 +1,40 @@
+"""Options every backend accepts, as pydantic models a backend extends with its own fields.
+
+Kept apart from :mod:`kvplug.backend` so that importing the contract does not import pydantic;
+``from kvplug.backend import BackendOptions`` still works (it loads this module on first use).
+
+Example::
+
+    >>> from pydantic import Field
+    >>> from kvplug.options import BackendOptions
+    >>> class AcmeOptions(BackendOptions):
+    ...     shards: int = Field(4, ge=1, description="how many shards keys spread over")
+    >>> AcmeOptions.model_validate({"shards": "8", "timeout": "2.5"}).shards
+    8
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BackendOptions(BaseModel):
+    """Options every backend accepts. A backend extends this model with its own fields.
+
+    Values arrive as URL query strings or config values and are converted by the model
+    (``"2.5"`` becomes ``2.5``, ``"true"`` becomes ``True``); unknown names are rejected.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout: float = Field(10.0, gt=0, description="deadline of one operation, in seconds")
+
+
+class BytesBackendOptions(BackendOptions):
+    """Options of every :class:`~kvplug.backend.BytesBackend`."""
+
+    serde: str = Field("naive", description="serde that turns objects into payload bytes")
+    key_prefix: str = Field("", description="prepended to every stored key")
+
+
+__all__ = ["BackendOptions", "BytesBackendOptions"]
