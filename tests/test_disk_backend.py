@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +35,7 @@ from disk_helpers import (
 import kvplug
 from kvplug import (
     BackendClosed,
+    BackendTimeout,
     CacheKey,
     CapacityExceeded,
     ConfigError,
@@ -795,3 +797,123 @@ def test_close_is_idempotent_and_later_operations_raise_backend_closed(
 
     run(scenario())
     assert len(object_files(tmp_path)) == 1  # persistent: close keeps the files
+
+
+async def settled(condition: Callable[[], bool], within: float = 60.0) -> bool:
+    """Whether ``condition`` holds within ``within`` seconds (work left on a thread)."""
+    give_up = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+class Stall:
+    """Replaces an ``os`` call with one that waits for :meth:`release` first."""
+
+    def __init__(self, real: Callable[..., int]) -> None:
+        self.real = real
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, *args: Any) -> int:
+        self.entered.set()
+        self.gate.wait(120)
+        return self.real(*args)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_a_put_past_its_deadline_times_out_and_its_write_keeps_the_object_until_done(
+    tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline ends the wait, not the write on its thread, which holds a reference of
+    its own until it is done (and then the object is stored)."""
+    stall = Stall(os.pwritev)
+
+    async def scenario() -> None:
+        disk = await open_disk(f"file://{tmp_path}", allocator, timeout=1.0)
+        monkeypatch.setattr(os, "pwritev", stall)
+        obj = seeded(allocator, 9000, seed=1)
+        try:
+            with pytest.raises(BackendTimeout) as raised:
+                await disk.put(key(1), obj)
+            assert str(raised.value).startswith("put of ")
+            assert str(tmp_path) in str(raised.value)
+            assert stall.entered.wait(60)
+            assert obj.ref_count == 2  # the caller's and the write's
+        finally:
+            stall.release()
+        assert await settled(lambda: obj.ref_count == 1)
+        obj.release()
+        monkeypatch.setattr(os, "pwritev", stall.real)
+        back = await read_back(disk, key(1))
+        assert back is not None and torch.equal(back, seeded_bytes(9000, 1))
+        await disk.close()
+
+    run(scenario())
+
+
+def test_a_get_into_past_its_deadline_keeps_the_destination_until_its_read_is_done(
+    tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stall = Stall(os.preadv)
+
+    async def scenario() -> None:
+        disk = await open_disk(f"file://{tmp_path}", allocator, timeout=1.0)
+        await put_seeded(disk, allocator, key(1), 9000, seed=1)
+        monkeypatch.setattr(os, "preadv", stall)
+        dest = allocator.allocate((9000,), torch.uint8, MemoryFormat.BINARY_BUFFER)
+        assert dest is not None
+        try:
+            with pytest.raises(BackendTimeout, match=r"^get_into of "):
+                await disk.get_into(key(1), dest)
+            assert stall.entered.wait(60)
+            assert dest.ref_count == 2  # the caller's and the read's: still written into
+        finally:
+            stall.release()
+        assert await settled(lambda: dest.ref_count == 1)
+        assert torch.equal(dest.raw, seeded_bytes(9000, 1))
+        dest.release()
+        await disk.close()
+
+    run(scenario())
+
+
+def test_opening_has_no_deadline_and_an_operation_that_opens_keeps_one_for_its_work(
+    tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index rebuild takes as long as the files need, past ``timeout``; an operation on a
+    backend nobody opened opens it first, then has ``timeout`` for its own work."""
+    real_rebuild = DiskBackend._rebuild
+
+    def slow_rebuild(self: DiskBackend) -> None:
+        time.sleep(0.8)
+        real_rebuild(self)
+
+    monkeypatch.setattr(DiskBackend, "_rebuild", slow_rebuild)
+    stall = Stall(os.pwritev)
+
+    async def scenario() -> None:
+        opened = await open_disk(f"file://{tmp_path}/a", allocator, timeout=0.3)
+        await put_seeded(opened, allocator, key(1), 9000, seed=1)
+        await opened.close()
+
+        never_opened = DiskBackend(
+            f"file://{tmp_path}/b", allocator=allocator, timeout=0.5, o_direct=False
+        )
+        monkeypatch.setattr(os, "pwritev", stall)
+        obj = seeded(allocator, 9000, seed=2)
+        try:
+            with pytest.raises(BackendTimeout, match=r"^put of .* took longer than 0\.5 s"):
+                await never_opened.put(key(2), obj)
+            assert never_opened.rebuild_stats["objects"] == 0  # it was opened
+        finally:
+            stall.release()
+        assert await settled(lambda: obj.ref_count == 1)
+        obj.release()
+        await never_opened.close()
+
+    run(scenario())

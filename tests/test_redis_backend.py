@@ -207,15 +207,15 @@ def test_tls_sentinel_takes_the_ssl_and_sentinel_options_for_both_hops(tmp_path:
         "ssl_cert_reqs": "optional",
         "ssl_check_hostname": False,
     }
-    pools = [backend._writer.connection_pool, backend._reader.connection_pool]
-    pools += [sentinel.connection_pool for sentinel in backend._sentinel.sentinels]
+    pools = [backend._clients.writer.connection_pool, backend._clients.reader.connection_pool]
+    pools += [sentinel.connection_pool for sentinel in backend._clients.sentinel.sentinels]
     assert len(pools) == 4
     for pool in pools:
         assert issubclass(pool.connection_class, redis.asyncio.SSLConnection)
         assert {k: pool.connection_kwargs.get(k) for k in expected} == expected
     plain = kvplug.create_backend("redis+sentinel://h1,h2/cache")
     assert isinstance(plain, RedisBackend)
-    plain_class = plain._writer.connection_pool.connection_class
+    plain_class = plain._clients.writer.connection_pool.connection_class
     assert issubclass(plain_class, redis.asyncio.sentinel.SentinelManagedConnection)
     assert not issubclass(plain_class, redis.asyncio.SSLConnection)
 

@@ -1,6 +1,6 @@
 """The contract suite against every form of the Redis tier (plugins/redis), each against real
-servers this module starts: standalone, TLS, unix socket, Sentinel (plain and over TLS) and
-Cluster. Standalone,
+servers this module starts: standalone (with direct reads and without), TLS, unix socket,
+Sentinel (plain and over TLS) and Cluster. Standalone,
 TLS, unix socket and Cluster hand the suite their ServerControl, so clause 10 (deadlines and
 recovery) runs against a real pause and a real restart. Clause 9 (a full store) runs against
 servers of its own with a small maxmemory, once refusing writes and once evicting."""
@@ -58,6 +58,23 @@ class TestRedisConformance(BackendContract):
     @pytest.fixture
     def kvplug_url(self, standalone: RedisServer) -> str:
         return standalone.url
+
+    @pytest.fixture
+    def server_control(self, standalone: RedisServer) -> RedisServer:
+        return standalone
+
+
+class TestRedisThroughTheClientLibraryConformance(BackendContract):
+    """direct_reads=false: reads go through redis-py's pipelines and the core's frame
+    decoding (BytesBackend's default receive_frames) instead of kvplug's own connections."""
+
+    @pytest.fixture
+    def kvplug_url(self, standalone: RedisServer) -> str:
+        return standalone.url
+
+    @pytest.fixture
+    def kvplug_options(self) -> dict[str, object]:
+        return {"direct_reads": False}
 
     @pytest.fixture
     def server_control(self, standalone: RedisServer) -> RedisServer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -28,9 +29,10 @@ from kvplug import (
 )
 from kvplug import serde as serde_module
 from kvplug.errors import CorruptObject
+from kvplug.frame import FrameReceiver, encode_frame
 from kvplug.serde import Serde, register_serde
 from kvplug_redis.backend import RedisBackend
-from kvplug_redis.direct import DirectReads, reply_error
+from kvplug_redis.direct import DirectReads, reply_error, restart
 from kvplug_redis.testing import RedisServer, SentinelGroup
 from kvplug_valkey.testing import ValkeyServer
 
@@ -376,6 +378,30 @@ def test_a_damaged_value_is_a_counted_deleted_miss(server: RedisServer, how: str
     assert allocator.stats().used == 0
 
 
+def test_receivers_restarted_for_a_fetch_sent_again_read_the_new_values_only() -> None:
+    """What a fetch does when the master moved or the connection broke mid-batch: the
+    receivers let go of what the first try gave them and take the second try's values."""
+    obj = make_obj(90)
+    value = b"".join(bytes(memoryview(part)) for part in encode_frame(obj))
+    allocator = FreeListAllocator(1 << 20, pin=False)
+    receivers = [FrameReceiver(allocator) for _ in range(3)]
+    try:
+        receivers[0].receive(_damage(value, "header bit"))
+        receivers[1].receive(value)  # holds allocator memory until restarted
+        restart(receivers)
+        assert allocator.stats().used == 0
+        receivers[0].receive(value)
+        receivers[1].receive(value)  # receivers[2]: a miss this time
+        got = [receiver.finish() for receiver in receivers]
+        try:
+            assert same(obj, got[0]) and same(obj, got[1]) and got[2] is None
+        finally:
+            release(*got)
+    finally:
+        obj.release()
+    assert allocator.stats().used == 0
+
+
 @contextlib.asynccontextmanager
 async def paused_mid_value(
     server: RedisServer, pending: asyncio.Future[Any], started: Callable[[], bool]
@@ -445,7 +471,9 @@ def test_a_cancelled_get_into_never_writes_into_the_callers_memory_afterwards(
         try:
             await backend.put(key, obj)
             pending = asyncio.ensure_future(backend.batched_get_into([key], [dest]))
-            async with paused_mid_value(fresh_server, pending, lambda: dest.ref_count > 1):
+            # One reference is the caller's, one get_into's own; a third is the reader's, taken
+            # once the header arrived and the payload goes into dest.
+            async with paused_mid_value(fresh_server, pending, lambda: dest.ref_count > 2):
                 pending.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await pending
@@ -607,6 +635,62 @@ def test_a_database_other_than_0_is_selected(server: RedisServer) -> None:
         assert client.exists(name) == 1
     with server.client() as client:
         assert client.exists(name) == 0
+
+
+# -- event loops ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "client"])
+def test_a_backend_used_from_another_threads_loop_closes_that_loops_connections_with_it(
+    server: RedisServer, direct_reads: bool
+) -> None:
+    """An engine opens the backend on one loop and uses it from a worker's ``asyncio.run``:
+    the worker's loop gets connections of its own, closed when that loop ends, and the
+    opening loop goes on with its own."""
+    keys = keys_of(2)
+    obj = make_obj(95)
+    home = asyncio.new_event_loop()
+
+    async def round_trip(backend: kvplug.Backend, key: CacheKey) -> None:
+        await backend.put(key, obj)
+        got = await backend.batched_get(keys)
+        try:
+            assert same(obj, got[keys.index(key)])
+        finally:
+            release(*got)
+
+    backend = home.run_until_complete(kvplug.open_backend(server.url, direct_reads=direct_reads))
+    assert isinstance(backend, RedisBackend)
+    try:
+        home.run_until_complete(round_trip(backend, keys[0]))
+        failures: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                asyncio.run(round_trip(backend, keys[1]))
+            except BaseException as error:
+                failures.append(error)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive() and not failures, failures
+        if backend.direct is not None:
+            # The worker dropped the opening loop's idle connection (a connection serves the
+            # loop that opened it), and its own closed with its loop.
+            assert backend.direct.open_connections == 0
+        worker_clients = backend._clients
+        assert worker_clients.loop is not None and worker_clients.loop.is_closed()
+        assert worker_clients.keeper is None  # it ran at the loop's shutdown
+        home.run_until_complete(round_trip(backend, keys[0]))
+        assert backend._clients.loop is home
+        home.run_until_complete(backend.close())
+        if backend.direct is not None:
+            assert backend.direct.open_connections == 0
+    finally:
+        home.run_until_complete(backend.close())
+        obj.release()
+        home.close()
 
 
 # -- outages, deadlines, cancellation ------------------------------------------------------------

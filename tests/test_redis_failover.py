@@ -325,7 +325,7 @@ def test_a_burst_of_200_tasks_reuses_warm_connections_and_asks_the_sentinels_lit
                 "ok": sum(results),
                 "seconds": round(time.monotonic() - started, 2),
                 "direct_connects": backend.direct.connects,
-                "connections": backend._budget.connected,
+                "connections": backend._clients.budget.connected,
                 "questions": backend.tracker.questions - asked_before,
                 "interval": backend.options.master_check_interval,
             }

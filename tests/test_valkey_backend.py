@@ -118,7 +118,7 @@ def test_each_scheme_opens_a_valkey_backend_on_valkey_py(
     client_class = (
         valkey.asyncio.cluster.ValkeyCluster if mode is Mode.CLUSTER else valkey.asyncio.Valkey
     )
-    assert isinstance(backend._writer, client_class)
+    assert isinstance(backend._clients.writer, client_class)
     assert backend.tls is url.startswith("valkeys")
 
 

@@ -365,7 +365,7 @@ def test_puts_copy_only_where_the_backend_keeps_objects(
         obj.ref_count_down()
 
         listing = asyncio.run_coroutine_threadsafe(connector.list(), remote.loop).result(WAIT)
-        can_list = connector_backend(connector).capabilities.list
+        can_list = connector_backend(connector).capabilities.list_keys
         assert listing == ([key.to_string()] if can_list else [])
         assert remote.remove(key) is True
         assert remote.contains(key) is False

@@ -82,8 +82,8 @@ class AcmeBackend(BytesBackend):
     :class:`~kvplug.errors.BackendUnavailable` with SQLite's reason.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared_across_processes=True, delete=True, list=True
+    capabilities = Capabilities(
+        persistent=True, shared_across_processes=True, remove=True, list_keys=True
     )
     Options: ClassVar[type[BackendOptions]] = AcmeOptions
     options: AcmeOptions
@@ -130,7 +130,7 @@ class AcmeBackend(BytesBackend):
 
     async def _run(self, what: str, operation: Callable[[sqlite3.Connection], T]) -> T:
         try:
-            return await self.with_deadline(asyncio.to_thread(self._locked, operation), what)
+            return await asyncio.to_thread(self._locked, operation)
         except (sqlite3.Error, OverflowError) as error:
             raise self._translate(error, what) from error
 
@@ -144,7 +144,7 @@ class AcmeBackend(BytesBackend):
             return BackendTimeout(f"{message} Another process holds the write lock; retry.")
         return BackendUnavailable(f"{message} Check that {self.path} is a writable database.")
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         """Create the file and the table now, so a bad path fails here, not on first use."""
         await self._run("open", lambda db: None)
 
@@ -172,13 +172,10 @@ class AcmeBackend(BytesBackend):
         sql = "DELETE FROM kv WHERE key = ?"
         return await self._run("remove", lambda db: db.execute(sql, (key,)).rowcount > 0)
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
         """The keys under this backend's ``key_prefix`` when iteration starts (a snapshot).
         Rows whose key does not parse as a :class:`~kvplug.keys.CacheKey` are skipped."""
-        self.ensure_open()
-        return self._list_keys(self.options.key_prefix)
-
-    async def _list_keys(self, prefix: str) -> AsyncIterator[CacheKey]:
+        prefix = self.options.key_prefix
         sql = "SELECT key FROM kv WHERE substr(key, 1, ?) = ?"
         rows: list[tuple[str]] = await self._run(
             "list_keys", lambda db: db.execute(sql, (len(prefix), prefix)).fetchall()
@@ -189,12 +186,11 @@ class AcmeBackend(BytesBackend):
             except InvalidKey:
                 continue  # not written by kvplug: another tool shares the table
 
-    async def close(self) -> None:
-        """Close the connection; idempotent. Waits for the operation in flight, which
-        ``busy_timeout`` and ``timeout`` bound; operations queued behind it raise
+    async def _close(self) -> None:
+        """Close the connection. Waits for the operation in flight, which ``busy_timeout``
+        and ``timeout`` bound; operations queued behind it raise
         :class:`~kvplug.errors.BackendClosed`."""
-        if self.mark_closed():
-            await asyncio.to_thread(self._close_connection)
+        await asyncio.to_thread(self._close_connection)
 
     def _close_connection(self) -> None:
         with self._lock:

@@ -577,7 +577,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
     async def list(self) -> list[str]:
         """Every stored key's string (LMCache's form); empty when the backend cannot list."""
         backend = self._client.backend
-        if not backend.capabilities.list:
+        if not backend.capabilities.list_keys:
             return []
 
         async def collect() -> list[str]:

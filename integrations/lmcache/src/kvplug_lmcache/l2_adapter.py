@@ -752,7 +752,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         keys = list(keys)
         if not keys or self._closed:
             return
-        if not self._backend.capabilities.delete:
+        if not self._backend.capabilities.remove:
             logger.warning(
                 "KvplugL2Adapter: %s cannot delete, so LMCache's L2 eviction removes nothing.",
                 self._config.target(),
@@ -799,7 +799,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         listing suits maintenance, not the serving path."""
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-        if not self._backend.capabilities.list:
+        if not self._backend.capabilities.list_keys:
             raise NotImplementedError(
                 f"{self._config.target()} cannot list its keys (kvplug capability 'list')."
             )

@@ -677,7 +677,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         backend = self._client.backend
         if namespace is None:
             return
-        if not backend.capabilities.list:
+        if not backend.capabilities.list_keys:
             logger.warning(
                 "%s: %s cannot list its keys, so clear() removed nothing; its own eviction "
                 "ages the pages out.",

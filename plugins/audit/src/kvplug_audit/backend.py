@@ -55,13 +55,13 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions
+from kvplug.backend import Backend, BackendOptions, Wrapper
 from kvplug.errors import BackendUnavailable, ConfigError
 from kvplug.frame import payload_checksum
 from kvplug.keys import CacheKey
@@ -149,7 +149,7 @@ def _checksum(obj: MemoryObj) -> int:
     return payload_checksum(obj.raw.cpu().numpy().data)
 
 
-class AuditBackend(Backend):
+class AuditBackend(Wrapper):
     """A wrapper that audits the backend it wraps: logs, verifies, injects faults.
 
     Constructed by :func:`kvplug.open_backend` for ``audit::<url>`` with the wrapped backend as
@@ -178,12 +178,7 @@ class AuditBackend(Backend):
         allocator: Allocator | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(url, allocator=allocator, **options)
-        self.inner = inner
-        # `capabilities` is a ClassVar on Backend, which mypy will not let an instance assign;
-        # an instance-dict entry shadows the class value for this wrapper only, which is what
-        # "the inner backend's capabilities" means.
-        self.__dict__["capabilities"] = inner.capabilities
+        super().__init__(url, inner=inner, allocator=allocator, **options)
         self._level = int(logging.getLevelName(self.options.log_level))
         self._inner_text = str(inner.url)
         self._rng = random.Random(self.options.seed)
@@ -193,11 +188,6 @@ class AuditBackend(Backend):
         self.corrupt_objects = 0
         self.untracked_keys = 0
         """Keys forgotten to keep within ``max_tracked_keys``."""
-
-    @property
-    def allocator(self) -> Allocator:
-        """The inner backend's allocator: objects from ``get`` come from there."""
-        return self.inner.allocator
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Operation -> outcome -> count, e.g. ``{"get": {"hit": 3, "miss": 1}}``."""
@@ -256,7 +246,6 @@ class AuditBackend(Backend):
     ) -> T:
         """Run ``call`` with fault injection, counting and one log line; ``describe`` turns its
         result into ``(outcome, extra log text)``."""
-        self.ensure_open()
         started = time.perf_counter()
         if inject:
             self._maybe_fail(op, key, 0, started)
@@ -363,10 +352,10 @@ class AuditBackend(Backend):
             obj.nbytes,
             self._inner_text,
             checksum,
-            " and removed" if self.inner.capabilities.delete else "",
+            " and removed" if self.inner.capabilities.remove else "",
         )
         obj.release()
-        if self.inner.capabilities.delete:
+        if self.inner.capabilities.remove:
             try:
                 await self.inner.remove(key)
             except Exception as error:
@@ -382,11 +371,7 @@ class AuditBackend(Backend):
 
     # -- the contract ----------------------------------------------------------------------------
 
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        self.ensure_open()
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
         text = key.to_string()
         started = time.perf_counter()
         self._maybe_fail("get", text, 0, started)
@@ -408,8 +393,7 @@ class AuditBackend(Backend):
         self._record("get", text, size, started, outcome)
         return result
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        self.ensure_open()
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         text = key.to_string()
         size = obj.nbytes
         started = time.perf_counter()
@@ -429,7 +413,7 @@ class AuditBackend(Backend):
                 self._end_put(key, checksum, ok)
         self._record("put", text, size, started, "ok")
 
-    async def contains(self, key: CacheKey) -> bool:
+    async def _contains(self, key: CacheKey) -> bool:
         async def call() -> bool:
             return await self.inner.contains(key)
 
@@ -437,7 +421,7 @@ class AuditBackend(Backend):
             "contains", key.to_string(), call, lambda found: ("hit" if found else "miss", "")
         )
 
-    async def remove(self, key: CacheKey) -> bool:
+    async def _remove(self, key: CacheKey) -> bool:
         async def call() -> bool:
             removed = await self.inner.remove(key)
             self._forget(key)
@@ -447,8 +431,7 @@ class AuditBackend(Backend):
             "remove", key.to_string(), call, lambda removed: ("ok" if removed else "miss", "")
         )
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        self.ensure_open()
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         text = _batch_text(keys)
         started = time.perf_counter()
         self._maybe_fail("batched_get", text, 0, started)
@@ -489,10 +472,7 @@ class AuditBackend(Backend):
         )
         return results
 
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        self.ensure_open()
-        if len(keys) != len(objs):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         text = _batch_text(keys)
         size = sum(obj.nbytes for obj in objs)
         started = time.perf_counter()
@@ -512,7 +492,7 @@ class AuditBackend(Backend):
                 self._end_put(key, checksum, ok)
         self._record("batched_put", text, size, started, "ok", f" keys={len(keys)}")
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         async def call() -> int:
             return await self.inner.batched_contains(keys)
 
@@ -523,7 +503,7 @@ class AuditBackend(Backend):
             lambda count: ("ok", f" prefix={count}/{len(keys)}"),
         )
 
-    async def pin(self, key: CacheKey) -> bool:
+    async def _pin(self, key: CacheKey) -> bool:
         async def call() -> bool:
             return await self.inner.pin(key)
 
@@ -535,7 +515,7 @@ class AuditBackend(Backend):
             inject=False,
         )
 
-    async def unpin(self, key: CacheKey) -> bool:
+    async def _unpin(self, key: CacheKey) -> bool:
         async def call() -> bool:
             return await self.inner.unpin(key)
 
@@ -547,14 +527,9 @@ class AuditBackend(Backend):
             inject=False,
         )
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
-        self.ensure_open()
-        return self.inner.list_keys()
-
-    async def close(self) -> None:
-        """Close the wrapper and the backend it wraps (once)."""
-        if self.mark_closed():
-            await self.inner.close()
+    # Reads into the caller's memory are verified like gets: a get, then one copy.
+    _get_into = Backend._get_into
+    _batched_get_into = Backend._batched_get_into
 
 
 def _batch_text(keys: Sequence[CacheKey]) -> str:

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Any, ClassVar
+from typing import Any
 
 from kvplug.backend import Backend, Capabilities
 from kvplug.keys import CacheKey
@@ -33,11 +33,11 @@ from kvplug.url import BackendURL
 class BlackholeBackend(Backend):
     """Accepts every put and retains nothing; every read misses.
 
-    It declares ``delete`` because ``remove`` works: it returns False, since nothing is ever
+    It declares ``remove`` because ``remove`` works: it returns False, since nothing is ever
     stored. Counters :attr:`puts`, :attr:`bytes_put` and :attr:`gets` show what reached it.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True)
+    capabilities = Capabilities(remove=True)
 
     def __init__(
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
@@ -52,28 +52,21 @@ class BlackholeBackend(Backend):
         with self._counter_lock:
             return {"puts": self.puts, "bytes_put": self.bytes_put, "gets": self.gets}
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        self.ensure_open()
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
         with self._counter_lock:
             self.gets += 1
         return None
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        self.ensure_open()
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         with self._counter_lock:
             self.puts += 1
             self.bytes_put += obj.nbytes
 
-    async def contains(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _contains(self, key: CacheKey) -> bool:
         return False
 
-    async def remove(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _remove(self, key: CacheKey) -> bool:
         return False
-
-    async def close(self) -> None:
-        self.mark_closed()
 
 
 __all__ = ["BlackholeBackend"]

@@ -124,10 +124,10 @@ class CpuBackend(Backend):
     :meth:`stats`.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        pin=True, zero_copy=True, delete=True, list=True
-    )
+    capabilities = Capabilities(pin=True, zero_copy=True, remove=True, list_keys=True)
     Options: ClassVar[type[BackendOptions]] = CpuOptions
+    # What the contract suite opens to fill the store (clauses 8, 9).
+    contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
     options: CpuOptions
 
     def __init__(
@@ -168,7 +168,7 @@ class CpuBackend(Backend):
                     )
         return self._allocator
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         """Create the tier's own allocator now rather than on the first put."""
         _ = self.allocator
         memory = host_memory()
@@ -320,10 +320,9 @@ class CpuBackend(Backend):
 
     # -- the contract -------------------------------------------------------------------------
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
         """The stored object with one reference for the caller (release it; read-only), or
         ``None``."""
-        self.ensure_open()
         with self._lock:
             obj = self._index.get(key)
             if obj is None:
@@ -334,44 +333,36 @@ class CpuBackend(Backend):
             self._policy.on_hit(key)
             return obj
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Store ``obj`` (zero-copy when it lives in :attr:`allocator`, else copied), evicting by
         policy to make room. The caller keeps its reference."""
-        self.ensure_open()
         if obj.nbytes > self.max_size:
             raise self._too_big(obj.nbytes)
-        obj.retain()
-        try:
-            if obj.allocator is self.allocator:
-                stored = obj.retain()
-            else:
-                copy = self.allocate(obj.shape, obj.dtype, obj.fmt)
-                if copy is None:
-                    with self._lock:
-                        raise self._full(obj.nbytes)
-                try:
-                    copy.raw.copy_(obj.raw)
-                except BaseException:
-                    copy.release()
-                    raise
-                stored = copy
-            self._insert(key, stored)
-        finally:
-            obj.release()
+        if obj.allocator is self.allocator:
+            stored = obj.retain()
+        else:
+            copy = self.allocate(obj.shape, obj.dtype, obj.fmt)
+            if copy is None:
+                with self._lock:
+                    raise self._full(obj.nbytes)
+            try:
+                copy.raw.copy_(obj.raw)
+            except BaseException:
+                copy.release()
+                raise
+            stored = copy
+        self._insert(key, stored)
 
-    async def contains(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _contains(self, key: CacheKey) -> bool:
         with self._lock:
             return key in self._index
 
-    async def remove(self, key: CacheKey) -> bool:
+    async def _remove(self, key: CacheKey) -> bool:
         """Delete ``key`` even when pinned (its pins go with it); False if absent."""
-        self.ensure_open()
         with self._lock:
             return self._drop(key)
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        self.ensure_open()
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         results: list[MemoryObj | None] = []
         with self._lock:
             for key in keys:
@@ -385,8 +376,7 @@ class CpuBackend(Backend):
                 results.append(obj)
         return results
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        self.ensure_open()
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         with self._lock:
             count = 0
             for key in keys:
@@ -395,20 +385,18 @@ class CpuBackend(Backend):
                 count += 1
             return count
 
-    async def pin(self, key: CacheKey) -> bool:
-        """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
+    async def _pin(self, key: CacheKey) -> bool:
+        """Keep ``key`` from eviction for ``pin_ttl`` seconds or until ``unpin``; pins
         count. False if ``key`` is absent."""
-        self.ensure_open()
         with self._lock:
             if key not in self._index:
                 return False
             self._pins.pin(key, self.options.pin_ttl)
             return True
 
-    async def unpin(self, key: CacheKey) -> bool:
+    async def _unpin(self, key: CacheKey) -> bool:
         """Release the oldest live pin of ``key``; False when none is left (never raises for an
         absent or unpinned key)."""
-        self.ensure_open()
         with self._lock:
             return self._pins.unpin(key)
 
@@ -417,17 +405,14 @@ class CpuBackend(Backend):
         with self._lock:
             return self._pins.is_pinned(key)
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
+    def _list_keys(self) -> AsyncIterator[CacheKey]:
         """The keys stored when this is called (a snapshot), in no particular order."""
-        self.ensure_open()
         with self._lock:
             snapshot = list(self._index)
         return _iterate(snapshot)
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         """Release every stored object (readers keep theirs until they release them)."""
-        if not self.mark_closed():
-            return
         with self._lock:
             held = list(self._index.values())
             self._index.clear()

@@ -20,7 +20,8 @@ URL and options (query parameters or keyword options, keywords win)::
   most (default 64); further callers wait their turn.
 * ``allow_shared_dir``: accept a directory that another user owns or can write to (default
   false: such a directory is refused, since another user could plant or alter cached data).
-* ``timeout``: common to every backend, the deadline of one operation in seconds.
+* ``timeout``: common to every backend, the deadline of one operation in seconds. Opening,
+  which rebuilds the index from the files on disk, has none.
 
 Example::
 
@@ -67,15 +68,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Capabilities, gather_all
+from kvplug.backend import Backend, Capabilities, gather_all
 from kvplug.errors import (
     BackendClosed,
     BackendError,
+    BackendTimeout,
     CapacityExceeded,
     ConfigError,
     CorruptObject,
@@ -85,6 +88,7 @@ from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_poli
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj, nbytes_of
+from kvplug.options import BackendOptions
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.fileops import (
@@ -526,11 +530,6 @@ def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future
         abandoned(future.result())
 
 
-async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
-    for key in keys:
-        yield key
-
-
 def release_read(obj: MemoryObj | None) -> None:
     """Release the object a read returned, if any (a read whose caller went away)."""
     if obj is not None:
@@ -610,10 +609,12 @@ class DiskBackend(Backend):
     :attr:`rebuild_stats` and :meth:`stats`.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        pin=True, persistent=True, shared_across_processes=True, delete=True, list=True
+    capabilities = Capabilities(
+        pin=True, persistent=True, shared_across_processes=True, remove=True, list_keys=True
     )
     Options: ClassVar[type[BackendOptions]] = DiskOptions
+    # What the contract suite opens to fill the store (clauses 8, 9).
+    contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
     options: DiskOptions
 
     def __init__(
@@ -640,7 +641,7 @@ class DiskBackend(Backend):
         self._reserved = 0
         self._generations = itertools.count(1)
         self._open_lock = threading.Lock()
-        self._opened = False
+        self._directories_open = False
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.options.workers, thread_name_prefix="kvplug-disk"
         )
@@ -669,9 +670,9 @@ class DiskBackend(Backend):
         self.allocation_failures = 0
         """Hits that read as misses because :attr:`allocator` had no room."""
         self.foreign_files = 0
+        """Object names found holding something other than a regular file (read as misses)."""
         self.discovered = 0
         """Objects found on demand: written by another instance after this one opened."""
-        """Object names found holding something other than a regular file (read as misses)."""
         self.eviction_failures = 0
         """Files eviction tried to delete and could not (they still count in bytes_held)."""
         self.rebuild_stats: dict[str, int] = {}
@@ -710,20 +711,25 @@ class DiskBackend(Backend):
 
     # -- open -------------------------------------------------------------------------------
 
-    async def open(self) -> None:
+    def deadline(self) -> float | None:
+        """``options.timeout`` once the directories are open; none before. Opening rebuilds
+        the index from every file on disk, which takes as long as the tier's contents need;
+        an operation that finds the directories not yet open opens them first and keeps the
+        deadline for its own work (see :meth:`_run`)."""
+        return self.options.timeout if self._directories_open else None
+
+    async def _open(self) -> None:
         """Check and create the directories, probe O_DIRECT in each, and rebuild the index
-        from the files on disk. Operations call it themselves when it was not awaited."""
-        self.ensure_open()
-        if not self._opened:
-            await asyncio.to_thread(self._open_sync)
+        from the files on disk. Operations do it themselves when ``open`` was not awaited."""
+        await self._ready()
 
     async def _ready(self) -> None:
-        if not self._opened:
-            await self.open()
+        if not self._directories_open:
+            await asyncio.to_thread(self._open_sync)
 
     def _open_sync(self) -> None:
         with self._open_lock:
-            if self._opened:
+            if self._directories_open:
                 return
             self.ensure_open()
             try:
@@ -731,7 +737,7 @@ class DiskBackend(Backend):
             except BaseException:
                 self._release_writer_locks()
                 raise
-            self._opened = True
+            self._directories_open = True
 
     def _open_directories(self) -> None:
         directories: list[Directory] = []
@@ -1084,17 +1090,47 @@ class DiskBackend(Backend):
         not_run: Callable[[], None] | None = None,
         abandoned: Callable[[T], None] | None = None,
     ) -> T:
-        """Run ``work`` on the pool within a queue slot and the deadline.
+        """Run ``work`` on the pool within a queue slot, after opening the directories if
+        that was not done yet.
 
-        ``not_run`` is called when ``work`` never runs (no slot, closed, cancelled in the
-        queue); ``abandoned`` gets the result of a ``work`` whose caller stopped waiting.
+        The deadline is the template's (:meth:`deadline`); an operation that had to open the
+        directories first ran without it, and keeps ``options.timeout`` for ``work`` itself
+        (``what``, such as ``"get of <key>"``, names it in the :class:`BackendTimeout`).
+        Cancelled while waiting (a deadline), ``work`` may still run or be running on its
+        thread: ``not_run`` is called when ``work`` never runs (no slot, closed, cancelled in
+        the queue), so that memory retained for it is released; ``abandoned`` gets the
+        result of a ``work`` whose caller stopped waiting.
         """
-        submitted: list[concurrent.futures.Future[T]] = []
+        if self._directories_open:
+            return await self._submit(work, not_run, abandoned)
+        try:
+            await self._ready()
+        except BaseException:
+            if not_run is not None:
+                not_run()
+            raise
+        try:
+            async with asyncio.timeout(self.options.timeout):
+                return await self._submit(work, not_run, abandoned)
+        except TimeoutError:
+            raise BackendTimeout(
+                f"{what} on {self.url} took longer than {self.options.timeout} s; the disk is "
+                "slow or its file I/O threads are busy. Raise the 'timeout' option or check "
+                "the disk."
+            ) from None
 
-        async def submit_and_wait() -> T:
+    async def _submit(
+        self,
+        work: Callable[[], T],
+        not_run: Callable[[], None] | None,
+        abandoned: Callable[[T], None] | None,
+    ) -> T:
+        """``work`` on the pool within a queue slot; see :meth:`_run`."""
+        submitted: list[concurrent.futures.Future[T]] = []
+        try:
             await self._slots.acquire()
             try:
-                self.ensure_open()
+                self.ensure_open()  # the wait for a slot may have outlasted the backend
                 future = self._pool.submit(work)
             except RuntimeError:  # the pool was shut down by close()
                 self._slots.release()
@@ -1109,9 +1145,6 @@ class DiskBackend(Backend):
             if not_run is not None:
                 future.add_done_callback(lambda f: not_run() if f.cancelled() else None)
             return await asyncio.wrap_future(future)
-
-        try:
-            return await self.with_deadline(submit_and_wait(), what)
         except BaseException:
             if not submitted:
                 if not_run is not None:
@@ -1654,7 +1687,8 @@ class DiskBackend(Backend):
             count += 1
         return count
 
-    def _get(self, key: CacheKey) -> MemoryObj | None:
+    def _read_key(self, key: CacheKey) -> MemoryObj | None:
+        """The whole get, on a worker thread: a new object, or None (counted as a miss)."""
         self._check_open_worker()
         entry = self._known(key)
         if entry is None:
@@ -1663,12 +1697,26 @@ class DiskBackend(Backend):
             return None
         return self._read(key, entry)
 
-    def _remove_known(self, key: CacheKey) -> bool:
+    def _read_key_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        """The whole get_into, on a worker thread; releases the reference ``_get_into``
+        took for it."""
+        try:
+            entry = self._known(key)
+            if entry is None:
+                with self._lock:
+                    self.misses += 1
+                return False
+            return self._read(key, entry, dest) is not None
+        finally:
+            dest.release()
+
+    def _remove_key(self, key: CacheKey) -> bool:
+        """The whole remove, on a worker thread (a key not indexed is looked for on disk)."""
         self._check_open_worker()
         entry = self._known(key)
-        return False if entry is None else self._remove(key, entry.stem)
+        return False if entry is None else self._delete_file(key, entry.stem)
 
-    def _remove(self, key: CacheKey, stem: str) -> bool:
+    def _delete_file(self, key: CacheKey, stem: str) -> bool:
         """Delete ``key``'s file: True when this deleted it, False when it was not there;
         raises when the file stays (the key stays indexed, readable and counted)."""
         self._check_open_worker()
@@ -1694,49 +1742,36 @@ class DiskBackend(Backend):
                     self.foreign_files += 1
         return deleted is _Deleted.DONE
 
-    # -- the contract -------------------------------------------------------------------------
+    # -- the contract's hooks -------------------------------------------------------------
+    #
+    # Memory handed to a worker thread is retained for it here: the template's reference
+    # ends when the hook's await does (a deadline may end it while the thread still runs).
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
         """The stored object, read into a new object of :attr:`allocator` (the caller owns it),
         or ``None``: absent, damaged (counted and removed) or no room in the allocator. A key
         not in the index is looked for on disk (another instance may have written it)."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("get", partial(self._get, key), abandoned=release_read)
+        return await self._run(
+            f"get of {key}", partial(self._read_key, key), abandoned=release_read
+        )
 
-    async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """The stored bytes read straight into ``dest`` (with O_DIRECT when ``dest`` is
         block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`."""
-        self.ensure_open()
-        await self._ready()
         dest.retain()
+        return await self._run(
+            f"get_into of {key}", partial(self._read_key_into, key, dest), not_run=dest.release
+        )
 
-        def read() -> bool:
-            try:
-                entry = self._known(key)
-                if entry is None:
-                    with self._lock:
-                        self.misses += 1
-                    return False
-                return self._read(key, entry, dest) is not None
-            finally:
-                dest.release()
-
-        return await self._run("get", read, not_run=dest.release)
-
-    async def batched_get_into(
+    async def _batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
-        """:meth:`get_into` of each pair, concurrently on the file I/O threads."""
-        if len(keys) != len(dests):
-            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        return await gather_all(self.get_into(k, d) for k, d in zip(keys, dests, strict=True))
+        """:meth:`_get_into` of each pair, concurrently on the file I/O threads."""
+        return await gather_all(self._get_into(k, d) for k, d in zip(keys, dests, strict=True))
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         """Write ``obj`` to its file, evicting by policy to make room. The caller keeps its
         reference; the write holds one more until it is done."""
-        self.ensure_open()
-        await self._ready()
         key_text = key.to_string()
         key_bytes = len(key_text.encode("utf-8"))
         if key_bytes > MAX_KEY_BYTES:
@@ -1755,39 +1790,36 @@ class DiskBackend(Backend):
             )
         obj.retain()
         await self._run(
-            "put", partial(self._write, key, key_text, obj, length), not_run=obj.release
+            f"put of {key}",
+            partial(self._write, key, key_text, obj, length),
+            not_run=obj.release,
         )
 
-    async def contains(self, key: CacheKey) -> bool:
+    async def _contains(self, key: CacheKey) -> bool:
         """Whether the key's file is there (also one another instance wrote after open)."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("contains", partial(self._present, key))
+        return await self._run(f"contains of {key}", partial(self._present, key))
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        self.ensure_open()
-        await self._ready()
-        return await self._run("batched_contains", partial(self._prefix_present, list(keys)))
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        """The count of leading keys whose files are there, in one trip to a worker thread."""
+        return await self._run(
+            f"batched_contains of {len(keys)} keys", partial(self._prefix_present, list(keys))
+        )
 
-    async def remove(self, key: CacheKey) -> bool:
+    async def _remove(self, key: CacheKey) -> bool:
         """Delete ``key`` and its file even when pinned (its pins go with it), also a file
         another instance wrote. True when this deleted the file; False when the key or its
         file was absent. A file that cannot be deleted raises
         (:class:`~kvplug_disk.fileops.WriteRefused` for a directory that refuses it) and the
         key stays stored."""
-        self.ensure_open()
-        await self._ready()
-        return await self._run("remove", partial(self._remove_known, key))
+        return await self._run(f"remove of {key}", partial(self._remove_key, key))
 
-    async def pin(self, key: CacheKey) -> bool:
+    async def _pin(self, key: CacheKey) -> bool:
         """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
         count. False if ``key`` is absent (a key another instance wrote is found first). Pins
         are not kept across a reopen."""
-        self.ensure_open()
-        await self._ready()
         with self._lock:
             known = key in self._index
-        if not known and await self._run("pin", partial(self._known, key)) is None:
+        if not known and await self._run(f"pin of {key}", partial(self._known, key)) is None:
             return False
         with self._lock:
             if key not in self._index:
@@ -1795,11 +1827,9 @@ class DiskBackend(Backend):
             self._pins.pin(key, self.options.pin_ttl)
             return True
 
-    async def unpin(self, key: CacheKey) -> bool:
+    async def _unpin(self, key: CacheKey) -> bool:
         """Release the oldest live pin of ``key``; False when none is left (never raises for an
         absent or unpinned key)."""
-        self.ensure_open()
-        await self._ready()
         with self._lock:
             return self._pins.unpin(key)
 
@@ -1808,50 +1838,48 @@ class DiskBackend(Backend):
         with self._lock:
             return self._pins.is_pinned(key)
 
-    def stored_files(self, key: CacheKey) -> list[str]:
-        """The path of the file holding ``key`` (empty when absent). The contract suite's
-        default ``damage_stored`` fixture damages these files to check clause 6."""
+    def stored_files(self, key: CacheKey) -> list[Path]:
+        """:class:`~kvplug.backend.StoredFiles`: the path of the file holding ``key`` (empty
+        when absent). The contract suite's default ``damage_stored`` fixture damages these
+        files to check clause 6."""
         with self._lock:
             entry = self._index.get(key)
-        return [entry.path] if entry is not None else []
-
-    def list_keys(self) -> AsyncIterator[CacheKey]:
-        """The keys stored when iteration starts (a snapshot), in no particular order."""
-        self.ensure_open()
-        return self._list_keys()
+        return [Path(entry.path)] if entry is not None else []
 
     async def _list_keys(self) -> AsyncIterator[CacheKey]:
+        """The keys stored when iteration starts (a snapshot), in no particular order."""
         await self._ready()
         with self._lock:
             snapshot = list(self._index)
         for key in snapshot:
             yield key
 
-    async def close(self) -> None:
-        """Stop taking operations, wait up to CLOSE_WAIT seconds for file I/O in flight, and
-        stop the workers. Idempotent; the files stay (the tier is persistent)."""
-        if not self.mark_closed():
-            return
+    async def _close(self) -> None:
+        """Stop taking operations, wait for file I/O in flight (up to :data:`CLOSE_WAIT`
+        seconds, and less than half the deadline, so that what follows runs within it), and
+        stop the workers. The files stay (the tier is persistent)."""
         self._slots.close(self._closed_error)
-        deadline = time.monotonic() + CLOSE_WAIT
-        while time.monotonic() < deadline:
+        try:
+            give_up = time.monotonic() + min(CLOSE_WAIT, self.options.timeout / 2)
+            while time.monotonic() < give_up:
+                with self._inflight_lock:
+                    if not self._inflight:
+                        break
+                await asyncio.sleep(0.005)
+        finally:
             with self._inflight_lock:
-                if not self._inflight:
-                    break
-            await asyncio.sleep(0.005)
-        with self._inflight_lock:
-            idle = not self._inflight
-        if idle:
-            self._release_writer_locks()  # else the last file I/O in flight releases them
-        self._pool.shutdown(wait=False)
-        self._hashers.shutdown(wait=False)
-        with self._lock:
-            self._index.clear()
-            self._pins.clear()
-            self._policy = make_policy(self.options.eviction)
-            self._bytes_held = 0
-            self._kept_temps.clear()
-            self._temp_bytes = 0
+                idle = not self._inflight
+            if idle:
+                self._release_writer_locks()  # else the last file I/O in flight releases them
+            self._pool.shutdown(wait=False)
+            self._hashers.shutdown(wait=False)
+            with self._lock:
+                self._index.clear()
+                self._pins.clear()
+                self._policy = make_policy(self.options.eviction)
+                self._bytes_held = 0
+                self._kept_temps.clear()
+                self._temp_bytes = 0
 
 
 __all__ = [

@@ -51,11 +51,12 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.backend import Backend, Capabilities
 from kvplug.errors import BackendError, ConfigError, CorruptObject, NotSupported
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.options import BackendOptions
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.backend import Directory, DiskBackend, DiskOptions, IndexEntry
@@ -299,12 +300,12 @@ class GdsBackend(DiskBackend):
     :class:`~kvplug.errors.ConfigError`) naming what is missing.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
+    capabilities = Capabilities(
         pin=True,
         persistent=True,
         shared_across_processes=True,
-        delete=True,
-        list=True,
+        remove=True,
+        list_keys=True,
         device_memory=True,
     )
     Options: ClassVar[type[BackendOptions]] = GdsOptions
@@ -443,7 +444,7 @@ class GdsBackend(DiskBackend):
     # -- open -------------------------------------------------------------------------------
 
     def _open_sync(self) -> None:
-        if not self._opened:
+        if not self._directories_open:
             with self._setup_lock:
                 if not self._environment_checked:
                     self._check_environment()
@@ -710,7 +711,7 @@ class GdsBackend(DiskBackend):
 
     # Reads go through cuFile into memory this backend allocates (GPU or registered host
     # memory), then one copy into the caller's.
-    get_into = Backend.get_into
+    _get_into = Backend._get_into
 
     def _read_once(
         self, key: CacheKey, key_text: str, entry: IndexEntry, into: MemoryObj | None = None
@@ -856,12 +857,12 @@ class GdsBackend(DiskBackend):
             elif self.options.gpu_checksum:
                 verify_payload(header.frame, byte_view(target[:nbytes].cpu()))
 
-    # -- objects of other instances -----------------------------------------------------------
+    # -- close --------------------------------------------------------------------------------
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         """As ``file://``'s close, then drop this backend's cuFile buffer registrations (kept
         when file I/O is still running after the close deadline)."""
-        await super().close()
+        await super()._close()
         with self._setup_lock:
             if self._released or self._io is None:
                 return

@@ -20,9 +20,10 @@ disagree and a reader sees the old value or the new one, never a mix. Batched op
 one non-transactional pipeline (one round trip; per node on a cluster). ``list_keys`` uses
 ``SCAN MATCH <prefix>*``, never ``KEYS``.
 
-**Direct reads.** Outside Cluster and replica reads, ``get`` and ``batched_get`` do not use
-the client library: they read ``GET`` replies on connections of their own, the payload
-received straight into the allocator memory of the object returned (:mod:`kvplug_redis.direct`;
+**Direct reads.** Outside Cluster and replica reads, reads (``get``, ``get_into`` and their
+batched forms) do not use the client library: they read ``GET`` replies on connections of their
+own, each payload received straight into the memory the caller gets, the object returned or
+``get_into``'s buffer (:meth:`RedisBackend.receive_frames`, :mod:`kvplug_redis.direct`;
 ``direct_reads=False`` turns this off).
 
 **Failures.** Every operation runs under the ``timeout`` deadline and a bound of
@@ -67,41 +68,31 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import Field, SecretStr, field_validator
 
-from kvplug.backend import (
-    BackendOptions,
-    Buffer,
-    BytesBackend,
-    BytesBackendOptions,
-    Capabilities,
-    fill_into,
-    gather_all,
-)
+from kvplug.backend import Buffer, BytesBackend, Capabilities, gather_all
 from kvplug.errors import (
     BackendClosed,
     BackendError,
     BackendTimeout,
     BackendUnavailable,
     CapacityExceeded,
-    CorruptObject,
     InvalidBackendURL,
     KvplugError,
     PluginLoadError,
 )
-from kvplug.frame import decode_frame, encode_frame
+from kvplug.frame import FrameReceiver
 from kvplug.keys import CacheKey, InvalidKey
-from kvplug.memory import Allocator, MemoryObj
+from kvplug.memory import Allocator
+from kvplug.options import BackendOptions, BytesBackendOptions
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
-from kvplug_redis.connections import ConnectionBudget, tracked_connection_class
-from kvplug_redis.direct import DirectReads, Endpoint, Fetched, pack, release_objects
+from kvplug_redis.connections import ConnectionBudget, LoopClients, tracked_connection_class
+from kvplug_redis.direct import DirectReads, Endpoint, pack
 from kvplug_redis.sentinel import MasterTracker
 
 T = TypeVar("T")
 
 logger = logging.getLogger("kvplug.redis")
 
-CLOSE_TIMEOUT = 5.0
-"""Seconds ``close`` waits for the client library to drop its connections."""
 SEND_SLICE_BYTES = 1 << 20
 """A put hands the socket at most this many bytes at a time (see ``_set_on``)."""
 
@@ -125,26 +116,21 @@ def _slices(pieces: Sequence[bytes | memoryview], limit: int) -> Iterator[list[m
 
 
 FETCH_SPREAD = 4
-"""A batch of direct reads is spread over at most this many connections at once."""
+"""A batch of direct reads into the caller's buffers (``batched_get_into``, an engine's load)
+is spread over at most this many connections at once."""
 
 
 async def _fetch_spread(
-    direct: DirectReads, names: Sequence[str], dests: Sequence[MemoryObj]
-) -> list[Fetched]:
-    """``direct.fetch`` of ``names`` into ``dests``, in up to :data:`FETCH_SPREAD` pipelines
-    on their own connections at once (the server sends on one while this reads another)."""
+    direct: DirectReads, names: Sequence[str], receivers: Sequence[FrameReceiver]
+) -> None:
+    """``direct.fetch`` of ``names`` into ``receivers``, in up to :data:`FETCH_SPREAD`
+    pipelines on their own connections at once (the server sends on one while this reads
+    another); the first error once every pipeline has ended, so none still writes."""
     parts = min(FETCH_SPREAD, len(names))
     bounds = [len(names) * i // parts for i in range(parts + 1)]
-    results = await asyncio.gather(
-        *(direct.fetch(names[lo:hi], dests[lo:hi]) for lo, hi in itertools.pairwise(bounds)),
-        return_exceptions=True,
+    await gather_all(
+        direct.fetch(names[lo:hi], receivers[lo:hi]) for lo, hi in itertools.pairwise(bounds)
     )
-    fetched = [item for part in results if not isinstance(part, BaseException) for item in part]
-    error = next((part for part in results if isinstance(part, BaseException)), None)
-    if error is not None:
-        release_objects(fetched)
-        raise error
-    return fetched
 
 
 PIPELINE_BYTES = 64 << 20
@@ -396,19 +382,21 @@ class RedisBackend(BytesBackend):
     ``SET``: readers see the old value or the new one (clause 3), and there is no separate
     metadata key to disagree with the data.
 
-    **Event loop.** The redis-py client belongs to the event loop that first uses it: use a
-    backend from one loop (``open_backend`` and :class:`~kvplug.sync.SyncClient` do).
+    **Event loops.** The client library's connections belong to one event loop, so each loop
+    that uses the backend (one at a time: another thread's ``asyncio.run``, a
+    :class:`~kvplug.sync.SyncClient` it is handed to) gets connections of its own, closed with
+    the backend or when that loop shuts down.
 
     **Replicas.** With ``read_from_replicas`` (Sentinel, Cluster), gets and contains go to
     replicas, which lag the master: a get right after a put may miss. Off by default.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
+    capabilities = Capabilities(
         persistent=True,
         shared_across_processes=True,
         native_batching=True,
-        delete=True,
-        list=True,
+        remove=True,
+        list_keys=True,
     )
     Options: ClassVar[type[BackendOptions]] = RedisOptions
     options: RedisOptions
@@ -457,26 +445,59 @@ class RedisBackend(BytesBackend):
         self.target = self._target()
         self._lib = self.client_library()
         self._lib.check_version()
-        # Why a semaphore: redis-py's pools raise MaxConnectionsError instead of waiting when
-        # every connection is busy; an operation holds at most one connection per server.
-        self._slots = asyncio.Semaphore(self.options.max_connections)
-        self._sentinel: Any = None
-        self.tracker: MasterTracker | None = None
-        """Sentinel: which server the sentinels name master, followed as it changes (module
-        :mod:`kvplug_redis.sentinel`); None in the other modes."""
         self._in_flight = 0
-        self._budget = ConnectionBudget(CONNECTS_AT_ONCE)
-        """Admits operations on the client library's connections (not Cluster's, whose client
-        keeps a pool per node)."""
-        self._writer, self._reader = self._make_clients()
+        # Made now, though they connect only when used: bad TLS files fail at creation.
+        self._clients = self._make_clients()
+        """The clients of the event loop used last (or not yet used): see
+        :meth:`_clients_here`."""
+        self._clients_elsewhere: list[LoopClients] = []
+        """The clients of other loops, until those loops close or the backend does."""
         self.direct = self._make_direct_reads()
         """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
         gets go through the client library."""
+        if self.direct is not None and self.tracker is not None:
+            self.tracker.on_change(self.direct.forget)
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
         self._bulk_limit: int | None = None
         """The server's ``proto-max-bulk-len`` once read (:meth:`_read_bulk_limit`)."""
         self._bulk_limit_read = False
-        self._reading_bulk_limit = asyncio.Lock()
+
+    @property
+    def tracker(self) -> MasterTracker | None:
+        """Sentinel: which server the sentinels name master, followed as it changes (module
+        :mod:`kvplug_redis.sentinel`), in the event loop used last; None in the other modes."""
+        return self._clients.tracker
+
+    def _clients_here(self) -> LoopClients:
+        """The clients of the running event loop, made at its first operation. Why: the
+        client library's connections and the tracker's tasks belong to one loop, and a backend
+        may be used from another (one at a time: another thread's ``asyncio.run``, a
+        :class:`~kvplug.sync.SyncClient` it was handed to)."""
+        loop = asyncio.get_running_loop()
+        clients = self._clients
+        if clients.loop is loop:
+            return clients
+        if clients.loop is None:
+            clients.keep(str(self.url), self._drop_direct_connections_here)
+            return clients
+        others = [
+            c
+            for c in (clients, *self._clients_elsewhere)
+            if c.loop is not None and not c.loop.is_closed()  # a closed loop's are let go
+        ]
+        mine = next((c for c in others if c.loop is loop), None)
+        if mine is None:
+            mine = self._make_clients()
+            mine.keep(str(self.url), self._drop_direct_connections_here)
+            if self.direct is not None:
+                if mine.tracker is not None:
+                    mine.tracker.on_change(self.direct.forget)
+                # Its endpoint came from another loop's tracker, which may not follow the
+                # master any more: this loop's tracker is asked afresh.
+                self.direct.forget()
+        self._clients = mine
+        self._clients_elsewhere = [c for c in others if c is not mine]
+        return mine
 
     @property
     def tls(self) -> bool:
@@ -629,9 +650,12 @@ class RedisBackend(BytesBackend):
         lib = self._lib
         return lib.retry(lib.backoff(cap=0.1, base=0.01), 1, (lib.exceptions.ConnectionError,))
 
-    def _make_clients(self) -> tuple[Any, Any]:
-        """(writer, reader) clients; the same one unless reads may go to replicas."""
+    def _make_clients(self) -> LoopClients:
+        """The clients of one event loop: the writer, and the reader (the same one unless reads
+        may go to replicas), with Sentinel the tracker that names the master."""
         lib, options, target = self._lib, self.options, self.target
+        budget = ConnectionBudget(CONNECTS_AT_ONCE)
+        slots = asyncio.Semaphore(options.max_connections)
         username, password = self._credentials()
         common: dict[str, Any] = {
             "username": username,
@@ -657,7 +681,7 @@ class RedisBackend(BytesBackend):
                 max_connections=options.max_connections,
                 **common,
             )
-            return client, client
+            return LoopClients(client, client, None, None, budget, slots)
         common["db"] = target.db
         if self.mode is Mode.SENTINEL:
             sentinel_password = (
@@ -694,21 +718,20 @@ class RedisBackend(BytesBackend):
             # Why: the client library asks the sentinels at every new connection and keeps
             # connections to a deposed master that still answers; the tracker decides instead.
             sentinel.discover_master = lambda _service: tracker.locate()
-            self._sentinel, self.tracker = sentinel, tracker
             base = lib.sentinel_ssl_connection if self.tls else lib.sentinel_connection
             writer = sentinel.master_for(
                 target.service,
                 max_connections=options.max_connections,
-                connection_class=self._connection_class(base, tracker),
+                connection_class=self._connection_class(base, budget, tracker),
             )
-            if not options.read_from_replicas:
-                return writer, writer
-            reader = sentinel.slave_for(
-                target.service,
-                max_connections=options.max_connections,
-                connection_class=self._connection_class(base, None),
-            )
-            return writer, reader
+            reader = writer
+            if options.read_from_replicas:
+                reader = sentinel.slave_for(
+                    target.service,
+                    max_connections=options.max_connections,
+                    connection_class=self._connection_class(base, budget, None),
+                )
+            return LoopClients(writer, reader, sentinel, tracker, budget, slots)
         if self.mode is Mode.UNIX:
             base = lib.unix_connection
             common.update(path=target.socket_path)
@@ -718,18 +741,20 @@ class RedisBackend(BytesBackend):
             common.update(host=host, port=port)
         if self.tls:
             common.update(self._ssl_settings())
-        common.update(connection_class=self._connection_class(base, None))
+        common.update(connection_class=self._connection_class(base, budget, None))
         pool = lib.connection_pool(max_connections=options.max_connections, **common)
         client = lib.client.from_pool(pool)
-        return client, client
+        return LoopClients(client, client, None, None, budget, slots)
 
-    def _connection_class(self, base: type[Any], tracker: MasterTracker | None) -> type[Any]:
-        """``base`` reporting its connections to the operations' budget, and with a ``tracker``
-        connecting only to the master it names (see
+    def _connection_class(
+        self, base: type[Any], budget: ConnectionBudget, tracker: MasterTracker | None
+    ) -> type[Any]:
+        """``base`` reporting its connections to the operations' ``budget``, and with a
+        ``tracker`` connecting only to the master it names (see
         :func:`~kvplug_redis.connections.tracked_connection_class`)."""
         return tracked_connection_class(
             base,
-            budget=self._budget,
+            budget=budget,
             tracker=tracker,
             moved_error=self._lib.exceptions.ConnectionError,
         )
@@ -762,23 +787,28 @@ class RedisBackend(BytesBackend):
         read: bool = False,
         direct: bool = False,
     ) -> T:
-        """``operation(client)`` under the deadline and the bound on operations in flight,
-        with the library's errors turned into kvplug's. An operation on the client library's
-        connections (not ``direct``) also waits for one of them to be idle, or for a spare one
-        to be opened (:class:`~kvplug_redis.connections.ConnectionBudget`)."""
+        """``operation(client)`` under the bound on operations in flight, with the library's
+        errors turned into kvplug's. An operation on the client library's connections (not
+        ``direct``) also waits for one of them to be idle, or for a spare one to be opened
+        (:class:`~kvplug_redis.connections.ConnectionBudget`).
+
+        It also has a deadline of its own, ``options.timeout``, for the calls that run outside
+        a public operation (:meth:`ping`, pages of ``list_keys``, ``read_raw``); within one,
+        the operation's deadline, which started first, ends it first."""
         self.ensure_open()
-        client = self._reader if read else self._writer
-        budget = None if direct or self.mode is Mode.CLUSTER else self._budget
+        clients = self._clients_here()
+        client = clients.reader if read else clients.writer
+        budget = None if direct or self.mode is Mode.CLUSTER else clients.budget
         self._in_flight += 1
         try:
-            return await self._run_bounded(what, operation, client, budget)
+            return await self._run_bounded(what, operation, client, budget, clients.slots)
         finally:
             self._in_flight -= 1
             if self.closed and not self._in_flight:
                 # An operation in flight during close() may have been connecting while close()
                 # emptied the pools; its new connection would stay open (and valkey-py's
                 # Sentinel connections then fail in __del__). The last one closes them again.
-                await self._close_clients()
+                await clients.aclose(str(self.url))
 
     async def _run_bounded(
         self,
@@ -786,9 +816,10 @@ class RedisBackend(BytesBackend):
         operation: Callable[[Any], Awaitable[T]],
         client: Any,
         budget: ConnectionBudget | None,
+        slots: asyncio.Semaphore,
     ) -> T:
         async def bounded() -> T:
-            async with self._slots:
+            async with slots:
                 if budget is None:
                     self.ensure_open()  # close() may have run while this operation waited
                     return await operation(client)
@@ -799,8 +830,16 @@ class RedisBackend(BytesBackend):
                 finally:
                     budget.done()
 
+        limit = self.options.timeout
         try:
-            return await self.with_deadline(bounded(), what)
+            try:
+                async with asyncio.timeout(limit):
+                    return await bounded()
+            except TimeoutError:
+                raise BackendTimeout(
+                    f"{what} on {self.url} took longer than {limit} s; the server is slow or "
+                    "unreachable. Raise the 'timeout' option or check the server."
+                ) from None
         except KvplugError:
             if self.closed:
                 raise BackendClosed(
@@ -895,7 +934,7 @@ class RedisBackend(BytesBackend):
         longer value with a protocol error and drops the connection, for a large value while
         it is still being sent, which reads as an unreachable server. Where ``CONFIG GET`` is
         refused (ACL) or renamed, values are checked against ``max_value_size`` only."""
-        async with self._reading_bulk_limit:
+        async with self._clients_here().reading_bulk_limit:
             if self._bulk_limit_read:
                 return
             try:
@@ -1041,24 +1080,33 @@ class RedisBackend(BytesBackend):
         direct = DirectReads(
             locate=self._direct_endpoint,
             errors=self._lib.exceptions,
-            allocator=lambda: self.allocator,
             setup=setup,
             auth_first=password is not None or bool(username),
             ssl_context=self._ssl_context() if self.tls else None,
             max_idle=options.max_connections,
             max_connecting=CONNECTS_AT_ONCE,
-            suspect=self.tracker.suspect if self.tracker is not None else None,
+            suspect=self._suspect_master if self.mode is Mode.SENTINEL else None,
         )
-        if self.tracker is not None:
-            self.tracker.on_change(direct.forget)
         return direct
+
+    def _drop_direct_connections_here(self) -> None:
+        """The running loop shuts down: its direct-read connections are closed with it."""
+        if self.direct is not None:
+            self.direct.drop_connections_here()
+
+    def _suspect_master(self) -> None:
+        """A direct read met a broken connection or ``READONLY``: the tracker asks again."""
+        tracker = self._clients_here().tracker
+        if tracker is not None:
+            tracker.suspect()
 
     async def _direct_endpoint(self) -> Endpoint:
         """Where direct reads connect: the URL's server, or the master the sentinels name now
         (asked again after a broken connection or a ``READONLY`` reply)."""
         target = self.target
-        if self.tracker is not None:
-            host, port = await self.tracker.locate()
+        tracker = self._clients_here().tracker
+        if tracker is not None:
+            host, port = await tracker.locate()
             return Endpoint(host=host, port=port)
         if target.socket_path is not None:
             return Endpoint(path=target.socket_path)
@@ -1088,95 +1136,46 @@ class RedisBackend(BytesBackend):
             ) from None
         return context
 
-    async def _fetch(self, what: str, names: Sequence[str]) -> list[Fetched]:
-        """``GET`` each of ``names``: values read into allocator memory (direct reads) or
-        through one pipeline of the client library and decoded. Damaged values come back as
-        their :class:`~kvplug.errors.CorruptObject`, for :meth:`_settle`."""
+    # -- reads -----------------------------------------------------------------------------------
+
+    async def receive_frames(self, keys: Sequence[str], receivers: Sequence[FrameReceiver]) -> None:
+        """With :attr:`direct` reads: one pipeline of ``GET`` s on kvplug's own connections,
+        each value received by the socket straight into its receiver's memory (the object
+        ``get`` returns, or ``get_into``'s buffer); reads into the caller's buffers are spread
+        over up to :data:`FETCH_SPREAD` connections. Without: :meth:`batched_get_bytes`, then
+        one copy (the default). A read that fails or is cancelled aborts its connections
+        before it raises, so nothing writes into the receivers afterwards."""
         direct = self.direct
-        if direct is not None:
-            fetched: list[Fetched] = await self._run(
-                what, lambda _client: direct.fetch(names), read=True, direct=True
+        if direct is None:
+            await super().receive_frames(keys, receivers)
+            return
+        what = "get" if len(keys) == 1 else f"get of {len(keys)} keys"
+        if len(keys) > 1 and all(receiver.into is not None for receiver in receivers):
+            await self._run(
+                what, lambda _client: _fetch_spread(direct, keys, receivers), read=True, direct=True
             )
-            return fetched
-
-        def gets(pipe: Any) -> None:
-            for name in names:
-                pipe.get(name)
-
-        values = await self._run(what, lambda c: self._pipelined(c, gets), read=True)
-        results: list[Fetched] = []
-        try:
-            for value in values:
-                try:
-                    results.append(None if value is None else decode_frame(value, self.allocator))
-                except CorruptObject as error:
-                    results.append(error)
-        except BaseException:
-            release_objects(results)
-            raise
-        return results
-
-    async def _settle(
-        self, what: str, names: Sequence[str], fetched: Sequence[Fetched]
-    ) -> list[MemoryObj | None]:
-        """The objects of ``fetched``, damaged values counted, deleted and read as misses."""
-        results: list[MemoryObj | None] = []
-        damaged: list[str] = []
-        for name, item in zip(names, fetched, strict=True):
-            if isinstance(item, CorruptObject):
-                self.corrupt_objects += 1
-                damaged.append(name)
-                results.append(None)
-            else:
-                results.append(item)
-        if damaged:
-            try:
-                # On a cluster, redis-py splits a multi-key DEL by slot.
-                await self._run(f"{what} (removing damaged values)", lambda c: c.delete(*damaged))
-            except BaseException:
-                release_objects(results)
-                raise
-        return results
-
-    # -- the byte operations ---------------------------------------------------------------------
-
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        """The chunk under ``key``, read straight into allocator memory when
-        :attr:`direct` reads are on, else as :class:`~kvplug.backend.BytesBackend` reads it
-        (``get_bytes``, then decoded); a damaged value is a miss, counted and deleted."""
-        if self.direct is None:
-            return await super().get(key)
-        self.ensure_open()
-        names = [self.key_string(key)]
-        (obj,) = await self._settle("get", names, await self._fetch("get", names))
-        return obj
-
-    async def batched_get_into(
-        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
-    ) -> list[bool]:
-        """One pipeline of ``GET`` s whose payloads the socket writes straight into ``dests``
-        (with :attr:`direct` reads; checksums verified there), else one copy each."""
-        if self.direct is None:
-            return await super().batched_get_into(keys, dests)
-        if len(keys) != len(dests):
-            raise ValueError(f"batched_get_into got {len(keys)} keys but {len(dests)} objects.")
-        self.ensure_open()
-        if not keys:
-            return []
-        direct = self.direct
-        names = [self.key_string(key) for key in keys]
-        fetched = await self._run(
-            "batched_get_into",
-            lambda _client: _fetch_spread(direct, names, dests),
-            read=True,
-            direct=True,
-        )
-        # Hits are their destinations, but for a serde other than naive: decoded, then copied.
-        return fill_into(await self._settle("batched_get_into", names, fetched), dests)
+        else:
+            await self._run(
+                what, lambda _client: direct.fetch(keys, receivers), read=True, direct=True
+            )
 
     async def get_bytes(self, key: str) -> Buffer | None:
         value: bytes | None = await self._run("get", lambda c: c.get(key), read=True)
         return value
+
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """One pipeline of ``GET`` s through the client library (direct reads off)."""
+
+        def gets(pipe: Any) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        values: list[Buffer | None] = await self._run(
+            f"get of {len(keys)} keys", lambda c: self._pipelined(c, gets), read=True
+        )
+        return values
+
+    # -- writes ----------------------------------------------------------------------------------
 
     async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
         if not self._bulk_limit_read:  # known after the first put: no lock on the hot path
@@ -1188,15 +1187,70 @@ class RedisBackend(BytesBackend):
         pieces = self._set_pieces(key, parts)
         await self._run("put", lambda c: self._send_set(c, pieces))
 
-    async def contains_bytes(self, key: str) -> bool:
-        count: int = await self._run("contains", lambda c: c.exists(key), read=True)
-        return count > 0
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        """Pipelines of ``SET`` s of about ``PIPELINE_BYTES`` each (one for a usual batch)."""
+        if not self._bulk_limit_read:
+            await self._read_bulk_limit("batched_put")
+        await self._run("batched_put", lambda c: self._put_pipelines(c, keys, values))
+
+    async def _put_pipelines(
+        self, client: Any, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        batches: list[list[tuple[str, Sequence[Buffer]]]] = []
+        batch: list[tuple[str, Sequence[Buffer]]] = []
+        size = 0
+        for key, parts in zip(keys, values, strict=True):
+            batch.append((key, parts))
+            size += sum(memoryview(part).nbytes for part in parts)
+            if size >= PIPELINE_BYTES:
+                batches.append(batch)
+                batch, size = [], 0
+        if batch:
+            batches.append(batch)
+        if self.mode is Mode.CLUSTER:
+            for batch in batches:
+                joined = [(key, self._value(key, parts)) for key, parts in batch]
+
+                def sets(pipe: Any, joined: list[tuple[str, bytes]] = joined) -> None:
+                    for key, value in joined:
+                        pipe.set(key, value, px=self._ttl_ms)
+
+                await self._pipelined(client, sets)
+            return
+        # Several pipelines on several connections at once: the server reads one while this
+        # process writes the next. Every value is checked (its size) before any is sent, and
+        # all pipelines end before the objects are let go.
+        packed = [
+            [p for k, parts in batch for p in self._set_pieces(k, parts)] for batch in batches
+        ]
+        await gather_all(
+            self._send_set(client, pieces, len(batch))
+            for pieces, batch in zip(packed, batches, strict=True)
+        )
 
     async def remove_bytes(self, key: str) -> bool:
         count: int = await self._run("remove", lambda c: c.delete(key))
         return count > 0
 
-    # -- batched operations: one pipeline each -------------------------------------------------
+    # -- existence -------------------------------------------------------------------------------
+
+    async def contains_bytes(self, key: str) -> bool:
+        count: int = await self._run("contains", lambda c: c.exists(key), read=True)
+        return count > 0
+
+    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+        """One pipeline of ``EXISTS``."""
+
+        def exists(pipe: Any) -> None:
+            for key in keys:
+                pipe.exists(key)
+
+        counts = await self._run(
+            "batched_contains", lambda c: self._pipelined(c, exists), read=True
+        )
+        return [bool(count) for count in counts]
 
     @staticmethod
     async def _pipelined(client: Any, commands: Callable[[Any], None]) -> list[Any]:
@@ -1205,101 +1259,13 @@ class RedisBackend(BytesBackend):
             results: list[Any] = await pipe.execute()
             return results
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        """One pipeline of ``GET`` s, each value read into its own object (straight into
-        allocator memory with :attr:`direct` reads); damaged values are misses, counted and
-        deleted."""
-        self.ensure_open()
-        if not keys:
-            return []
-        names = [self.key_string(key) for key in keys]
-        return await self._settle("batched_get", names, await self._fetch("batched_get", names))
-
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        """Pipelines of ``SET`` s of about ``PIPELINE_BYTES`` each (one for a usual batch)."""
-        if len(keys) != len(objs):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
-        self.ensure_open()
-        if not keys:
-            return
-        if not self._bulk_limit_read:
-            await self._read_bulk_limit("batched_put")
-        for obj in objs:
-            obj.retain()
-        try:
-            names = [self.key_string(key) for key in keys]
-            await self._run("batched_put", lambda c: self._put_pipelines(c, names, objs))
-        finally:
-            for obj in objs:
-                obj.release()
-
-    async def _put_pipelines(
-        self, client: Any, names: Sequence[str], objs: Sequence[MemoryObj]
-    ) -> None:
-        batches: list[list[tuple[str, Sequence[Buffer]]]] = []
-        start = 0
-        while start < len(names):
-            batch: list[tuple[str, Sequence[Buffer]]] = []
-            size = 0
-            while start < len(names) and (not batch or size < PIPELINE_BYTES):
-                header, payload = encode_frame(objs[start], self.serde)
-                batch.append((names[start], (header, payload)))
-                size += len(header) + memoryview(payload).nbytes
-                start += 1
-            batches.append(batch)
-        if self.mode is Mode.CLUSTER:
-            for batch in batches:
-                values = [(name, self._value(name, parts)) for name, parts in batch]
-
-                def sets(pipe: Any, values: list[tuple[str, bytes]] = values) -> None:
-                    for name, value in values:
-                        pipe.set(name, value, px=self._ttl_ms)
-
-                await self._pipelined(client, sets)
-            return
-        # Several pipelines on several connections at once: the server reads one while this
-        # process writes the next. Every value is checked (its size) before any is sent, and
-        # all pipelines end before the objects are let go.
-        packed = [
-            [p for n, parts in batch for p in self._set_pieces(n, parts)] for batch in batches
-        ]
-        await gather_all(
-            self._send_set(client, pieces, len(batch))
-            for pieces, batch in zip(packed, batches, strict=True)
-        )
-
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        """One pipeline of ``EXISTS``; the number of leading keys present."""
-        self.ensure_open()
-        if not keys:
-            return 0
-        names = [self.key_string(key) for key in keys]
-
-        def exists(pipe: Any) -> None:
-            for name in names:
-                pipe.exists(name)
-
-        counts = await self._run(
-            "batched_contains", lambda c: self._pipelined(c, exists), read=True
-        )
-        present = 0
-        for count in counts:
-            if not count:
-                break
-            present += 1
-        return present
-
     # -- listing, health, lifecycle --------------------------------------------------------------
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
         """Keys under ``key_prefix``, found with ``SCAN MATCH <prefix>*`` (never ``KEYS``),
         page by page, each page under the deadline; keys that do not parse as a
         :class:`~kvplug.keys.CacheKey` (other tools' keys) are skipped. Keys written or
         removed during the scan may or may not be listed."""
-        self.ensure_open()
-        return self._list_keys()
-
-    async def _list_keys(self) -> AsyncIterator[CacheKey]:
         prefix = self.options.key_prefix
         pattern = escape_glob(prefix) + "*"
         seen: set[bytes] = set()  # SCAN may return a key twice
@@ -1371,7 +1337,7 @@ class RedisBackend(BytesBackend):
             )
         return seconds
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         """Check that the server answers a ``PING``. An unreachable server is logged, not
         raised: operations raise :class:`~kvplug.errors.BackendUnavailable` until it answers,
         then work without a reopen. Refused credentials raise now."""
@@ -1379,34 +1345,27 @@ class RedisBackend(BytesBackend):
             await self._run("open", lambda c: c.ping())
         except BackendUnavailable as error:
             logger.warning("%s is not reachable now; operations will retry: %s", self.url, error)
-        except BaseException:
-            await self.close()
-            raise
 
-    async def close(self) -> None:
-        """Close the connections; idempotent and bounded by ``CLOSE_TIMEOUT``. Operations in
-        flight end with :class:`~kvplug.errors.BackendClosed`."""
-        if not self.mark_closed():
-            return
-        await self._close_clients()
-
-    async def _close_clients(self) -> None:
+    async def _close(self) -> None:
+        """Close the connections. Operations in flight end with
+        :class:`~kvplug.errors.BackendClosed`. The clients of another event loop are closed
+        on that loop: now if it runs (in another thread), else when it runs next."""
         if self.direct is not None:
             self.direct.close()  # aborts reads in flight before their objects are released
-        if self.tracker is not None:
-            await self.tracker.close()
-        clients = {id(c): c for c in (self._writer, self._reader)}
-        if self._sentinel is not None:
-            clients.update((id(c), c) for c in self._sentinel.sentinels)
-        closing = asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
-        try:
-            results = await asyncio.wait_for(closing, CLOSE_TIMEOUT)
-        except TimeoutError:
-            logger.warning("%s: connections not closed within %s s", self.url, CLOSE_TIMEOUT)
-            return
-        for result in results:
-            if isinstance(result, Exception):
-                logger.debug("%s: error while closing: %s", self.url, result)
+        here = asyncio.get_running_loop()
+        where = str(self.url)
+        closing: list[Awaitable[None]] = []
+        for clients in (self._clients, *self._clients_elsewhere):
+            loop = clients.loop
+            if loop is None or loop is here:
+                closing.append(clients.aclose(where))
+            elif not loop.is_closed():
+                elsewhere = asyncio.run_coroutine_threadsafe(clients.aclose(where), loop)
+                if loop.is_running():
+                    closing.append(asyncio.wrap_future(elsewhere))
+        for outcome in await asyncio.gather(*closing, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                logger.debug("%s: error while closing: %s", self.url, outcome)
 
 
 __all__ = [

@@ -6,16 +6,25 @@ library open one connection per operation at once; over TLS on a busy machine th
 of handshakes starve each other and every operation runs past its deadline.
 :class:`ConnectionBudget` admits an operation only while a connection is idle or fewer than
 ``spare`` are being opened, so the rest wait for a warm connection;
-:func:`tracked_connection_class` reports the connections to it.
+:func:`tracked_connection_class` reports the connections to it. :class:`LoopClients` holds
+the clients of one event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvplug_redis.sentinel import Address, MasterTracker
+
+logger = logging.getLogger("kvplug.redis")
+
+CLOSE_TIMEOUT = 5.0
+"""Seconds :meth:`LoopClients.aclose` waits for the client library to drop its connections."""
 
 
 class Waiters:
@@ -143,8 +152,86 @@ def tracked_connection_class(
     return TrackedConnection
 
 
+@dataclass(eq=False)
+class LoopClients:
+    """The client library's clients of one event loop, and what waits on them.
+
+    The library's connections (their streams), the tracker's watching tasks and asyncio's
+    semaphores belong to the loop that first uses them; a backend used from another loop
+    (another thread's ``asyncio.run``, a :class:`~kvplug.sync.SyncClient`) gets a set of its
+    own (``RedisBackend._clients_here``). They are closed on their own loop, by the backend's
+    ``close`` or, if that loop ends first, when it shuts down (:meth:`keep`).
+    """
+
+    writer: Any
+    """The client of writes (and of reads unless they may go to replicas)."""
+    reader: Any
+    sentinel: Any | None
+    """The library's ``Sentinel`` (its ``sentinels`` are clients too), or None."""
+    tracker: MasterTracker | None
+    budget: ConnectionBudget
+    """Admits operations on the library's connections (not Cluster's, whose client keeps a
+    pool per node)."""
+    slots: asyncio.Semaphore
+    """Operations in flight at most (redis-py's pools raise ``MaxConnectionsError`` instead of
+    waiting when every connection is busy; an operation holds one connection per server)."""
+    reading_bulk_limit: asyncio.Lock = field(default_factory=asyncio.Lock)
+    loop: asyncio.AbstractEventLoop | None = None
+    """The loop they belong to, from their first use on."""
+    keeper: asyncio.Task[None] | None = None
+
+    def keep(self, where: str, also: Callable[[], None] | None = None) -> None:
+        """Belong to the running loop, and close when it shuts down before the backend
+        closes them (calling ``also`` first): ``asyncio.run`` cancels every task left before
+        it closes its loop, and the keeper, a task that waits for that, then closes them.
+        Why: connections left open on a closed loop can only be collected, and some of the
+        library's fail when they are (valkey-py's Sentinel connections raise in
+        ``__del__``)."""
+        self.loop = asyncio.get_running_loop()
+        self.keeper = asyncio.ensure_future(self._close_at_shutdown(where, also))
+
+    async def _close_at_shutdown(self, where: str, also: Callable[[], None] | None) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()  # resolved by nothing: cancelled
+        except asyncio.CancelledError:
+            if self.keeper is asyncio.current_task():  # the loop ends, not aclose()
+                self.keeper = None
+                if also is not None:
+                    also()
+                await self.aclose(where)
+            raise
+
+    async def aclose(self, where: str) -> None:
+        """Stop the tracker and close every client's connections, within
+        :data:`CLOSE_TIMEOUT`, on the loop they belong to; ``where`` names the backend in log
+        messages."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.cancel()
+        if self.tracker is not None:
+            await self.tracker.close()
+        clients = {id(c): c for c in (self.writer, self.reader)}
+        if self.sentinel is not None:
+            clients.update((id(c), c) for c in self.sentinel.sentinels)
+        closing = asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        try:
+            results = await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+        except TimeoutError:
+            logger.warning("%s: connections not closed within %s s", where, CLOSE_TIMEOUT)
+            return
+        for result in results:
+            if isinstance(result, Exception):
+                logger.debug("%s: error while closing: %s", where, result)
+
+
 def _where(address: Address | None) -> str:
     return "an unknown server" if address is None else f"{address[0]}:{address[1]}"
 
 
-__all__ = ["ConnectionBudget", "Waiters", "tracked_connection_class"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "ConnectionBudget",
+    "LoopClients",
+    "Waiters",
+    "tracked_connection_class",
+]

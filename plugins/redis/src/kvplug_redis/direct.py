@@ -1,29 +1,28 @@
-"""Direct reads: ``GET`` replies received straight into allocator memory.
+"""Direct reads: ``GET`` replies received straight into the memory the caller gets.
 
 redis-py (and valkey-py) hand a value over as a ``bytes`` object after copying it several
-times (socket, stream buffer, parser buffer, the final object); kvplug then verifies it and
-copies the payload once more into the :class:`~kvplug.memory.MemoryObj` it returns. For a
-32 MiB chunk those copies cost as much as the network. A client library cannot read into a
-caller's buffer, so for ``GET`` kvplug keeps connections of its own and reads the RESP2 reply
-itself with an :class:`asyncio.BufferedProtocol`:
+times (socket, stream buffer, parser buffer, the final object); a frame decoded from it is
+copied once more into the :class:`~kvplug.memory.MemoryObj` returned. For a 32 MiB chunk those
+copies cost as much as the network. A client library cannot read into a caller's buffer, so
+for ``GET`` kvplug keeps connections of its own and reads the RESP2 reply itself with an
+:class:`asyncio.BufferedProtocol` that drives one :class:`~kvplug.frame.FrameReceiver` per
+value (:meth:`kvplug.backend.BytesBackend.receive_frames`):
 
 1. the bulk-string length line and the frame header arrive in a small buffer of the
-   connection; the header is parsed with :func:`kvplug.frame.decode_header`;
-2. an object of the header's shape, dtype and format is allocated, and from then on the
-   protocol hands the transport views of *the object's memory*, so the kernel (or the TLS
-   layer, decrypting) writes the payload there, with no copy in between;
-3. the trailing CRLF is read, and the payload checksum is verified over the object's memory.
+   connection; the receiver is started with the value's length and given the header;
+2. the receiver answers with the memory the payload goes to (the caller's buffer for
+   ``get_into``, the object ``get`` returns, or a scratch buffer for another serde), and from
+   then on the protocol hands the transport views of *that memory*, so the kernel (or the TLS
+   layer, decrypting) writes the payload there, with no copy in between; a value the receiver
+   does not want (damaged, not the caller's size, a full allocator) is drained;
+3. the trailing CRLF is read; the receiver verifies the payload afterwards.
 
-Only the ``naive`` serde stores the object's memory as the payload; other serdes' payloads
-are received into a scratch buffer and decoded. A damaged frame is drained and reported, so
-the caller can count and delete it; a full allocator drains the value and reads as a miss, as
-:func:`kvplug.frame.decode_frame` does.
-
-**Memory safety.** While a reply is arriving, the transport may write into an object's memory
+**Memory safety.** While a reply is arriving, the transport may write into a receiver's memory
 at any read. An operation that ends early (cancelled, past its deadline, or the connection
 broke) therefore aborts the transport, which stops all reads at once, and detaches the
-protocol from the object *before* the object is released; such a connection is never pooled
-again, since its stream is at an unknown point.
+protocol from the memory *before* :meth:`DirectReads.fetch` returns or raises, so before the
+receivers are abandoned; such a connection is never pooled again, since its stream is at an
+unknown point.
 
 The pool (:class:`DirectReads`) keeps idle connections for reuse, opens a bounded number at
 once (a burst of tasks waits for, and then reuses, the connections being opened rather than
@@ -39,28 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import random
 import ssl
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvplug.errors import BackendError, CorruptObject
-from kvplug.frame import (
-    MIN_HEADER_LEN,
-    FrameHeader,
-    decode_header,
-    decode_payload,
-    verify_payload,
-)
-from kvplug.memory import Allocator, MemoryObj, nbytes_of
+from kvplug.errors import BackendError
+from kvplug.frame import FrameReceiver
 from kvplug_redis.connections import Waiters
 
 HEAD_SIZE = 64 << 10
-"""Bytes of a connection's buffer for reply lines and frame headers (and discarded values)."""
-MAX_HEADER_LEN = 4096
-"""More header bytes than any frame has (the largest is 384); a longer claim is damage."""
+"""Bytes of a connection's buffer for reply lines and frame headers (and drained values)."""
 MAX_LINE = HEAD_SIZE // 2
 """A reply line (an error message) longer than this is not Redis speaking."""
 MOVED_RETRIES = 3
@@ -68,20 +58,6 @@ MOVED_RETRIES = 3
 RETRY_DELAY = (0.01, 0.1)
 """Seconds before the one retry on a fresh connection, drawn at random in this range so that
 many operations broken by one restart do not reconnect at the same instant."""
-
-Fetched = MemoryObj | CorruptObject | None
-"""What one ``GET`` gave: the object, the damage found in the stored value (the caller counts
-and deletes it), or ``None`` (no such key, or the allocator is full)."""
-
-_HEADER_LEN_FIELD = struct.Struct("<I")
-_HEADER_LEN_OFFSET = 12
-
-
-def release_objects(results: Sequence[object]) -> None:
-    """Release the objects among ``results`` (a failed read gives back what it had read)."""
-    for result in results:
-        if isinstance(result, MemoryObj):
-            result.release()
 
 
 class ConnectionLost(ConnectionError):
@@ -132,58 +108,50 @@ def reply_error(errors: ModuleType, line: str, *, auth: bool = False) -> Excepti
     return error_class(line)
 
 
+def restart(receivers: Sequence[FrameReceiver]) -> None:
+    """Make ``receivers`` fresh again, letting go of what they received, for a fetch sent
+    again. Only once the connection that fed them was aborted or has read its last reply."""
+    for receiver in receivers:
+        receiver.abandon()
+
+
 class _Reply:
-    """One expected reply and what arrived for it. ``obj`` and ``scratch`` are filled while
-    the payload arrives; whoever takes ``obj`` out sets it to ``None``."""
+    """One expected reply: a value for ``receiver``, or a ``+OK`` (set-up commands) when there
+    is none; ``error`` is the error reply that came instead."""
 
-    __slots__ = ("damaged", "error", "header", "into", "obj", "scratch", "status")
+    __slots__ = ("error", "receiver")
 
-    def __init__(self, *, status: bool = False, into: MemoryObj | None = None) -> None:
-        self.status = status
-        """A ``+OK`` is expected (set-up commands), not a bulk string."""
-        self.into = into
-        """The caller's object to receive a ``naive`` payload of its size (``get_into``)."""
+    def __init__(self, receiver: FrameReceiver | None = None) -> None:
+        self.receiver = receiver
         self.error: str | None = None
-        self.header: FrameHeader | None = None
-        self.obj: MemoryObj | None = None
-        self.scratch: bytearray | None = None
-        self.damaged: CorruptObject | None = None
-
-    def release(self) -> None:
-        obj, self.obj = self.obj, None
-        if obj is not None:
-            obj.release()
 
 
 class _Phase:
     """Where :class:`_ReplyReader` is in the stream: at a reply line, in a value's frame header,
-    its payload (received) or the rest of it (discarded), before its CRLF; or detached."""
+    in the rest of the value (received or drained), before its CRLF; or detached."""
 
     LINE = 0
     HEADER = 1
-    PAYLOAD = 2
-    DRAIN = 3
-    CRLF = 4
-    DEAD = 5
+    VALUE = 2
+    CRLF = 3
+    DEAD = 4
 
 
 class _ReplyReader(asyncio.BufferedProtocol):
     """Receives the replies of one connection, in order, as they are expected (:meth:`expect`).
 
-    Reply lines and frame headers go into ``_head``; a value's payload goes into its object's
-    memory (or a scratch buffer), a value to be skipped into ``_head`` again and again. After
+    Reply lines and frame headers go into ``_head``; the rest of a value goes into the memory
+    its receiver named (its sink) or, drained, into ``_head`` again and again. After
     :meth:`detach` nothing is written anywhere but ``_head``.
     """
 
-    def __init__(self, allocator: Allocator) -> None:
-        self._allocator = allocator
+    def __init__(self) -> None:
         self._head = bytearray(HEAD_SIZE)
         self._start = 0
         self._end = 0
         self._phase = _Phase.LINE
         self._replies: collections.deque[_Reply] = collections.deque()
         self._done: asyncio.Future[None] | None = None
-        self._value_len = 0
         self._left = 0
         self._sink: memoryview | None = None
         self._sink_pos = 0
@@ -206,7 +174,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
         return self._done
 
     def detach(self) -> None:
-        """Never write into an object's memory again (the connection is being aborted)."""
+        """Never write into a receiver's memory again (the connection is being aborted)."""
         self._sink = None
         self._phase = _Phase.DEAD
         self._replies.clear()
@@ -231,11 +199,10 @@ class _ReplyReader(asyncio.BufferedProtocol):
             self._start = self._end = 0  # whatever still arrives is dropped
         if self._start == self._end:
             self._start = self._end = 0
-            if self._phase == _Phase.PAYLOAD and self._sink is not None:
+            if self._phase == _Phase.VALUE:
                 self._into_head = False
-                return self._sink[self._sink_pos : self._sink_pos + self._left]
-            if self._phase == _Phase.DRAIN:
-                self._into_head = False
+                if self._sink is not None:
+                    return self._sink[self._sink_pos : self._sink_pos + self._left]
                 return memoryview(self._head)[: min(self._left, HEAD_SIZE)]
         elif self._end == HEAD_SIZE:
             held = self._end - self._start
@@ -251,7 +218,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
                 self._advance()
                 return
             self._left -= nbytes
-            if self._phase == _Phase.PAYLOAD:
+            if self._sink is not None:
                 self._sink_pos += nbytes
             if not self._left:
                 self._sink = None
@@ -281,18 +248,24 @@ class _ReplyReader(asyncio.BufferedProtocol):
                 self._start = cr + 2
                 self._on_line(line)
             elif phase == _Phase.HEADER:
-                wanted = self._header_bytes()
+                receiver = self._replies[0].receiver
+                assert receiver is not None
+                available = memoryview(head)[self._start : self._end]
+                wanted = receiver.header_len(available)
                 if held < wanted:
                     return
-                self._on_header(wanted)
-            elif phase in (_Phase.PAYLOAD, _Phase.DRAIN):
+                sink = receiver.take_header(available[:wanted])
+                self._start += wanted
+                self._take_value(receiver.remaining, sink)
+            elif phase == _Phase.VALUE:
                 if not held:
                     return
                 take = min(held, self._left)
                 if self._sink is not None:
                     end = self._sink_pos + take
-                    chunk = memoryview(head)[self._start : self._start + take]
-                    self._sink[self._sink_pos : end] = chunk
+                    self._sink[self._sink_pos : end] = memoryview(head)[
+                        self._start : self._start + take
+                    ]
                     self._sink_pos = end
                 self._start += take
                 self._left -= take
@@ -313,86 +286,28 @@ class _ReplyReader(asyncio.BufferedProtocol):
     def _on_line(self, line: bytes) -> None:
         reply = self._replies[0]
         kind, rest = line[:1], line[1:]
+        receiver = reply.receiver
         if kind == b"-":
             reply.error = rest.decode("utf-8", "replace")
             self._complete()
-        elif kind == b"+" and reply.status:
+        elif kind == b"+" and receiver is None:
             self._complete()
-        elif kind == b"$" and not reply.status and rest.lstrip(b"-").isdigit():
+        elif kind == b"$" and receiver is not None and rest.lstrip(b"-").isdigit():
             length = int(rest)
             if length < 0:
-                self._complete()  # $-1: no such key
+                self._complete()  # $-1: no such key, the receiver stays a miss
                 return
-            self._value_len = length
+            receiver.start(length)
             self._phase = _Phase.HEADER
         else:
             self._broken(f"an unexpected reply {line[:40]!r}")
 
-    def _header_bytes(self) -> int:
-        """How many bytes of the value the header needs: at least the fixed part, then what
-        its header-length field says, never more than the value."""
-        length = self._value_len
-        if length < MIN_HEADER_LEN or self._end - self._start < MIN_HEADER_LEN:
-            return min(length, MIN_HEADER_LEN)
-        (claimed,) = _HEADER_LEN_FIELD.unpack_from(self._head, self._start + _HEADER_LEN_OFFSET)
-        return min(length, max(MIN_HEADER_LEN, min(int(claimed), MAX_HEADER_LEN)))
-
-    def _on_header(self, available: int) -> None:
-        reply = self._replies[0]
-        length = self._value_len
-        try:
-            header = decode_header(memoryview(self._head)[self._start : self._start + available])
-            if header.frame_len != length:
-                raise CorruptObject(
-                    f"frame is {length} bytes, its header says {header.frame_len} (truncated "
-                    "or torn)."
-                )
-            if header.serde == "naive" and header.payload_len != nbytes_of(
-                header.shape, header.dtype
-            ):
-                raise CorruptObject(
-                    f"naive payload has {header.payload_len} bytes but shape {header.shape} "
-                    f"{header.dtype} needs {nbytes_of(header.shape, header.dtype)}."
-                )
-        except CorruptObject as error:
-            reply.damaged = error
-            self._take_value(length, None)
-            return
-        self._start += header.header_len
-        reply.header = header
-        sink: memoryview | None = None
-        into = reply.into
-        if into is not None and header.serde == "naive":
-            if header.payload_len != into.nbytes or into.device.type != "cpu":
-                self._take_value(header.payload_len, None)  # not this caller's size: a miss
-                return
-            reply.obj = into.retain()  # released after the checksum, or when the read fails
-            self._take_value(header.payload_len, into.memoryview())
-            return
-        if header.serde == "naive":
-            obj = self._allocator.allocate(header.shape, header.dtype, header.fmt)
-            if obj is None:
-                self._take_value(header.payload_len, None)  # full: drained, read as a miss
-                return
-            if obj.device.type == "cpu":
-                reply.obj = obj
-                sink = obj.memoryview()
-            else:
-                obj.release()  # memory the socket cannot write: decoded by the serde later
-        if sink is None:
-            reply.scratch = bytearray(header.payload_len)
-            sink = memoryview(reply.scratch)
-        self._take_value(header.payload_len, sink)
-
     def _take_value(self, length: int, sink: memoryview | None) -> None:
-        """Receive the next ``length`` bytes into ``sink``, or discard them."""
+        """Receive the next ``length`` bytes into ``sink``, or drain them."""
         self._left = length
         self._sink = sink if length else None
         self._sink_pos = 0
-        if not length:
-            self._phase = _Phase.CRLF
-        else:
-            self._phase = _Phase.PAYLOAD if sink is not None else _Phase.DRAIN
+        self._phase = _Phase.VALUE if length else _Phase.CRLF
 
     def _complete(self) -> None:
         self._replies.popleft()
@@ -438,16 +353,14 @@ class _Connection:
 
     async def request(self, data: bytes, replies: Sequence[_Reply]) -> None:
         """Send ``data`` and wait for ``replies``. Anything that ends this early (the deadline,
-        a cancellation, a broken connection) aborts the connection and releases the objects
-        the replies were being read into, in that order."""
+        a cancellation, a broken connection) aborts the connection before it raises, so no
+        receiver's memory is written afterwards."""
         try:
             done = self.reader.expect(replies)
             self.transport.write(data)
             await done
         except BaseException:
             self.abort()
-            for reply in replies:
-                reply.release()
             raise
 
     def abort(self) -> None:
@@ -461,10 +374,9 @@ class DirectReads:
     ``locate`` says where the server is (asked again after a broken connection or a
     ``READONLY`` reply, which is also reported to ``suspect``); ``setup`` are the commands
     each new connection sends first (the first is ``AUTH`` when ``auth_first``); ``errors``
-    is the client library's exceptions module, whose classes error replies become;
-    ``allocator`` gives the allocator at the time of each read. At most ``max_idle``
-    connections wait for reuse and ``max_connecting`` are opened at once; the caller bounds
-    how many operations run at once.
+    is the client library's exceptions module, whose classes error replies become. At most
+    ``max_idle`` connections wait for reuse and ``max_connecting`` are opened at once; the
+    caller bounds how many operations run at once.
     """
 
     def __init__(
@@ -472,7 +384,6 @@ class DirectReads:
         *,
         locate: Callable[[], Awaitable[Endpoint]],
         errors: ModuleType,
-        allocator: Callable[[], Allocator],
         setup: Sequence[bytes] = (),
         auth_first: bool = False,
         ssl_context: ssl.SSLContext | None = None,
@@ -482,7 +393,6 @@ class DirectReads:
     ) -> None:
         self._locate = locate
         self._errors = errors
-        self._allocator = allocator
         self._setup = b"".join(setup)
         self._setup_count = len(setup)
         self._auth_first = auth_first
@@ -493,7 +403,7 @@ class DirectReads:
         self._connecting = 0
         self._waiters = Waiters()
         self._endpoint: Endpoint | None = None
-        self._locating = asyncio.Lock()
+        self._locating: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._generation = 0
         self._idle: list[_Connection] = []
         self._live: set[_Connection] = set()
@@ -503,25 +413,25 @@ class DirectReads:
         self.gets = 0
         """``GET`` replies read so far."""
 
-    async def fetch(
-        self, names: Sequence[str], into: Sequence[MemoryObj] | None = None
-    ) -> list[Fetched]:
-        """``GET`` each of ``names``, pipelined on one connection, each reply received into
-        its own object, or into ``into[i]`` (the caller's, retained once more in the result)
-        when the payload has its size. A broken connection is retried once, on a new one;
-        error replies raise the first of them (as the library's exception) once every reply
-        is read. Replies that may come from a deposed master (:meth:`forget` ran meanwhile)
-        are dropped and the ``GET`` s sent again."""
+    async def fetch(self, names: Sequence[str], receivers: Sequence[FrameReceiver]) -> None:
+        """``GET`` each of ``names``, pipelined on one connection, each value fed to the
+        receiver at its position (see :class:`~kvplug.frame.FrameReceiver`; a missing key
+        leaves it untouched). A broken connection is retried once, on a new one; error
+        replies raise the first of them (as the library's exception) once every reply is
+        read. Replies that may come from a deposed master (:meth:`forget` ran meanwhile) are
+        dropped and the ``GET`` s sent again. When this returns or raises, nothing writes into
+        the receivers' memory any more."""
         data = b"".join(pack(b"GET", name.encode()) for name in names)
-        destinations = list(into) if into is not None else [None] * len(names)
         broken = moved = 0
         while True:
             try:
-                return await self._fetch_once(data, destinations)
+                await self._fetch_once(data, receivers)
+                return
             except MasterMoved:
                 moved += 1
                 if moved > MOVED_RETRIES:
                     raise
+                restart(receivers)
                 continue
             except OSError:
                 self.forget()
@@ -530,14 +440,12 @@ class DirectReads:
                 broken += 1
                 if self._closed or broken > 1:
                     raise
+                restart(receivers)
             await asyncio.sleep(random.uniform(*RETRY_DELAY))
 
-    async def _fetch_once(
-        self, data: bytes, destinations: Sequence[MemoryObj | None]
-    ) -> list[Fetched]:
+    async def _fetch_once(self, data: bytes, receivers: Sequence[FrameReceiver]) -> None:
         conn = await self._acquire()
-        replies = [_Reply(into=dest) for dest in destinations]
-        count = len(replies)
+        replies = [_Reply(receiver) for receiver in receivers]
         try:
             await conn.request(data, replies)
         except BaseException:
@@ -545,62 +453,17 @@ class DirectReads:
             raise
         if conn.generation != self._generation:
             self._drop(conn)
-            for reply in replies:
-                reply.release()
             raise MasterMoved("the master moved while the replies were read; they were dropped")
         self._release(conn)
-        self.gets += count
-        return self._results(replies)
-
-    def _results(self, replies: list[_Reply]) -> list[Fetched]:
-        results: list[Fetched] = []
-        error: Exception | None = None
-        try:
-            for reply in replies:
-                if reply.error is not None:
-                    error = error or reply_error(self._errors, reply.error)
-                    results.append(None)
-                else:
-                    results.append(self._finish(reply))
-            if error is not None:
-                if isinstance(error, self._errors.ReadOnlyError):
-                    self.forget()  # a replica now: the master moved
-                    if self._suspect is not None:
-                        self._suspect()
-                raise error
-        except BaseException:
-            release_objects(results)
-            for reply in replies:
-                reply.release()
-            raise
-        return results
-
-    def _finish(self, reply: _Reply) -> Fetched:
-        """The object of a complete reply, its payload verified (and decoded, for a serde
-        other than ``naive``)."""
-        header = reply.header
-        if reply.damaged is not None:
-            return reply.damaged
-        if header is None:
-            return None
-        obj, reply.obj = reply.obj, None
-        if obj is not None:
-            try:
-                verify_payload(header, obj.memoryview()[: header.payload_len])
-            except BaseException as error:
-                obj.release()
-                if isinstance(error, CorruptObject):
-                    return error
-                raise
-            return obj
-        if reply.scratch is None:
-            return None  # the allocator was full
-        payload = memoryview(reply.scratch)
-        reply.scratch = None
-        try:
-            return decode_payload(header, payload, self._allocator())
-        except CorruptObject as error:
-            return error
+        self.gets += len(replies)
+        refused = next((reply.error for reply in replies if reply.error is not None), None)
+        if refused is not None:
+            error = reply_error(self._errors, refused)
+            if isinstance(error, self._errors.ReadOnlyError):
+                self.forget()  # a replica now: the master moved
+                if self._suspect is not None:
+                    self._suspect()
+            raise error
 
     # -- the pool ----------------------------------------------------------------------------
 
@@ -620,7 +483,7 @@ class DirectReads:
         self._connecting += 1
         try:
             generation = self._generation
-            async with self._locating:  # one question to the sentinels, not one per operation
+            async with self._locating_lock(loop):  # one question to the sentinels, not one each
                 if self._endpoint is None:
                     endpoint = await self._locate()
                     if generation == self._generation:
@@ -632,9 +495,16 @@ class DirectReads:
             self._connecting -= 1
             self._waiters.wake_one()
 
+    def _locating_lock(self, loop: asyncio.AbstractEventLoop) -> asyncio.Lock:
+        """The lock of ``loop`` around asking ``locate``: an asyncio lock belongs to the loop
+        that first waits on it, and a backend may be used from another loop later."""
+        if self._locating is None or self._locating[0] is not loop:
+            self._locating = (loop, asyncio.Lock())
+        return self._locating[1]
+
     async def _connect(self, endpoint: Endpoint, generation: int) -> _Connection:
         loop = asyncio.get_running_loop()
-        reader = _ReplyReader(self._allocator())
+        reader = _ReplyReader()
         if endpoint.path is not None:
             transport, _ = await loop.create_unix_connection(lambda: reader, endpoint.path)
         else:
@@ -652,7 +522,7 @@ class DirectReads:
             self._drop(conn)
             raise ConnectionLost("the backend was closed while connecting")
         if self._setup_count:
-            replies = [_Reply(status=True) for _ in range(self._setup_count)]
+            replies = [_Reply() for _ in range(self._setup_count)]
             try:
                 await conn.request(self._setup, replies)
             except BaseException:
@@ -679,8 +549,24 @@ class DirectReads:
 
     def _drop(self, conn: _Connection) -> None:
         self._live.discard(conn)
-        if not conn.loop.is_closed():
+        if conn.loop.is_closed():
+            return  # its socket is closed when collected
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if conn.loop is here:
             conn.abort()
+        else:  # an idle connection of a loop used before (in another thread): aborted there
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                conn.loop.call_soon_threadsafe(conn.abort)
+
+    def drop_connections_here(self) -> None:
+        """Abort the connections of the running loop, idle or in use (it is shutting down)."""
+        loop = asyncio.get_running_loop()
+        self._idle = [conn for conn in self._idle if conn.loop is not loop]
+        for conn in [conn for conn in self._live if conn.loop is loop]:
+            self._drop(conn)
 
     def forget(self) -> None:
         """Ask ``locate`` again on the next connect, let no older connection be reused and
@@ -710,8 +596,7 @@ __all__ = [
     "ConnectionLost",
     "DirectReads",
     "Endpoint",
-    "Fetched",
     "pack",
-    "release_objects",
     "reply_error",
+    "restart",
 ]
