@@ -16,6 +16,8 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
 command -v valkey-server >/dev/null || missing+=(valkey-server)
 command -v valkey-sentinel >/dev/null || missing+=(valkey-sentinel)
+# The memcached walk-through of docs/writing-a-backend.md is tested against a real memcached.
+command -v memcached >/dev/null || missing+=(memcached)
 # SGLang compiles its page hash (a C++ torch extension against OpenSSL) on first use.
 command -v g++ >/dev/null || missing+=(g++)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)

@@ -43,7 +43,8 @@ for _ in $(seq 100); do
   grep -q "Ready to accept connections" "$acme_dir/redis.log" && break
   sleep 0.1
 done
-.venv/bin/kvplug contract "redis://127.0.0.1:$redis_port"
+# --proxy: clause 10 (deadlines, recovery) through the suite's fault proxy.
+.venv/bin/kvplug contract --proxy "redis://127.0.0.1:$redis_port"
 # Whole tiers configs as one Store: cpu in front of a disk, cpu in front of that redis-server.
 printf 'tiers:\n  - cpu://?max_size=256MiB\n  - file://%s/store-disk\n' "$acme_dir" \
   >"$acme_dir/cpu-file.yaml"
@@ -61,4 +62,4 @@ for _ in $(seq 100); do
   grep -q "Ready to accept connections" "$acme_dir/valkey.log" && break
   sleep 0.1
 done
-.venv/bin/kvplug contract "valkey://127.0.0.1:$valkey_port"
+.venv/bin/kvplug contract --proxy "valkey://127.0.0.1:$valkey_port"

@@ -27,6 +27,7 @@ import torch
 from pydantic import Field, field_validator
 
 from kvplug import (
+    Backend,
     BackendSpec,
     BackendUnavailable,
     BytesBackend,
@@ -39,7 +40,7 @@ from kvplug import (
 )
 from kvplug.backend import BackendOptions, Buffer, BytesBackendOptions
 from kvplug.errors import BackendClosed, CorruptObject
-from kvplug.frame import decode_frame, decode_header, encode_frame, encode_header
+from kvplug.frame import decode_frame, decode_header, encode_header
 from kvplug.serde import get_serde
 from kvplug.units import parse_size
 
@@ -154,22 +155,24 @@ class RefOptions(BytesBackendOptions):
 
 
 class RefBackend(BytesBackend):
-    """A correct store: deadlines, recovery, pins with expiry, LRU eviction, framed values."""
+    """A correct store: recovery, pins with expiry, LRU eviction, framed values, batched byte
+    operations. Its deadlines are the template's."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
+    capabilities = Capabilities(
         pin=True,
         persistent=True,
         shared_across_processes=True,
         native_batching=True,
-        delete=True,
-        list=True,
+        remove=True,
+        list_keys=True,
     )
     Options: ClassVar[type[BackendOptions]] = RefOptions
+    contract_small_options: ClassVar[dict[str, object] | None] = {"max_size": "4MiB"}
     options: RefOptions
     stores: ClassVar[dict[tuple[str, str, int | None], Store]] = {}
     stores_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    async def open(self) -> None:
+    async def _open(self) -> None:
         key = (type(self).__name__, self.url.path, self.options.max_size)
         with self.stores_lock:
             self.store = self.stores.setdefault(key, Store(self.options.max_size))
@@ -178,11 +181,7 @@ class RefBackend(BytesBackend):
                 trace.write(json.dumps(self.options.model_dump()) + "\n")
 
     async def on_server(self, what: str, operation: Callable[[Store], T]) -> T:
-        """Run ``operation`` on the server within the deadline (clause 10)."""
-        self.ensure_open()
-        return await self.with_deadline(self.reach(what, operation), what)
-
-    async def reach(self, what: str, operation: Callable[[Store], T]) -> T:
+        """Run ``operation`` on the simulated server, waiting while it is paused."""
         while True:
             self.ensure_open()  # an operation in flight ends when the backend closes
             if SERVER.stopped:
@@ -191,67 +190,6 @@ class RefBackend(BytesBackend):
                 with self.store.lock:
                     return operation(self.store)
             await asyncio.sleep(POLL)
-
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        self.ensure_open()
-        name = self.key_string(key)
-        return await self.decode(name, await self.get_bytes(name))
-
-    async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
-        """The object in a stored frame; a damaged frame is a counted miss and is removed."""
-        if data is None:
-            return None
-        try:
-            return decode_frame(data, self.allocator)
-        except CorruptObject:
-            self.corrupt_objects += 1
-            await self.remove_bytes(name)
-            return None
-
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        self.ensure_open()
-        names = [self.key_string(key) for key in keys]
-        values = await self.on_server("batched_get", lambda store: [store.get(n) for n in names])
-        results: list[MemoryObj | None] = []
-        try:
-            for name, value in zip(names, values, strict=True):
-                results.append(await self.decode(name, value))
-        except BaseException:
-            for obj in results:
-                if obj is not None:
-                    obj.release()
-            raise
-        return results
-
-    async def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        self.ensure_open()
-        if len(keys) != len(objs):
-            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects.")
-        for obj in objs:
-            obj.retain()
-        try:
-            frames = [
-                (self.key_string(key), b"".join(encode_frame(obj, self.serde)))
-                for key, obj in zip(keys, objs, strict=True)
-            ]
-        finally:
-            for obj in objs:
-                obj.release()
-
-        def put_all(store: Store) -> None:
-            for name, value in frames:
-                store.put(name, value)
-
-        await self.on_server("batched_put", put_all)
-
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        self.ensure_open()
-        names = [self.key_string(key) for key in keys]
-
-        def leading(store: Store) -> int:
-            return next((n for n, name in enumerate(names) if name not in store.values), len(names))
-
-        return await self.on_server("batched_contains", leading)
 
     async def get_bytes(self, key: str) -> Buffer | None:
         return await self.on_server("get", lambda store: store.get(key))
@@ -266,26 +204,62 @@ class RefBackend(BytesBackend):
     async def remove_bytes(self, key: str) -> bool:
         return await self.on_server("remove", lambda store: store.remove(key))
 
-    async def pin(self, key: CacheKey) -> bool:
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return await self.on_server("batched_get", lambda store: [store.get(k) for k in keys])
+
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        joined = [b"".join(parts) for parts in values]
+
+        def put_all(store: Store) -> None:
+            for key, value in zip(keys, joined, strict=True):
+                store.put(key, value)
+
+        await self.on_server("batched_put", put_all)
+
+    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+        return await self.on_server("batched_contains", lambda s: [k in s.values for k in keys])
+
+    async def _pin(self, key: CacheKey) -> bool:
         ttl = self.options.pin_ttl
         return await self.on_server("pin", lambda store: store.pin(self.key_string(key), ttl))
 
-    async def unpin(self, key: CacheKey) -> bool:
+    async def _unpin(self, key: CacheKey) -> bool:
         return await self.on_server("unpin", lambda store: store.unpin(self.key_string(key)))
 
-    def list_keys(self) -> AsyncIterator[CacheKey]:
-        self.ensure_open()
-        return self._list()
-
-    async def _list(self) -> AsyncIterator[CacheKey]:
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
         prefix = self.options.key_prefix
         names = await self.on_server("list", lambda store: list(store.values))
         for name in names:
             if name.startswith(prefix):
                 yield CacheKey.parse(name[len(prefix) :])
 
-    async def close(self) -> None:
-        self.mark_closed()
+
+class ReadsItsOwnWay(RefBackend):
+    """Base of the broken readers below: ``get`` (and the batched and ``get_into`` forms
+    through it) decodes the stored value with :meth:`decode` instead of the core's receiver,
+    as a vendor who overrides the object hooks does."""
+
+    async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
+        raise NotImplementedError
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        name = self.key_string(key)
+        return await self.decode(name, await self.get_bytes(name))
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        return [await self._get(key) for key in keys]
+
+    _get_into = Backend._get_into
+    _batched_get_into = Backend._batched_get_into
+
+
+def _bypass_template(cls: type[Backend], name: str, method: Callable[..., object]) -> None:
+    """Replace a public operation of ``cls`` after the class exists: what the template refuses
+    at class creation, so that the suite is shown to catch the defect even in a backend that
+    went around the template."""
+    setattr(cls, name, method)
 
 
 # -- broken backends, one clause each ------------------------------------------------------------
@@ -300,30 +274,38 @@ class GetRaisesOnMiss(RefBackend):
             raise KeyError(key)
         return value
 
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return [await self.get_bytes(key) for key in keys]
+
 
 class FlipsABitOnRead(RefBackend):
     """Clause 2: every read returns the object with one bit flipped."""
 
-    async def get(self, key: CacheKey) -> MemoryObj | None:
-        obj = await super().get(key)
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        obj = await super()._get(key)
         if obj is not None:
             obj.raw[obj.nbytes // 3] ^= 0x04
         return obj
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        return [await self._get(key) for key in keys]
+
+    _get_into = Backend._get_into
+    _batched_get_into = Backend._batched_get_into
 
 
 class StoresBfloat16AsFloat16(RefBackend):
     """Clause 2: the stored header records bfloat16 objects as float16."""
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        self.ensure_open()
-        obj.retain()
-        try:
-            payload = self.serde.encode(obj)
-            dtype = torch.float16 if obj.dtype == torch.bfloat16 else obj.dtype
-            header = encode_header(obj.shape, dtype, obj.fmt, self.serde.name, payload)
-            await self.put_bytes(self.key_string(key), (header, payload))
-        finally:
-            obj.release()
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        payload = self.serde.encode(obj)
+        dtype = torch.float16 if obj.dtype == torch.bfloat16 else obj.dtype
+        header = encode_header(obj.shape, dtype, obj.fmt, self.serde.name, payload)
+        await self.put_bytes(self.key_string(key), (header, payload))
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs, strict=True):
+            await self._put(key, obj)
 
 
 def _decode_unchecked(data: Buffer, backend: BytesBackend) -> MemoryObj | None:
@@ -339,7 +321,7 @@ def _decode_unchecked(data: Buffer, backend: BytesBackend) -> MemoryObj | None:
     return obj
 
 
-class UncheckedReads(RefBackend):
+class UncheckedReads(ReadsItsOwnWay):
     """Clause 6: reads skip the payload checksum, so damaged payloads are served as data."""
 
     async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
@@ -367,7 +349,7 @@ class TearsOverwrites(UncheckedReads):
         await self.on_server("put", lambda store: store.put(key, value))
 
 
-class KeepsDamagedData(RefBackend):
+class KeepsDamagedData(ReadsItsOwnWay):
     """Clause 6: damaged data reads as a miss but stays stored and is not counted."""
 
     async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
@@ -380,15 +362,15 @@ class KeepsDamagedData(RefBackend):
 class CountsAllPresentKeys(RefBackend):
     """Clause 4: batched_contains counts every present key, not the leading run."""
 
-    async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        return sum([await self.contains(key) for key in keys])
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        return sum([await self._contains(key) for key in keys])
 
 
 class BatchedGetDropsMisses(RefBackend):
-    """Clause 4: batched_get returns the hits only, so results shift against the keys."""
+    """Clause 4: batched_get returns the hits first, so results shift against the keys."""
 
-    async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        found = await super().batched_get(keys)
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        found = await super()._batched_get(keys)
         hits: list[MemoryObj | None] = [obj for obj in found if obj is not None]
         return hits + [None] * (len(keys) - len(hits))
 
@@ -396,24 +378,32 @@ class BatchedGetDropsMisses(RefBackend):
 class LeaksPutReference(RefBackend):
     """Clause 5: put retains the object and never releases it."""
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         obj.retain()
-        await super().put(key, obj)
+        await super()._put(key, obj)
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs, strict=True):
+            await self._put(key, obj)
 
 
 class PutTakesCallersReference(RefBackend):
     """Clause 5: put releases the caller's reference as if it owned it."""
 
-    async def put(self, key: CacheKey, obj: MemoryObj) -> None:
-        await super().put(key, obj)
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        await super()._put(key, obj)
         obj.release()
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs, strict=True):
+            await self._put(key, obj)
 
 
 class RemoveAlwaysTrue(RefBackend):
     """Clause 7: remove reports True even for a key that was never stored."""
 
-    async def remove(self, key: CacheKey) -> bool:
-        await super().remove(key)
+    async def _remove(self, key: CacheKey) -> bool:
+        await super()._remove(key)
         return True
 
 
@@ -433,8 +423,8 @@ class ContainsRemembersRemoved(RefBackend):
 class EvictsPinnedKeys(RefBackend):
     """Clause 8: eviction picks the least recently used key, pinned or not."""
 
-    async def open(self) -> None:
-        await super().open()
+    async def _open(self) -> None:
+        await super()._open()
         store = self.store
 
         def least_recently_used(exclude: str) -> str | None:
@@ -446,8 +436,8 @@ class EvictsPinnedKeys(RefBackend):
 class UnpinRaisesWhenNotPinned(RefBackend):
     """Clause 8: unpin of a key holding no pin raises."""
 
-    async def unpin(self, key: CacheKey) -> bool:
-        if not await super().unpin(key):
+    async def _unpin(self, key: CacheKey) -> bool:
+        if not await super()._unpin(key):
             raise KeyError(f"{key} is not pinned")
         return True
 
@@ -455,7 +445,7 @@ class UnpinRaisesWhenNotPinned(RefBackend):
 class PinsNeverExpire(RefBackend):
     """Clause 8: pin_ttl is accepted but ignored."""
 
-    async def pin(self, key: CacheKey) -> bool:
+    async def _pin(self, key: CacheKey) -> bool:
         forever = float(1 << 40)
         return await self.on_server("pin", lambda store: store.pin(self.key_string(key), forever))
 
@@ -473,6 +463,12 @@ class FullStoreRaisesRuntimeError(RefBackend):
 
         await self.on_server("put", put)
 
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        for key, parts in zip(keys, values, strict=True):
+            await self.put_bytes(key, parts)
+
 
 class FullStoreStopsReads(RefBackend):
     """Clause 9: once the store is nearly full, reads fail as if they needed room."""
@@ -485,13 +481,16 @@ class FullStoreStopsReads(RefBackend):
 
         return await self.on_server("get", get)
 
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return [await self.get_bytes(key) for key in keys]
+
 
 class NoDeadline(RefBackend):
-    """Clause 10: while the server is paused, operations wait for it forever."""
+    """Clause 10: turns the template's deadline off, so while the server is paused,
+    operations wait for it forever."""
 
-    async def on_server(self, what: str, operation: Callable[[Store], T]) -> T:
-        self.ensure_open()
-        return await self.reach(what, operation)
+    def deadline(self) -> float | None:
+        return None
 
 
 class NoRecoveryAfterRestart(RefBackend):
@@ -510,25 +509,12 @@ class NoRecoveryAfterRestart(RefBackend):
             raise
 
 
-class CloseWaitsForever(RefBackend):
-    """Clause 11: close waits for the operations in flight to drain, but they never wake it."""
+class CloseBlocksTheLoop(RefBackend):
+    """Clause 11: close joins a worker synchronously, blocking the event loop (and so every
+    deadline) for longer than the suite waits."""
 
-    in_flight = 0
-
-    async def open(self) -> None:
-        await super().open()
-        self.drained = asyncio.Event()
-
-    async def on_server(self, what: str, operation: Callable[[Store], T]) -> T:
-        self.in_flight += 1
-        try:
-            return await super().on_server(what, operation)
-        finally:
-            self.in_flight -= 1  # and forgets self.drained.set() when it reaches 0
-
-    async def close(self) -> None:
-        if self.mark_closed() and self.in_flight:
-            await self.drained.wait()
+    async def _close(self) -> None:
+        time.sleep(3.0)
 
 
 class WorksAfterClose(RefBackend):
@@ -539,11 +525,16 @@ class WorksAfterClose(RefBackend):
 
 
 class SecondCloseRaises(RefBackend):
-    """Clause 11: close is not idempotent."""
+    """Clause 11: close is not idempotent (its close replaced the template's)."""
 
-    async def close(self) -> None:
-        if not self.mark_closed():
-            raise BackendClosed(f"{self.url} is already closed")
+
+async def _close_once_then_raise(self: RefBackend) -> None:
+    if self._closed:
+        raise BackendClosed(f"{self.url} is already closed")
+    self._closed = True
+
+
+_bypass_template(SecondCloseRaises, "close", _close_once_then_raise)
 
 
 class IgnoresModelName(RefBackend):
@@ -563,30 +554,33 @@ class IgnoresWorkerId(RefBackend):
 class DeclaresPinButCannot(RefBackend):
     """Clause 13: declares pin, but pin and unpin raise NotSupported."""
 
-    async def pin(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _pin(self, key: CacheKey) -> bool:
         raise NotSupported("pinning is not implemented yet")
 
-    async def unpin(self, key: CacheKey) -> bool:
-        self.ensure_open()
+    async def _unpin(self, key: CacheKey) -> bool:
         raise NotSupported("pinning is not implemented yet")
 
 
-class UndeclaredDeleteWorks(RefBackend):
-    """Clause 13: does not declare delete, yet remove silently deletes."""
+class UndeclaredRemoveWorks(RefBackend):
+    """Clause 13: does not declare remove, yet remove silently deletes (its remove replaced
+    the template's)."""
 
-    capabilities: ClassVar[Capabilities] = replace(RefBackend.capabilities, delete=False)
+    capabilities = replace(RefBackend.capabilities, remove=False)
 
-    async def remove(self, key: CacheKey) -> bool:
-        self.ensure_open()
-        return await self.remove_bytes(self.key_string(key))
+
+async def _remove_without_capability(self: RefBackend, key: CacheKey) -> bool:
+    self.ensure_open()
+    return await self.remove_bytes(self.key_string(key))
+
+
+_bypass_template(UndeclaredRemoveWorks, "remove", _remove_without_capability)
 
 
 class ForgetsOnClose(RefBackend):
     """Clause 14: declares persistent, but each open starts from an empty store."""
 
-    async def open(self) -> None:
-        await super().open()
+    async def _open(self) -> None:
+        await super()._open()
         self.store = Store(self.options.max_size)
 
 
@@ -605,6 +599,159 @@ class LosesConcurrentWrites(RefBackend):
             store.held = sum(len(v) for v in snapshot.values())
 
         await self.on_server("put", write_back)
+
+
+# -- issue 15: reporting ---------------------------------------------------------------------
+
+
+class GetSleeps(RefBackend):
+    """Clause 2 (any clause whose test reads): turns the template's deadline off and every get
+    waits ten minutes, so only the suite's own per-operation budget stops it."""
+
+    def deadline(self) -> float | None:
+        return None
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        await asyncio.sleep(600)
+        return await super()._get(key)
+
+
+class GetBlocksTheLoop(RefBackend):
+    """Clause 2 (any clause whose test reads): every get blocks the event loop's thread for ten
+    minutes, so no deadline of the loop can stop it."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        time.sleep(600)
+        return await super()._get(key)
+
+
+class CloseBlocksForLong(RefBackend):
+    """Clause 11: close blocks the event loop's thread for ten minutes (a synchronous join of
+    a worker that never ends), far longer than the suite waits."""
+
+    async def _close(self) -> None:
+        time.sleep(600)
+
+
+class NoSmallOptions(RefBackend):
+    """A correct store that does not tell the suite how to make it small: the capacity and
+    pin-pressure tests are not run (unless --kvplug-small-option gives the options)."""
+
+    contract_small_options = None
+
+
+class NoPin(RefBackend):
+    """A correct store that does not declare pin: clause 8 does not apply to it."""
+
+    capabilities = replace(RefBackend.capabilities, pin=False)
+
+
+REPORTING: dict[str, type[RefBackend]] = {
+    "no-small-options": NoSmallOptions,
+    "no-pin": NoPin,
+}
+"""Scheme -> a correct backend that the suite must report as not run or n/a in some clause."""
+
+
+# -- issue 15: new checks --------------------------------------------------------------------
+
+
+class KeepsFirstWrite(RefBackend):
+    """Clause 3: a put of a key already stored is ignored (a ``SET NX``), so a hit returns the
+    first write instead of the last."""
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        value = b"".join(parts)
+
+        def put_if_new(store: Store) -> None:
+            if key not in store.values:
+                store.put(key, value)
+
+        await self.on_server("put", put_if_new)
+
+    async def batched_put_bytes(
+        self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> None:
+        for key, parts in zip(keys, values, strict=True):
+            await self.put_bytes(key, parts)
+
+
+class RemovesInTwoSteps(ReadsItsOwnWay):
+    """Clause 15: remove first cuts the value short and deletes it a moment later, and reads
+    decode without turning damage into a miss, so a get racing the remove raises."""
+
+    async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
+        return None if data is None else decode_frame(data, self.allocator)
+
+    async def remove_bytes(self, key: str) -> bool:
+        def cut_short(store: Store) -> bool:
+            value = store.values.get(key)
+            if value is None:
+                return False
+            store.put(key, value[: len(value) // 2])
+            return True
+
+        if not await self.on_server("remove", cut_short):
+            return False
+        await asyncio.sleep(0.002)
+        return await self.on_server("remove", lambda store: store.remove(key))
+
+
+class BindsTheOpeningLoop(RefBackend):
+    """Clause 15: keeps the event loop it was opened on and hands every reply through a future
+    of that loop, so from any other loop each operation fails ("attached to a different
+    loop")."""
+
+    async def _open(self) -> None:
+        await super()._open()
+        self.loop = asyncio.get_running_loop()
+
+    async def on_server(self, what: str, operation: Callable[[Store], T]) -> T:
+        result = await super().on_server(what, operation)
+        reply: asyncio.Future[T] = self.loop.create_future()
+        asyncio.get_running_loop().call_soon(reply.set_result, result)
+        return await reply
+
+
+class TruncatesHashTo64Bits(RefBackend):
+    """Clause 12: the store key keeps only the low 64 bits of the chunk hash (an int64 column),
+    so hashes that differ above bit 63 share one key."""
+
+    def key_string(self, key: CacheKey) -> str:
+        chunk = key.chunk_hash
+        low = chunk & ((1 << 64) - 1) if isinstance(chunk, int) else chunk[-8:]
+        return super().key_string(replace(key, chunk_hash=low))
+
+
+class ContainsIgnoresKeyPrefix(RefBackend):
+    """Clause 12: contains matches the key under any prefix (a ``SCAN *<key>``), so backends
+    namespaced by different key_prefix options see each other's keys."""
+
+    async def _contains(self, key: CacheKey) -> bool:
+        text = key.to_string()
+        return await self.on_server(
+            "contains", lambda store: any(name.endswith(text) for name in store.values)
+        )
+
+
+class WritesFilesNamedByTheKey(RefBackend):
+    """Clause 12: also writes each value to a file under the URL's path (when it has one),
+    named by the store key as it is, so a ``..`` in a model name or tag puts the file outside
+    that directory."""
+
+    def file_of(self, name: str) -> Path | None:
+        return Path(f"{self.url.path}/{name}") if self.url.path else None
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        await super().put_bytes(key, parts)
+        path = self.file_of(key)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"".join(parts))
+
+    def stored_files(self, key: CacheKey) -> list[Path]:
+        path = self.file_of(self.key_string(key))
+        return [path] if path is not None and path.is_file() else []
 
 
 BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
@@ -627,21 +774,31 @@ BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "full-store-stops-reads": (9, FullStoreStopsReads),
     "no-deadline": (10, NoDeadline),
     "no-recovery-after-restart": (10, NoRecoveryAfterRestart),
-    "close-waits-forever": (11, CloseWaitsForever),
+    "close-blocks-the-loop": (11, CloseBlocksTheLoop),
     "works-after-close": (11, WorksAfterClose),
     "second-close-raises": (11, SecondCloseRaises),
     "ignores-model-name": (12, IgnoresModelName),
     "ignores-worker-id": (12, IgnoresWorkerId),
     "declares-pin-but-cannot": (13, DeclaresPinButCannot),
-    "undeclared-delete-works": (13, UndeclaredDeleteWorks),
+    "undeclared-remove-works": (13, UndeclaredRemoveWorks),
     "forgets-on-close": (14, ForgetsOnClose),
     "loses-concurrent-writes": (15, LosesConcurrentWrites),
+    "get-sleeps": (2, GetSleeps),
+    "get-blocks-the-loop": (2, GetBlocksTheLoop),
+    "close-blocks-for-long": (11, CloseBlocksForLong),
+    "keeps-first-write": (3, KeepsFirstWrite),
+    "removes-in-two-steps": (15, RemovesInTwoSteps),
+    "binds-the-opening-loop": (15, BindsTheOpeningLoop),
+    "truncates-hash-to-64-bits": (12, TruncatesHashTo64Bits),
+    "contains-ignores-key-prefix": (12, ContainsIgnoresKeyPrefix),
+    "writes-files-named-by-the-key": (12, WritesFilesNamedByTheKey),
 }
 """Scheme -> (the clause it violates, the class)."""
 
 BACKENDS: dict[str, type[RefBackend]] = {
     "ref": RefBackend,
     **{scheme: cls for scheme, (_, cls) in BROKEN.items()},
+    **REPORTING,
 }
 
 

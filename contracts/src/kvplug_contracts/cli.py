@@ -11,8 +11,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
+
+# The suite's constants, without importing pytest (see the module docstring).
+DEFAULT_TIMEOUT = 10.0
+VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
 
 
 @click.command("contract")
@@ -32,6 +37,15 @@ import click
     help="Backend option (repeatable); wins over the URL's query.",
 )
 @click.option(
+    "--small-option",
+    "small_option_pairs",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Option that makes the store small enough to fill (repeatable), for the capacity "
+    "and pin-pressure tests (clauses 8, 9); without it the backend class's "
+    "contract_small_options are used, or those tests are not run.",
+)
+@click.option(
     "--xfails-file",
     type=click.Path(exists=True, dir_okay=False),
     help="Known failures: one test-name pattern per line, '# reason' after it.",
@@ -39,9 +53,16 @@ import click
 @click.option(
     "--timeout",
     type=float,
-    default=30.0,
+    default=DEFAULT_TIMEOUT,
     show_default=True,
-    help="Seconds one operation may take before its test fails.",
+    help="Seconds one backend operation may take before its test fails, naming the clause, "
+    "the operation and the key.",
+)
+@click.option(
+    "--proxy",
+    is_flag=True,
+    help="Put the suite's fault proxy in front of the URL's host:port, so that clause 10 "
+    "(deadlines and recovery) runs for a server this command cannot stop.",
 )
 @click.option("--large", is_flag=True, help="Also round-trip objects larger than 2 GiB.")
 @click.option("-k", "keyword", help="Only tests matching this pytest -k expression.")
@@ -50,8 +71,10 @@ def contract_command(
     url: str | None,
     config_file: str | None,
     option_pairs: tuple[str, ...],
+    small_option_pairs: tuple[str, ...],
     xfails_file: str | None,
     timeout: float,
+    proxy: bool,
     large: bool,
     keyword: str | None,
     verbose: bool,
@@ -67,7 +90,7 @@ def contract_command(
     assert url is not None
 
     from kvplug.secrets import mask_url
-    from kvplug_contracts.plugin import clause_verdict, describe_backend
+    from kvplug_contracts.plugin import describe_backend
 
     with tempfile.TemporaryDirectory(prefix="kvplug-contract-") as workdir:
         summary = Path(workdir) / "summary.json"
@@ -97,8 +120,12 @@ def contract_command(
         ]
         for pair in option_pairs:
             args += ["--kvplug-option", pair]
+        for pair in small_option_pairs:
+            args += ["--kvplug-small-option", pair]
         if xfails_file:
             args += ["--kvplug-xfails-file", str(Path(xfails_file).resolve())]
+        if proxy:
+            args.append("--kvplug-proxy")
         if large:
             args.append("--kvplug-large")
         if keyword:
@@ -108,13 +135,31 @@ def contract_command(
         code = int(pytest.main(args))
         rows = json.loads(summary.read_text()) if summary.exists() else []
 
-    verdicts = {row["clause"]: clause_verdict(row) for row in rows}
-    failed = [str(n) for n, verdict in verdicts.items() if verdict == "FAIL"]
-    counts = {v: list(verdicts.values()).count(v) for v in ("pass", "known", "n/a")}
-    verdict = f"FAIL (clauses {', '.join(failed)})" if failed or code else "PASS"
-    click.echo(
-        f"kvplug contract {mask_url(url)}: {verdict}; of {len(rows)} clauses "
-        f"{counts['pass']} kept, {counts['known']} with declared known failures, "
-        f"{counts['n/a']} not applicable to this backend's capabilities or fixtures"
-    )
+    click.echo(f"kvplug contract {mask_url(url)}: {verdict_line(rows, code)}")
     sys.exit(code)
+
+
+def verdict_line(rows: list[dict[str, Any]], code: int) -> str:
+    """The one-line verdict from the suite's per-clause summary rows and pytest's exit code,
+    for example ``PASS with clauses 8, 9 not run; of 15 clauses 11 kept, ...``."""
+    from kvplug_contracts.plugin import clause_verdict
+
+    verdicts = {row["clause"]: clause_verdict(row) for row in rows}
+    numbers = {v: [str(n) for n, got in verdicts.items() if got == v] for v in VERDICTS}
+    failed, not_run = numbers["FAIL"], numbers["not run"]
+    if failed or code:
+        verdict = f"FAIL ({_clauses(failed)})" if failed else f"FAIL (pytest exit code {code})"
+    else:
+        verdict = "PASS"
+    if not_run:
+        verdict += f" with {_clauses(not_run)} not run"
+    return (
+        f"{verdict}; of {len(rows)} clauses {len(numbers['pass'])} kept, "
+        f"{len(numbers['known'])} with declared known failures, "
+        f"{len(numbers['n/a'])} not applicable to this backend's declared capabilities, "
+        f"{len(not_run)} not run (the reasons are listed above)"
+    )
+
+
+def _clauses(numbers: list[str]) -> str:
+    return f"clause{'s' if len(numbers) > 1 else ''} {', '.join(numbers)}"

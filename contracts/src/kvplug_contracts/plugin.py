@@ -6,14 +6,19 @@ naming the backend under test, the known-failures file, and a summary by clause.
 Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a conftest):
 
 * ``kvplug_url`` / ``kvplug_options``: what to open (default: the command-line options);
-* ``small_store_options``: options that make the store small enough to fill (default:
-  ``max_size=4MiB`` when the backend has a ``max_size`` option, else the clause is n/a);
+* ``small_store_options``: options that make the store small enough to fill, for the
+  capacity and pin-pressure tests of clauses 8 and 9 (default: ``--kvplug-small-option
+  NAME=VALUE`` when given, else the backend class's ``contract_small_options`` mapping, else
+  None, and those tests are ``not run`` with a reason saying how to enable them);
 * ``damage_stored``: an async ``damage(backend, key, mode) -> bool`` that damages stored
-  data (default: for :class:`~kvplug.backend.BytesBackend` s, rewrites the stored value; for
-  backends with a ``stored_files(key)`` method listing the local files that hold a key, such
-  as ``file://``, damages those files);
+  data (default: for :class:`~kvplug.backend.RawValues` backends, every
+  :class:`~kvplug.backend.BytesBackend` among them, rewrites the stored value; for
+  :class:`~kvplug.backend.StoredFiles` backends, such as ``file://``, damages the files that
+  hold the key);
 * ``server_control``: an object with ``pause()``, ``resume()``, ``stop()`` and ``start()``
-  for the server behind the URL (default: None, so deadline and recovery clauses are n/a).
+  for the server behind the URL (default: None, so deadline and recovery clauses are not run;
+  with ``--kvplug-proxy``, the :class:`~kvplug_contracts.faultproxy.FaultProxy` that the
+  backend is routed through).
 """
 
 from __future__ import annotations
@@ -23,25 +28,32 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Generator, Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 import kvplug
-from kvplug import Backend, BytesBackend, FreeListAllocator
+from kvplug import Backend, FreeListAllocator
+from kvplug.backend import RawValues, StoredFiles
 from kvplug.registry import plugins, registry
 from kvplug.secrets import mask_text, mask_url, remember_in
 from kvplug.store import Store
 from kvplug.url import BackendURL, split_chain
+from kvplug_contracts.faultproxy import FaultProxy, upstream_of
 from kvplug_contracts.support import (
     CLAUSES,
     DEFAULT_TIMEOUT,
+    NOT_APPLICABLE,
+    NOT_RUN,
+    RUNNING,
     ContractTimeout,
     Keyspace,
     LoopRunner,
-    innermost,
     layers,
     violated,
 )
@@ -49,7 +61,10 @@ from kvplug_contracts.support import (
 URL_ENV = "KVPLUG_CONTRACT_URL"
 SUITE_ALLOCATOR_SIZE = 512 << 20
 CLOSE_LIMIT = 10.0
-OUTCOMES = ("passed", "failed", "n/a", "known failure", "fixed known failure")
+OUTCOMES = ("passed", "failed", "n/a", "not run", "known failure", "fixed known failure")
+VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
+SMALL_OPTIONS_ATTRIBUTE = "contract_small_options"
+DESELECTED = "deselected (by -k, -m or another selection): the suite did not run it this time"
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
 
 
@@ -68,6 +83,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="backend option, repeatable; wins over the URL's query",
     )
     group.addoption(
+        "--kvplug-small-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="option that makes the store small enough to fill (repeatable), for the capacity "
+        f"and pin-pressure tests (clauses 8, 9); wins over the class's {SMALL_OPTIONS_ATTRIBUTE}",
+    )
+    group.addoption(
         "--kvplug-xfails-file",
         default=None,
         metavar="PATH",
@@ -77,12 +100,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvplug-timeout",
         type=float,
         default=DEFAULT_TIMEOUT,
-        help="seconds one backend operation may take before the test fails (default %(default)s)",
+        help="seconds one backend operation may take before its test fails, naming the "
+        "clause, the operation and the key (default %(default)s)",
     )
     group.addoption(
         "--kvplug-large",
         action="store_true",
         help="also round-trip objects larger than 2 GiB (needs that much memory twice)",
+    )
+    group.addoption(
+        "--kvplug-proxy",
+        action="store_true",
+        help="route the backend through a fault proxy in front of the URL's host:port, which "
+        "the suite pauses and stops to check clause 10 (for servers it cannot control)",
     )
     group.addoption(
         "--kvplug-summary-json",
@@ -94,12 +124,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "kvplug_clause(*numbers): the backend-contract clauses a test checks"
+        "markers",
+        "kvplug_clause(*numbers, central=False): the backend-contract clauses a test checks; "
+        "central: the clauses' verdicts rest on it",
     )
     config.pluginmanager.register(ClauseSummary(config), "kvplug-clause-summary")
     # Learn the secrets of the backend under test before any report could show them.
-    pairs = (pair.partition("=") for pair in config.getoption("--kvplug-option"))
+    pairs = (
+        pair.partition("=")
+        for pair in config.getoption("--kvplug-option") + config.getoption("--kvplug-small-option")
+    )
     remember_in({"url": _configured_url(config), **{name: value for name, _, value in pairs}})
+    if _configured_url(config) and not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        _keep_hypothesis_files_in_a_temporary_directory(config)
+
+
+def _keep_hypothesis_files_in_a_temporary_directory(config: pytest.Config) -> None:
+    """Hypothesis caches files under ``.hypothesis/`` in the working directory even without
+    an example database; a run of the suite against a URL leaves nothing in the caller's
+    directory (set ``HYPOTHESIS_STORAGE_DIRECTORY`` to choose where instead)."""
+    directory = tempfile.mkdtemp(prefix="kvplug-contract-hypothesis-")
+    set_hypothesis_home_dir(directory)
+
+    def clean_up() -> None:
+        set_hypothesis_home_dir(None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    config.add_cleanup(clean_up)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -173,14 +224,14 @@ def _configured_url(config: pytest.Config) -> str | None:
     return url
 
 
-def _parse_options(pairs: list[str]) -> dict[str, str]:
+def _parse_options(pairs: list[str], flag: str = "--kvplug-option") -> dict[str, str]:
     options = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise pytest.UsageError(
-                "a --kvplug-option is not NAME=VALUE (not shown: it may hold a secret); "
-                "write e.g. --kvplug-option max_size=1GiB"
+                f"a {flag} is not NAME=VALUE (not shown: it may hold a secret); "
+                f"write e.g. {flag} max_size=1GiB"
             )
         options[name] = value
     return options
@@ -256,76 +307,166 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 break
 
 
-def clause_verdict(row: dict[str, int]) -> str:
-    """``FAIL``, ``known`` (declared known failures), ``pass`` or ``n/a`` for one clause."""
+def clause_verdict(row: dict[str, Any]) -> str:
+    """The verdict of one clause from its summary row: ``FAIL``, ``known`` (declared known
+    failures), ``pass``, ``n/a`` (it does not apply: every central test, or every test, was
+    skipped as not applicable) or ``not run`` (the suite could not run, or did not select, a
+    central test: never a pass)."""
     if row["failed"]:
         return "FAIL"
     if row["known failure"]:
         return "known"
-    return "pass" if row["passed"] or row["fixed known failure"] else "n/a"
+    central = row.get("central", {})
+    if central.get("total"):
+        if central.get("not run"):
+            return "not run"
+        return "pass" if central.get("passed") else "n/a"
+    if row["passed"] or row["fixed known failure"]:
+        return "pass"
+    return "n/a" if row["n/a"] and not row["not run"] else "not run"
 
 
 class ClauseSummary:
-    """Collects each contract test's outcome under the clauses it is marked with."""
+    """Collects each contract test's outcome under the clauses it is marked with.
+
+    A test's own clauses get the outcome of its call (or of its setup, when that fails or
+    skips). A failure in teardown that names a clause, such as the allocator's leak check
+    (clause 5) or a close that hangs (clause 11), counts against that clause only: one leak is
+    one clause-5 failure, not a failure of the clause whose test happened to leak.
+    """
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.clauses_of: dict[str, tuple[int, ...]] = {}
+        self.central: set[str] = set()
         self.outcome_of: dict[str, str] = {}
+        self.reason_of: dict[str, str] = {}
         self.failed_clause: dict[str, int] = {}
+        self.findings: dict[str, set[int]] = {}
+        self.deselected: set[str] = set()
+
+    def _learn(self, item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("kvplug_clause")
+        if marker is None:
+            return False
+        self.clauses_of[item.nodeid] = tuple(int(n) for n in marker.args)
+        if marker.kwargs.get("central"):
+            self.central.add(item.nodeid)
+        return True
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
-            marker = item.get_closest_marker("kvplug_clause")
-            if marker is not None:
-                self.clauses_of[item.nodeid] = tuple(int(n) for n in marker.args)
+            self._learn(item)
+
+    def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
+        for item in items:
+            if self._learn(item):
+                self.outcome_of[item.nodeid] = "not run"
+                self.reason_of[item.nodeid] = DESELECTED
+                self.deselected.add(item.nodeid)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        clauses = self.clauses_of.get(item.nodeid)
+        RUNNING.clause = clauses[0] if clauses else None
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        RUNNING.clause = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.nodeid not in self.clauses_of:
+        nodeid = report.nodeid
+        if nodeid not in self.clauses_of:
             return
-        previous = self.outcome_of.get(report.nodeid)
-        if previous == "failed":
+        named = _named_clause(report.longreprtext) if report.failed else None
+        if report.when == "teardown":
+            if report.failed and named:
+                self.findings.setdefault(nodeid, set()).add(named)
+                return
+            if not report.failed or self.outcome_of.get(nodeid) == "failed":
+                return
+        elif self.outcome_of.get(nodeid) == "failed":
             return
         if hasattr(report, "wasxfail"):
             outcome = "known failure" if report.skipped else "fixed known failure"
         elif report.failed:
             outcome = "failed"
-            named = _VIOLATED_CLAUSE.search(report.longreprtext)
-            if named and int(named.group(1)) in self.clauses_of[report.nodeid]:
-                self.failed_clause[report.nodeid] = int(named.group(1))
+            if named:
+                self.failed_clause[nodeid] = named
         elif report.skipped:
-            outcome = "n/a"
+            reason = _skip_reason(report)
+            outcome = "not run" if reason.startswith(NOT_RUN) else "n/a"
+            self.reason_of[nodeid] = reason
         elif report.when == "call":
             outcome = "passed"
         else:
             return
-        self.outcome_of[report.nodeid] = outcome
+        self.outcome_of[nodeid] = outcome
 
-    def table(self) -> dict[int, dict[str, int]]:
-        counts = {n: dict.fromkeys(OUTCOMES, 0) for n in CLAUSES}
+    def table(self) -> dict[int, dict[str, Any]]:
+        """Per clause: how many tests had each outcome, the same for its central tests
+        (``central``), and why tests were skipped (``reasons``)."""
+        counts: dict[int, dict[str, Any]] = {
+            n: {**dict.fromkeys(OUTCOMES, 0), "central": {"total": 0}, "reasons": []}
+            for n in CLAUSES
+        }
         for nodeid, outcome in self.outcome_of.items():
             # A failure counts against the clause its message names, when it names one.
             named = self.failed_clause.get(nodeid) if outcome == "failed" else None
             for number in (named,) if named else self.clauses_of.get(nodeid, ()):
-                counts[number][outcome] += 1
+                row = counts[number]
+                row[outcome] += 1
+                if nodeid in self.central:
+                    central = row["central"]
+                    central["total"] += 1
+                    kind = "passed" if outcome == "fixed known failure" else outcome
+                    central[kind] = central.get(kind, 0) + 1
+                reason = self.reason_of.get(nodeid)
+                if reason and outcome in ("n/a", "not run") and reason not in row["reasons"]:
+                    row["reasons"].append(reason)
+        for numbers in self.findings.values():
+            for number in numbers:
+                counts[number]["failed"] += 1
         return counts
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.outcome_of:
-            return
+        if not set(self.outcome_of) - self.deselected:
+            return  # no contract test ran: a run of other tests, or all deselected
         table = self.table()
         terminalreporter.section("kvplug contract clauses")
         for number, title in CLAUSES.items():
             row = table[number]
+            verdict = clause_verdict(row)
             shown = ", ".join(f"{row[o]} {o}" for o in OUTCOMES if row[o])
-            terminalreporter.write_line(
-                f"{number:>3} {clause_verdict(row):<5} {title}: {shown or 'no test'}"
-            )
+            terminalreporter.write_line(f"{number:>3} {verdict:<7} {title}: {shown or 'no test'}")
+            if verdict in ("n/a", "not run"):
+                for reason in row["reasons"] or ["no test of this clause was collected"]:
+                    terminalreporter.write_line(f"{'':>12}{reason}")
         path = self.config.getoption("--kvplug-summary-json")
         if path:
-            rows = [{"clause": n, "title": CLAUSES[n], **table[n]} for n in CLAUSES]
+            rows = [
+                {"clause": n, "title": CLAUSES[n], "verdict": clause_verdict(table[n]), **table[n]}
+                for n in CLAUSES
+            ]
             Path(path).write_text(json.dumps(rows, indent=2))
+
+
+def _named_clause(text: str) -> int | None:
+    """The clause a failure names (``clause N (...) violated``); with chained exceptions, the
+    one raised last."""
+    named = [int(n) for n in _VIOLATED_CLAUSE.findall(text) if int(n) in CLAUSES]
+    return named[-1] if named else None
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """The reason of a skip, prefixed ``not applicable: `` or ``not run: ``; a skip that the
+    suite did not word (a vendor's own ``pytest.skip``) counts as not run."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if reason.startswith((NOT_APPLICABLE, NOT_RUN)):
+        return reason
+    return f"{NOT_RUN}{reason}"
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -349,6 +490,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Bad suite options are one usage error, not an error in every test."""
     config = session.config
     _parse_options(config.getoption("--kvplug-option"))
+    _parse_options(config.getoption("--kvplug-small-option"), "--kvplug-small-option")
+    _proxied_upstream(config)
     if _configured_url(config):
         return
     for item in session.items:
@@ -358,13 +501,44 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             raise pytest.UsageError(NO_URL)
 
 
+def _proxied_upstream(config: pytest.Config) -> tuple[str, int] | None:
+    """The ``(host, port)`` that ``--kvplug-proxy`` puts a fault proxy in front of, or None
+    without that flag; a usage error when the URL has no single host:port."""
+    if not config.getoption("--kvplug-proxy"):
+        return None
+    url = _configured_url(config)
+    if not url:
+        raise pytest.UsageError(
+            f"--kvplug-proxy needs --kvplug-url (or ${URL_ENV}): the fault proxy goes in front "
+            "of that URL's host:port. With a kvplug_url fixture of your own, put a "
+            "kvplug_contracts.faultproxy.FaultProxy in front of it yourself (see the "
+            "kvplug-contracts README, 'Clause 10 without process control')"
+        )
+    try:
+        return upstream_of(url)
+    except (ValueError, kvplug.KvplugError) as error:
+        raise pytest.UsageError(f"--kvplug-proxy: {error}") from None
+
+
 @pytest.fixture(scope="session")
-def kvplug_url(pytestconfig: pytest.Config) -> str:
-    """The URL of the backend under test."""
+def kvplug_fault_proxy(pytestconfig: pytest.Config) -> Iterator[FaultProxy | None]:
+    """With ``--kvplug-proxy``: the fault proxy in front of the URL's host:port, which
+    ``kvplug_url`` routes the backend through and ``server_control`` returns; else None."""
+    upstream = _proxied_upstream(pytestconfig)
+    if upstream is None:
+        yield None
+        return
+    with FaultProxy(upstream) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="session")
+def kvplug_url(pytestconfig: pytest.Config, kvplug_fault_proxy: FaultProxy | None) -> str:
+    """The URL of the backend under test (with ``--kvplug-proxy``, pointing at the proxy)."""
     url = _configured_url(pytestconfig)
     if not url:
         raise pytest.UsageError(NO_URL)
-    return url
+    return kvplug_fault_proxy.url_for(url) if kvplug_fault_proxy is not None else url
 
 
 @pytest.fixture(scope="session")
@@ -380,13 +554,16 @@ def run(kvplug_runner: LoopRunner) -> Callable[..., Any]:
 
 
 @pytest.fixture
-def allocator() -> Iterator[FreeListAllocator]:
+def allocator(kvplug_runner: LoopRunner) -> Iterator[FreeListAllocator]:
     """Where objects of the test and objects returned by ``get`` live. When the test ends and
-    every backend it opened is closed, nothing may remain allocated (clause 5)."""
+    every backend it opened is closed, nothing may remain allocated (clause 5); unless the
+    test's backend blocked the event loop, whose abandoned operations still hold objects (that
+    failure is reported already)."""
+    abandoned = kvplug_runner.abandoned_loops
     suite_allocator = FreeListAllocator(SUITE_ALLOCATOR_SIZE, pin=False)
     yield suite_allocator
     stats = suite_allocator.stats()
-    if stats.used:
+    if stats.used and kvplug_runner.abandoned_loops == abandoned and not kvplug_runner.gave_up:
         violated(
             5,
             f"after the test and the backend's close, {stats.object_count} object(s) "
@@ -422,6 +599,8 @@ def open_contract_backend(
 
     yield open_backend
     for backend in opened:
+        if type(backend) in kvplug_runner.blocking_closers:
+            continue  # its close blocked the loop once (a clause-11 failure): not waited again
         try:
             kvplug_runner.run(backend.close(), timeout=CLOSE_LIMIT)
         except ContractTimeout:
@@ -435,10 +614,24 @@ def backend(open_contract_backend: Callable[..., Backend]) -> Backend:
 
 
 @pytest.fixture
-def small_store_options(backend: Backend) -> dict[str, Any] | None:
-    """Options that make the store small enough to fill in a test, or None (clause 9 n/a)."""
-    if "max_size" in type(innermost(backend)).Options.model_fields:
-        return {"max_size": "4MiB"}
+def small_store_options(pytestconfig: pytest.Config, backend: Backend) -> dict[str, Any] | None:
+    """Options that make the store small enough to fill in a test (a few MiB), or None, and
+    the capacity and pin-pressure tests (clauses 8, 9) are ``not run``.
+
+    In order: ``--kvplug-small-option NAME=VALUE`` (repeatable); else the
+    ``contract_small_options`` class attribute of the backend (or of a backend it wraps)::
+
+        class AcmeBackend(BytesBackend):
+            contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
+
+    else None. A vendor may also override this fixture."""
+    given = _parse_options(pytestconfig.getoption("--kvplug-small-option"), "--kvplug-small-option")
+    if given:
+        return dict(given)
+    for layer in layers(backend):
+        declared = getattr(type(layer), SMALL_OPTIONS_ATTRIBUTE, None)
+        if declared is not None:
+            return dict(declared)
     return None
 
 
@@ -446,32 +639,25 @@ def small_store_options(backend: Backend) -> dict[str, Any] | None:
 def damage_stored() -> Callable[..., Any] | None:
     """An async ``damage(backend, key, mode)`` that damages what is stored under ``key``
     (``mode`` is ``"flip"``, ``"truncate"`` or ``"garbage"``) and returns whether it could; the
-    default handles every :class:`~kvplug.backend.BytesBackend` and every backend with a
-    ``stored_files(key)`` method (the local files holding ``key``), also behind wrappers."""
+    default handles every backend, also behind wrappers, that is a
+    :class:`~kvplug.backend.RawValues` (every :class:`~kvplug.backend.BytesBackend`: the stored
+    value is rewritten) or a :class:`~kvplug.backend.StoredFiles` (the local files holding
+    ``key``, such as ``file://``, are rewritten)."""
 
     async def damage(backend: Backend, key: kvplug.CacheKey, mode: str) -> bool:
-        backend = next(
-            (
-                layer
-                for layer in layers(backend)
-                if isinstance(layer, BytesBackend) or callable(getattr(layer, "stored_files", None))
-            ),
-            backend,
-        )
-        stored_files = getattr(backend, "stored_files", None)
-        if not isinstance(backend, BytesBackend) and callable(stored_files):
-            paths = [Path(path) for path in stored_files(key)]
-            for path in paths:
-                path.write_bytes(_damaged(path.read_bytes(), mode))
-            return bool(paths)
-        if not isinstance(backend, BytesBackend):
-            return False
-        store_key = backend.key_string(key)
-        data = await backend.get_bytes(store_key)
-        if data is None:
-            return False
-        await backend.put_bytes(store_key, [_damaged(bytes(data), mode)])
-        return True
+        for layer in layers(backend):
+            if isinstance(layer, StoredFiles):
+                paths = [Path(path) for path in layer.stored_files(key)]
+                for path in paths:
+                    path.write_bytes(_damaged(path.read_bytes(), mode))
+                return bool(paths)
+            if isinstance(layer, RawValues):
+                data = await layer.read_raw(key)
+                if data is None:
+                    return False
+                await layer.write_raw(key, _damaged(data, mode))
+                return True
+        return False
 
     return damage
 
@@ -489,7 +675,10 @@ def _damaged(data: bytes, mode: str) -> bytes:
 
 
 @pytest.fixture
-def server_control() -> Any:
+def server_control(kvplug_fault_proxy: FaultProxy | None) -> Iterator[Any]:
     """Control over the server behind the URL (``pause``, ``resume``, ``stop``, ``start``), or
-    None when the fixture cannot reach it; override it to run clause 10."""
-    return None
+    None when the fixture cannot reach it; override it, or pass ``--kvplug-proxy``, to run
+    clause 10. The ``--kvplug-proxy`` fault proxy is healed after each test."""
+    yield kvplug_fault_proxy
+    if kvplug_fault_proxy is not None:
+        kvplug_fault_proxy.heal()

@@ -9,12 +9,14 @@ import hashlib
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import pytest
 import torch
 
 from kvplug import Backend, CacheKey, MemoryFormat, MemoryObj
+from kvplug.backend import Wraps
 from kvplug.memory import Allocator
 
 T = TypeVar("T")
@@ -24,7 +26,7 @@ Run = Callable[..., Any]
 CLAUSES: dict[int, str] = {
     1: "a miss returns None",
     2: "get after put is bit-identical",
-    3: "overwrites are atomic, never torn",
+    3: "an overwrite replaces atomically; a reader never sees a mix",
     4: "batched_contains counts the prefix; batched_get is aligned",
     5: "put releases its reference; get returns an owned object; no leaks",
     6: "corrupt stored data reads as a miss, is counted and removed",
@@ -39,15 +41,35 @@ CLAUSES: dict[int, str] = {
     15: "safe under concurrency",
 }
 
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 10.0
+"""Seconds one backend operation of the suite may take (``--kvplug-timeout``)."""
+
+WEDGE_PROBE = 2.0
+"""After an operation overran its budget: seconds the loop gets to run a no-op callback before
+the suite takes it for blocked (a hook called ``time.sleep`` or another blocking function)."""
+
+MAX_ABANDONED_LOOPS = 5
+"""After the backend blocked this many event loops, the suite runs no more of its operations:
+the remaining tests are ``not run`` instead of each waiting out its budget."""
+
+NOT_APPLICABLE = "not applicable: "
+NOT_RUN = "not run: "
 
 
-def clause(*numbers: int) -> pytest.MarkDecorator:
-    """Mark a contract test with the clause numbers it checks."""
+def clause(*numbers: int, central: bool = False) -> pytest.MarkDecorator:
+    """Mark a contract test with the clause numbers it checks.
+
+    ``central=True``: the clauses' verdicts rest on this test. When every central test of a
+    clause was skipped as n/a the clause is ``n/a``; when one of them did not run (skipped with
+    :func:`not_run`, or deselected) the clause is ``not run``, never ``pass``::
+
+        @clause(9, central=True)
+        def test_a_full_store_evicts_or_raises_capacity_exceeded(self, ...): ...
+    """
     for number in numbers:
         if number not in CLAUSES:
             raise ValueError(f"there is no contract clause {number}")
-    return pytest.mark.kvplug_clause(*numbers)
+    return pytest.mark.kvplug_clause(*numbers, central=central)
 
 
 def violated(number: int, message: str) -> NoReturn:
@@ -56,41 +78,139 @@ def violated(number: int, message: str) -> NoReturn:
 
 
 def not_applicable(reason: str) -> NoReturn:
-    """Skip a clause that does not apply to this backend (reported as n/a)."""
-    pytest.skip(f"not applicable: {reason}")
+    """Skip a test whose clause legitimately does not apply to this backend, such as a
+    capability it does not declare (reported as ``n/a`` with ``reason``)."""
+    pytest.skip(f"{NOT_APPLICABLE}{reason}")
+
+
+def not_run(reason: str) -> NoReturn:
+    """Skip a test that applies but that the suite could not run, such as a capacity test
+    without options that make the store small (reported as ``not run``, never as a pass);
+    ``reason`` says how to enable it."""
+    pytest.skip(f"{NOT_RUN}{reason}")
+
+
+@dataclass
+class RunningTest:
+    """What the suite is running now, for messages: the plugin sets ``clause`` to the first
+    clause of each contract test as it starts."""
+
+    clause: int | None = None
+
+
+RUNNING = RunningTest()
 
 
 class ContractTimeout(AssertionError):
-    """An operation did not finish within the suite's own time limit."""
+    """An operation did not finish within the suite's own time limit. Its message names the
+    clause of the running test (as :func:`violated` does), the operation and its key."""
+
+
+def describe_step(coroutine: Coroutine[Any, Any, Any]) -> str:
+    """What ``coroutine`` (not yet started) does, for a timeout message: a backend operation
+    with its key (``get of model@1@0@7@half``), or the test's step by name."""
+    name = getattr(coroutine, "__name__", "step")
+    frame = getattr(coroutine, "cr_frame", None)
+    arguments: dict[str, Any] = dict(frame.f_locals) if frame is not None else {}
+    if not isinstance(arguments.get("self"), Backend):
+        return f"the step {getattr(coroutine, '__qualname__', name)}()"
+    if isinstance(arguments.get("key"), CacheKey):
+        return f"{name} of {arguments['key']}"
+    keys = arguments.get("keys")
+    if isinstance(keys, Sequence) and keys:
+        return f"{name} of {len(keys)} key(s) from {keys[0]}"
+    return f"{name} of {arguments['self'].url}"
+
+
+def _closing(coroutine: Coroutine[Any, Any, Any]) -> Backend | None:
+    """The backend that ``coroutine`` closes, when it is a ``close()``."""
+    frame = getattr(coroutine, "cr_frame", None)
+    owner = frame.f_locals.get("self") if frame is not None else None
+    is_close = getattr(coroutine, "__name__", "") == "close"
+    return owner if is_close and isinstance(owner, Backend) else None
 
 
 class LoopRunner:
     """One event loop on its own thread. Tests stay synchronous: ``run(coro)`` waits for the
-    result with a time limit, so a backend that blocks or hangs fails the test instead of
-    hanging the suite."""
+    result within a per-operation budget, so a backend that hangs fails the test, naming the
+    clause, the operation and its key, instead of hanging the suite. A backend that blocks the
+    loop's thread (``time.sleep`` in a hook) fails its test too; the suite then leaves that
+    loop behind and goes on with a new one, so the rest of the session is not wedged."""
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="kvplug-contract-loop", daemon=True
-        )
-        self._thread.start()
+        self.abandoned_loops = 0
+        self.blocking_closers: set[type[Backend]] = set()
+        """Backend classes whose close blocked the loop: the suite stops closing them."""
+        self.loop, self._thread = self._start_loop()
+
+    @staticmethod
+    def _start_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="kvplug-contract-loop", daemon=True)
+        thread.start()
+        return loop, thread
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Await ``coroutine`` on the loop; :class:`ContractTimeout` after ``timeout`` seconds
+        (default: the per-operation budget, ``--kvplug-timeout``)."""
+        if self.gave_up:
+            coroutine.close()
+            not_run(
+                f"the backend blocked the suite's event loop {self.abandoned_loops} times (see "
+                "the first failures), so the suite runs none of its operations any more"
+            )
         limit = self.timeout if timeout is None else timeout
+        step = describe_step(coroutine)
+        closing = _closing(coroutine)
         future = self.submit(coroutine)
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise ContractTimeout(
-                f"the operation did not finish within {limit} s (the suite's time limit; "
-                "change it with --kvplug-timeout)"
-            ) from None
+            message = f"{step} did not finish within {limit:g} s (the suite's budget for one " + (
+                "operation; change it with --kvplug-timeout)"
+                if timeout is None
+                else "step of this test)"
+            )
+            if not self.responsive():
+                self._replace_loop()
+                if closing is not None:
+                    self.blocking_closers.add(type(closing))
+                message += (
+                    f"; the event loop then stayed blocked for {WEDGE_PROBE:g} s more: a hook "
+                    "blocks the loop's thread (time.sleep, a synchronous join or socket call); "
+                    "run blocking work in a thread (asyncio.to_thread). The suite left that "
+                    "loop behind and goes on with a new one"
+                )
+            number = RUNNING.clause
+            if number is not None:
+                message = f"clause {number} ({CLAUSES[number]}) violated: {message}"
+            raise ContractTimeout(message) from None
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether the backend blocked so many loops that the suite stopped running it."""
+        return self.abandoned_loops >= MAX_ABANDONED_LOOPS
+
+    def responsive(self, wait: float = WEDGE_PROBE) -> bool:
+        """Whether the loop runs a no-op callback within ``wait`` seconds."""
+        ran = threading.Event()
+        try:
+            self.loop.call_soon_threadsafe(ran.set)
+        except RuntimeError:  # the loop is closed
+            return False
+        return ran.wait(wait)
+
+    def _replace_loop(self) -> None:
+        """Leave the blocked loop to stop by itself once its thread is free again."""
+        blocked = self.loop
+        blocked.call_soon_threadsafe(blocked.stop)
+        self.abandoned_loops += 1
+        self.loop, self._thread = self._start_loop()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -165,8 +285,8 @@ def check_same(number: int, expected: MemoryObj, got: MemoryObj | None, what: st
 def layers(backend: Backend) -> list[Backend]:
     """``backend`` and every backend it wraps (through ``inner``), outermost first."""
     chain = [backend]
-    while isinstance(getattr(chain[-1], "inner", None), Backend):
-        chain.append(chain[-1].inner)  # type: ignore[attr-defined]
+    while isinstance(chain[-1], Wraps):
+        chain.append(chain[-1].inner)
     return chain
 
 
@@ -194,6 +314,7 @@ __all__ = [
     "layers",
     "make_obj",
     "not_applicable",
+    "not_run",
     "release_all",
     "violated",
 ]

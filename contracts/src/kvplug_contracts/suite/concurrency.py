@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
@@ -15,6 +17,7 @@ from kvplug_contracts.support import (
     clause,
     difference,
     make_obj,
+    not_applicable,
     release_all,
     violated,
 )
@@ -27,6 +30,9 @@ TASKS = 200
 THREADS = 8
 OPS_PER_THREAD = 25
 SHARED_VALUES = 4
+# Rounds of put, then remove racing reads of the key: reads start 0 to 3 loop steps apart, so
+# some land inside a remove that takes more than one step.
+RACE_ROUNDS = 24
 
 
 def _report(problems: list[str], what: str) -> None:
@@ -41,6 +47,27 @@ def _compare(expected: MemoryObj, got: MemoryObj | None, what: str) -> str | Non
         return f"{what} missed after its put completed"
     problem = difference(expected, got)
     return None if problem is None else f"{what}: {problem}"
+
+
+def _on_another_loop(
+    operation: Callable[[], Coroutine[Any, Any, list[str]]], where: str, limit: float
+) -> list[str]:
+    """The problems ``operation`` reports when run by ``asyncio.run`` in a thread of its own
+    (a daemon thread: one that hangs is abandoned, not joined)."""
+    outcome: list[str] = []
+
+    def in_a_thread() -> None:
+        try:
+            outcome.extend(asyncio.run(operation()))
+        except Exception as error:
+            outcome.append(f"a round trip {where} raised {type(error).__name__}: {error}")
+
+    thread = threading.Thread(target=in_a_thread, name="kvplug-contract-other-loop", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return [f"a round trip {where} did not finish within {limit:.0f} s"]
+    return outcome
 
 
 class ConcurrencyContract:
@@ -126,6 +153,116 @@ class ConcurrencyContract:
             _report(problems, f"reading back what {TASKS} concurrent tasks put")
         finally:
             release_all(list(keys.values()))
+
+    @clause(15)
+    def test_get_racing_remove_of_the_same_key_returns_the_object_or_none(
+        self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
+    ) -> None:
+        if not backend.capabilities.remove:
+            not_applicable("the backend does not declare 'remove'")
+        key = keyspace.key(7)
+        obj = make_obj(allocator, (2, 2, 64, 128), seed=7)
+        problems: list[str] = []
+
+        async def read(steps: int, batched: bool) -> None:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            what = "batched_get" if batched else "get"
+            try:
+                got = (await backend.batched_get([key]))[0] if batched else await backend.get(key)
+            except Exception as error:
+                problems.append(f"{what} during remove raised {type(error).__name__}: {error}")
+                return
+            if got is not None:
+                problem = difference(obj, got)
+                got.release()
+                if problem is not None:
+                    problems.append(f"{what} during remove returned a damaged object: {problem}")
+
+        async def race(round_: int) -> None:
+            await backend.put(key, obj)
+            readers = [read((round_ + n) % 4, batched=n == 3) for n in range(4)]
+            outcomes = await asyncio.gather(backend.remove(key), *readers, return_exceptions=True)
+            if isinstance(outcomes[0], Exception):
+                error = outcomes[0]
+                problems.append(f"remove racing gets raised {type(error).__name__}: {error}")
+
+        async def rounds() -> None:
+            for round_ in range(RACE_ROUNDS):
+                await race(round_)
+
+        try:
+            run(rounds())
+        finally:
+            obj.release()
+        _report(
+            problems, f"get and batched_get racing remove of the same key ({RACE_ROUNDS} rounds)"
+        )
+
+    @clause(15)
+    def test_a_backend_opened_on_one_loop_works_from_other_threads_and_loops(
+        self,
+        backend: Backend,
+        run: Run,
+        kvplug_runner: LoopRunner,
+        keyspace: Keyspace,
+        allocator: FreeListAllocator,
+    ) -> None:
+        """Engines open a backend once and use it from a worker's own loop, or hand it to a
+        SyncClient: nothing of it may stay bound to the loop that opened it."""
+        limit = kvplug_runner.timeout
+        objs = [make_obj(allocator, SHAPE, seed=70 + n) for n in range(4)]
+        keys = keyspace.keys(4, start=70)
+
+        async def round_trip(n: int, where: str) -> list[str]:
+            await backend.put(keys[n], objs[n])
+            got = await backend.get(keys[n])
+            try:
+                problems = [p for p in [_compare(objs[n], got, f"get {where}")] if p]
+            finally:
+                release_all([got])
+            if await backend.contains(keys[n]) is not True:
+                problems.append(f"contains {where} is not True after its put")
+            # Key 0 was put on the opening loop, key n here.
+            listed = await backend.batched_get([keys[0], keys[n]])
+            try:
+                for i, have in zip((0, n), listed, strict=False):
+                    problem = _compare(objs[i], have, f"batched_get {where} of key {i}")
+                    if problem:
+                        problems.append(problem)
+            finally:
+                release_all(listed)
+            return problems
+
+        try:
+            problems = run(round_trip(0, "on the loop that opened the backend"))
+            where = "in another thread's asyncio.run"
+            elsewhere = _on_another_loop(lambda: round_trip(1, where), where, limit)
+            problems += elsewhere
+            problems += run(round_trip(2, "on the opening loop again, after another loop"))
+            if elsewhere:
+                # Not handed to a SyncClient, which would also close it on its own loop: the
+                # test's fixture closes it on the opening loop, so that nothing leaks.
+                _report(problems, "a backend used from a loop other than the one that opened it")
+            client = SyncClient(backend)
+            try:
+                where = "through a SyncClient given the opened backend"
+                problems += client.run(round_trip(3, where)).result(limit)
+            except concurrent.futures.TimeoutError:
+                problems.append(f"a round trip {where} did not finish within {limit:.0f} s")
+            except Exception as error:
+                problems.append(f"a round trip {where} raised {type(error).__name__}: {error}")
+            finally:
+                try:
+                    client.close(timeout=limit)
+                except Exception as error:
+                    problems.append(
+                        f"close through a SyncClient given the opened backend raised "
+                        f"{type(error).__name__}: {error}"
+                    )
+        finally:
+            release_all(objs)
+        _report(problems, "a backend used from a loop other than the one that opened it")
 
     @clause(3, 15)
     def test_many_threads_through_a_sync_client_read_back_exactly_what_they_put(

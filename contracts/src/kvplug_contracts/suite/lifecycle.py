@@ -19,6 +19,7 @@ from kvplug import (
     MemoryObj,
     NotSupported,
 )
+from kvplug.backend import Wraps
 from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.support import (
     ContractTimeout,
@@ -30,6 +31,7 @@ from kvplug_contracts.support import (
     innermost,
     make_obj,
     not_applicable,
+    not_run,
     release_all,
     violated,
 )
@@ -113,7 +115,10 @@ class _Raised:
 
 def _server(server_control: object) -> ServerControl:
     if server_control is None:
-        not_applicable("the fixture cannot stop or pause the server; override server_control")
+        not_run(
+            "the suite cannot pause or stop the server behind the URL: pass --kvplug-proxy "
+            "(kvplug contract --proxy) or override the server_control fixture"
+        )
     if not isinstance(server_control, ServerControl):
         pytest.fail(
             f"the server_control fixture returned {server_control!r}, which lacks some of "
@@ -143,7 +148,7 @@ def _deadline(backend: Backend) -> float:
         deadline = max(deadline, current.options.timeout)
         for tier in getattr(current, "tiers", ()):
             deadline = max(deadline, _deadline(tier))
-        current = getattr(current, "inner", None)
+        current = current.inner if isinstance(current, Wraps) else None
     return deadline
 
 
@@ -281,7 +286,7 @@ class DeadlineContract:
     ``DEADLINE_GRACE`` seconds while the server is down.
     """
 
-    @clause(10)
+    @clause(10, central=True)
     def test_while_paused_operations_fail_within_the_deadline_and_recover_after_resume(
         self,
         server_control: object,
@@ -320,7 +325,7 @@ class DeadlineContract:
         finally:
             release_all(objs)
 
-    @clause(10)
+    @clause(10, central=True)
     def test_while_stopped_operations_fail_fast_and_recover_after_restart(
         self,
         server_control: object,
@@ -432,7 +437,7 @@ class CloseContract:
             if capabilities.pin:
                 operations["pin"] = lambda: backend.pin(key)
                 operations["unpin"] = lambda: backend.unpin(key)
-            if capabilities.list:
+            if capabilities.list_keys:
                 operations["list_keys"] = lambda: _listed(backend)
             wrong: list[str] = []
             for name, operation in operations.items():
@@ -441,7 +446,7 @@ class CloseContract:
                 except BackendClosed:
                     continue
                 except NotSupported:
-                    if name == "remove" and not capabilities.delete:
+                    if name == "remove" and not capabilities.remove:
                         continue  # either answer is honest for an undeclared capability
                     wrong.append(f"{name} raised NotSupported")
                 except ContractTimeout:
@@ -624,8 +629,8 @@ class CapabilityContract:
     def test_list_keys_matches_the_list_capability(
         self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
     ) -> None:
-        if not backend.capabilities.list:
-            _not_supported(run, "list", "list_keys", lambda: _listed(backend))
+        if not backend.capabilities.list_keys:
+            _not_supported(run, "list_keys", "list_keys", lambda: _listed(backend))
             return
         keys = keyspace.keys(3)
         obj = make_obj(allocator, SHAPE, seed=71)
@@ -634,7 +639,7 @@ class CapabilityContract:
         finally:
             obj.release()
         stored = {key for key in keys if run(backend.contains(key))}
-        listed = _works(run, "list", "list_keys", lambda: _listed(backend))
+        listed = _works(run, "list_keys", "list_keys", lambda: _listed(backend))
         foreign = [key for key in listed if not isinstance(key, CacheKey)]
         if foreign:
             violated(13, f"list_keys yielded {foreign[0]!r}, which is not a CacheKey")
@@ -648,7 +653,7 @@ class CapabilityContract:
             )
 
     @clause(13)
-    def test_remove_matches_the_delete_capability(
+    def test_remove_matches_the_remove_capability(
         self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
     ) -> None:
         key = keyspace.key(1)
@@ -657,27 +662,27 @@ class CapabilityContract:
             run(backend.put(key, obj))
         finally:
             obj.release()
-        if not backend.capabilities.delete:
-            _not_supported(run, "delete", "remove of a stored key", lambda: backend.remove(key))
+        if not backend.capabilities.remove:
+            _not_supported(run, "remove", "remove of a stored key", lambda: backend.remove(key))
             _not_supported(
                 run,
-                "delete",
+                "remove",
                 "remove of a key never stored",
                 lambda: backend.remove(keyspace.key(2)),
             )
             return
         present = run(backend.contains(key))
-        removed = _works(run, "delete", "remove", lambda: backend.remove(key))
+        removed = _works(run, "remove", "remove", lambda: backend.remove(key))
         if removed is not present:
             violated(
                 13,
-                f"the backend declares 'delete'; remove of a key whose contains is {present} "
+                f"the backend declares 'remove'; remove of a key whose contains is {present} "
                 f"returned {removed!r}",
             )
         got = run(backend.get(key))
         if got is not None or run(backend.contains(key)):
             release_all([got])
-            violated(13, "the backend declares 'delete' but the key is still there after remove")
+            violated(13, "the backend declares 'remove' but the key is still there after remove")
 
     @clause(13)
     def test_objects_are_in_host_memory_without_device_memory(
@@ -727,7 +732,7 @@ class CapabilityContract:
             if got is None:
                 not_applicable("the backend kept nothing that was put; nothing to inspect")
             run(backend.put(key, second))
-            if backend.capabilities.delete:
+            if backend.capabilities.remove:
                 run(backend.remove(key))
             run(backend.close())
             if not got.is_valid:
@@ -747,16 +752,12 @@ class CapabilityContract:
         if not backend.capabilities.native_batching:
             not_applicable("the backend does not declare 'native_batching'")
         inner = type(innermost(backend))
-        defaults = [
-            name
-            for name in ("batched_get", "batched_put", "batched_contains")
-            if getattr(inner, name) is getattr(Backend, name)
-        ]
+        defaults = inner.missing_hooks("native_batching")
         if defaults:
             violated(
                 13,
-                f"{inner.__name__} declares 'native_batching' but uses Backend's per-key "
-                f"default for {', '.join(defaults)}",
+                f"{inner.__name__} declares 'native_batching' but keeps the per-key default "
+                f"of {', '.join(defaults)}",
             )
 
     @clause(13)

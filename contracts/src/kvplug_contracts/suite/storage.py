@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvplug import Backend, CacheKey, CapacityExceeded, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.backend import CountsCorruptObjects
 from kvplug.memory import nbytes_of
 from kvplug.units import parse_size
 from kvplug_contracts.support import (
@@ -24,6 +25,7 @@ from kvplug_contracts.support import (
     layers,
     make_obj,
     not_applicable,
+    not_run,
     release_all,
     violated,
 )
@@ -50,8 +52,9 @@ PIN_WAIT = 0.4
 
 NO_DAMAGE = "the suite cannot damage this backend's stored data; override the damage_stored fixture"
 NO_SMALL_STORE = (
-    "the suite cannot make this store small enough to fill; override the small_store_options "
-    "fixture"
+    "the suite cannot make this store small enough to fill: declare contract_small_options "
+    '(e.g. {"max_size": "4MiB"}) on the backend class, pass --kvplug-small-option NAME=VALUE, '
+    "or override the small_store_options fixture"
 )
 
 
@@ -61,9 +64,12 @@ NO_SMALL_STORE = (
 def _corrupt_count(backend: Backend) -> int | None:
     """The sum of the ``corrupt_objects`` counters of ``backend`` and the backends it wraps,
     or None when none of them has one."""
-    counts = [getattr(layer, "corrupt_objects", None) for layer in layers(backend)]
-    numbers = [c for c in counts if isinstance(c, int) and not isinstance(c, bool)]
-    return sum(numbers) if numbers else None
+    counts = [
+        layer.corrupt_objects
+        for layer in layers(backend)
+        if isinstance(layer, CountsCorruptObjects)
+    ]
+    return sum(counts) if counts else None
 
 
 def _capacity(options: dict[str, Any]) -> int | None:
@@ -152,9 +158,9 @@ def _damage(
     run: Run, damage_stored: Damage | None, backend: Backend, key: CacheKey, mode: str
 ) -> None:
     if damage_stored is None:
-        not_applicable(NO_DAMAGE)
+        not_run(NO_DAMAGE)
     if not run(damage_stored(backend, key, mode)):
-        not_applicable(NO_DAMAGE)
+        not_run(NO_DAMAGE)
 
 
 def _require_pin(backend: Backend) -> None:
@@ -164,7 +170,7 @@ def _require_pin(backend: Backend) -> None:
 
 def _require_small(small_store_options: dict[str, Any] | None) -> dict[str, Any]:
     if small_store_options is None:
-        not_applicable(NO_SMALL_STORE)
+        not_run(NO_SMALL_STORE)
     return small_store_options
 
 
@@ -174,7 +180,7 @@ def _require_small(small_store_options: dict[str, Any] | None) -> dict[str, Any]
 class CorruptionContract:
     """Clause 6: damaged stored data reads as a miss, is counted and is removed."""
 
-    @clause(6)
+    @clause(6, central=True)
     @pytest.mark.parametrize("mode", DAMAGE_MODES)
     def test_damaged_data_reads_as_a_counted_miss_and_is_removed(
         self,
@@ -271,7 +277,7 @@ class CorruptionContract:
 class PinContract:
     """Clause 8: pinned keys survive eviction; unpin always succeeds; pins expire."""
 
-    @clause(8)
+    @clause(8, central=True)
     def test_pinned_keys_survive_eviction_pressure(
         self,
         backend: Backend,
@@ -310,9 +316,10 @@ class PinContract:
                 finally:
                     release_all([got])
             if _present(run, small, filler_keys) == count:
-                not_applicable(
+                not_run(
                     f"{_size_text(options)} held all {count} objects of {filler.nbytes} bytes: "
-                    "nothing was evicted, so pins were never tested; override small_store_options"
+                    "nothing was evicted, so pins were never tested; give smaller "
+                    "contract_small_options or override small_store_options"
                 )
         finally:
             release_all([*pinned, filler])
@@ -345,7 +352,7 @@ class PinContract:
             violated(8, "pin of a stored key did not return True")
         unpin("a pinned key")
         unpin("a key already unpinned (a second unpin)")
-        if backend.capabilities.delete:
+        if backend.capabilities.remove:
             run(backend.pin(key))
             run(backend.remove(key))
             unpin("a pinned key that was removed")
@@ -358,7 +365,7 @@ class PinContract:
         result = run(backend.pin(keyspace.key(404)))
         if result is not False:
             violated(8, f"pin of a key never stored returned {result!r}, expected False")
-        if not backend.capabilities.delete:
+        if not backend.capabilities.remove:
             return
         key = keyspace.key(1)
         obj = make_obj(allocator, SMALL_SHAPE, torch.float16, seed=82)
@@ -425,7 +432,7 @@ class PinContract:
 class CapacityContract:
     """Clause 9: a full store raises CapacityExceeded or evicts; reads keep working."""
 
-    @clause(9)
+    @clause(9, central=True)
     def test_a_full_store_evicts_or_raises_capacity_exceeded(
         self,
         backend: Backend,
@@ -472,9 +479,10 @@ class CapacityContract:
                     "right after the store filled: reads stopped working",
                 )
             if all(hits):
-                not_applicable(
+                not_run(
                     f"{_size_text(options)} held all {count} objects of {nbytes} bytes, so it "
-                    "never filled; override small_store_options"
+                    "never filled; give smaller contract_small_options or override "
+                    "small_store_options"
                 )
         finally:
             release_all(objs)
@@ -524,7 +532,7 @@ class CapacityContract:
 class PersistenceContract:
     """Clause 14: persistent backends keep data across a close and reopen."""
 
-    @clause(14)
+    @clause(14, central=True)
     def test_data_survives_close_and_reopen(
         self,
         backend: Backend,
@@ -557,7 +565,7 @@ class PersistenceContract:
                     check_same(14, obj, got, f"key {n} after close and reopen")
                 finally:
                     release_all([got])
-            if second.capabilities.list:
+            if second.capabilities.list_keys:
                 listed = run(_collect(second, keyspace.model))
                 missing = [k.chunk_hash_hex for k in keys if k not in listed]
                 if missing:
