@@ -527,6 +527,26 @@ def test_no_hypothesis_directory_is_left_in_the_working_directory(
     assert not (pytester.path / ".hypothesis").exists()
 
 
+def test_a_vendors_contract_subclass_leaves_no_hypothesis_directory_either(
+    run_suite: RunSuite, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    pytester.makepyfile(
+        test_vendor=(
+            "import pytest\n"
+            "from kvplug_contracts.suite import BackendContract\n\n"
+            "class TestRef(BackendContract):\n"
+            "    @pytest.fixture\n"
+            "    def kvplug_url(self):\n"
+            "        return 'ref://'\n"
+        )
+    )
+    result = pytester.runpytest("test_vendor.py", "-p", "no:cacheprovider", "-k", "random_op")
+    assert result.ret == pytest.ExitCode.OK, "\n".join(result.outlines)
+    result.assert_outcomes(passed=1)
+    assert not (pytester.path / ".hypothesis").exists()
+
+
 def test_the_command_agrees_with_the_suite_on_its_defaults() -> None:
     from kvplug_contracts import cli, plugin, support
 

@@ -135,14 +135,21 @@ def pytest_configure(config: pytest.Config) -> None:
         for pair in config.getoption("--kvplug-option") + config.getoption("--kvplug-small-option")
     )
     remember_in({"url": _configured_url(config), **{name: value for name, _, value in pairs}})
-    if _configured_url(config) and not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+    if _configured_url(config):
         _keep_hypothesis_files_in_a_temporary_directory(config)
+
+
+_HYPOTHESIS_HOME = pytest.StashKey[bool]()
 
 
 def _keep_hypothesis_files_in_a_temporary_directory(config: pytest.Config) -> None:
     """Hypothesis caches files under ``.hypothesis/`` in the working directory even without
-    an example database; a run of the suite against a URL leaves nothing in the caller's
-    directory (set ``HYPOTHESIS_STORAGE_DIRECTORY`` to choose where instead)."""
+    an example database; a session that runs contract tests (against a URL, or a vendor's
+    ``BackendContract`` subclass) leaves nothing in the caller's directory (set
+    ``HYPOTHESIS_STORAGE_DIRECTORY`` to choose where instead)."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY") or config.stash.get(_HYPOTHESIS_HOME, False):
+        return
+    config.stash[_HYPOTHESIS_HOME] = True
     directory = tempfile.mkdtemp(prefix="kvplug-contract-hypothesis-")
     set_hypothesis_home_dir(directory)
 
@@ -492,6 +499,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _parse_options(config.getoption("--kvplug-option"))
     _parse_options(config.getoption("--kvplug-small-option"), "--kvplug-small-option")
     _proxied_upstream(config)
+    if any(item.get_closest_marker("kvplug_clause") is not None for item in session.items):
+        _keep_hypothesis_files_in_a_temporary_directory(config)
     if _configured_url(config):
         return
     for item in session.items:

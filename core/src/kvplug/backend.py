@@ -349,6 +349,52 @@ class Backend(abc.ABC):
     * Operations finish within ``options.timeout`` with a result, a
       :class:`~kvplug.errors.BackendTimeout` or a :class:`~kvplug.errors.BackendUnavailable`,
       and recover without reopening when the server returns (clause 10).
+
+    A store of memory objects in a dict, complete and correct (it keeps a reference to each
+    object it stores and gives every reader one of its own)::
+
+        >>> import asyncio, torch, kvplug
+        >>> from kvplug.backend import Backend, Capabilities
+        >>> class HeldObjects(Backend):
+        ...     capabilities = Capabilities(remove=True, zero_copy=True)
+        ...
+        ...     def __init__(self, url, **kwargs):
+        ...         super().__init__(url, **kwargs)
+        ...         self._held: dict[kvplug.CacheKey, kvplug.MemoryObj] = {}
+        ...
+        ...     async def _get(self, key):
+        ...         obj = self._held.get(key)
+        ...         return None if obj is None else obj.retain()
+        ...
+        ...     async def _put(self, key, obj):
+        ...         old, self._held[key] = self._held.get(key), obj.retain()
+        ...         if old is not None:
+        ...             old.release()
+        ...
+        ...     async def _contains(self, key):
+        ...         return key in self._held
+        ...
+        ...     async def _remove(self, key):
+        ...         obj = self._held.pop(key, None)
+        ...         if obj is not None:
+        ...             obj.release()
+        ...         return obj is not None
+        ...
+        ...     async def _close(self):
+        ...         for obj in self._held.values():
+        ...             obj.release()
+        ...         self._held.clear()
+        >>> async def demo() -> list[object]:
+        ...     backend = HeldObjects("held://")
+        ...     key = kvplug.CacheKey("llama", 1, 0, 7)
+        ...     await backend.put(key, kvplug.MemoryObj.from_tensor(torch.ones(2)))
+        ...     got = await backend.get(key)
+        ...     found = [got.tensor.tolist(), await backend.remove(key), await backend.remove(key)]
+        ...     got.release()
+        ...     await backend.close()
+        ...     return found
+        >>> asyncio.run(demo())
+        [[1.0, 1.0], True, False]
     """
 
     _GATES: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -593,8 +639,7 @@ class Backend(abc.ABC):
         * A miss is ``None``, never an exception (clause 1).
         * A hit is bit-identical to what the last completed ``put`` of ``key`` stored: bytes,
           dtype, shape and format (clause 2); never a mix of two puts (clause 3). Put v1, put
-          v2, get gives v2 (read-your-writes); a backend that may keep the old value on
-          overwrite says so in its documentation and the suite is told (clause 3).
+          v2, get gives v2 (read-your-writes): an overwrite never keeps the old value.
         * The caller owns one reference of the returned object and releases it (clause 5).
         * Stored data that is corrupt, torn or truncated reads as a miss, is counted and is
           removed (clause 6).
