@@ -13,6 +13,7 @@ opened on the URL sees it (``shared_across_processes``, simulated within one pro
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import threading
@@ -241,8 +242,9 @@ class ReadsItsOwnWay(RefBackend):
     through it) decodes the stored value with :meth:`decode` instead of the core's receiver,
     as a vendor who overrides the object hooks does."""
 
+    @abc.abstractmethod
     async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
-        raise NotImplementedError
+        """The object in a stored value, or None."""
 
     async def _get(self, key: CacheKey) -> MemoryObj | None:
         name = self.key_string(key)

@@ -552,7 +552,7 @@ class Backend(abc.ABC):
                 self._home_loop = loop
             elif home is not loop:
                 return await self._run_on_home_loop(home, self._run_hook(operation, hook, *args))
-        stats = self._operation_stats.get(operation) or self._operation_counter(operation)
+        stats = self._operation_counter(operation)
         stats.calls += 1
         started = time.perf_counter()
         try:
@@ -843,6 +843,15 @@ class Backend(abc.ABC):
                 f"the {capability!r} capability."
             )
 
+    def _unsupported(self, capability: str) -> NotSupported:
+        """The error of a hook this backend does not implement: reached only past the
+        template's capability gate (a backend that declares ``capability`` is refused at class
+        creation unless it implements the hook)."""
+        return NotSupported(
+            f"{type(self).__name__} ({self.url.scheme}://) does not implement the hooks of "
+            f"the {capability!r} capability ({', '.join(self.missing_hooks(capability))})."
+        )
+
     # -- hooks -----------------------------------------------------------------------------
 
     async def _open(self) -> None:
@@ -866,7 +875,7 @@ class Backend(abc.ABC):
 
     async def _remove(self, key: CacheKey) -> bool:
         """Delete ``key``; True if it was there. Required with the ``remove`` capability."""
-        raise NotImplementedError
+        raise self._unsupported("remove")
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """Read ``key`` into ``dest``; the default is :meth:`_get` and one copy."""
@@ -903,15 +912,15 @@ class Backend(abc.ABC):
 
     async def _pin(self, key: CacheKey) -> bool:
         """Pin ``key``; False if absent. Required with the ``pin`` capability."""
-        raise NotImplementedError
+        raise self._unsupported("pin")
 
     async def _unpin(self, key: CacheKey) -> bool:
         """Release one pin of ``key``; never raises for a key without pins."""
-        raise NotImplementedError
+        raise self._unsupported("pin")
 
     def _list_keys(self) -> AsyncIterator[CacheKey]:
         """Every stored key. Required with the ``list_keys`` capability."""
-        raise NotImplementedError
+        raise self._unsupported("list_keys")
 
     async def __aenter__(self) -> Backend:
         return self
@@ -1153,7 +1162,7 @@ class BytesBackend(Backend):
     async def remove_bytes(self, key: str) -> bool:
         """Delete ``key``'s value; True if it was there. Required with the ``remove``
         capability; without it, damaged values cannot be deleted and are only counted."""
-        raise NotImplementedError
+        raise self._unsupported("remove")
 
     async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
         """:meth:`get_bytes` of each key, aligned; default: concurrently, one call each."""
@@ -1225,12 +1234,12 @@ class BytesBackend(Backend):
         declare ``remove`` but implements :meth:`remove_bytes`; a failed delete is logged, and
         the value reads as a miss again next time."""
         self.corrupt_objects += len(names)
+        if self.missing_hooks("remove"):
+            return  # a store that cannot delete: the value stays, and reads as a miss
         outcomes = await asyncio.gather(
             *(self.remove_bytes(name) for name in names), return_exceptions=True
         )
         for name, outcome in zip(names, outcomes, strict=True):
-            if isinstance(outcome, NotImplementedError):
-                continue  # a store that cannot delete: the value stays, and reads as a miss
             if isinstance(outcome, Exception):
                 logger.warning(
                     "could not delete the damaged value %s from %s: %s", name, self.url, outcome
