@@ -1,12 +1,13 @@
 """The gds:// tier against plain cuFile, same bytes, same offsets, same GPU buffer, one run.
 
-kvplug-gds puts and gets KV chunks of ``[2, 32, 256, 1024]`` and ``[2, 24, 256, 1024]`` fp16
-(32 and 24 MiB) that live in its own registered GPU buffer, one file per chunk; the raw limit
-is cufile-python doing what a minimal GDS cache must do for the same chunks: create a file
-with O_DIRECT, register it, cuFileWrite the chunk from the same registered buffer at file
-offset 4096, close; then open, register and cuFileRead it back at offset 4096. Chunks are moved
-one after another (queue depth 1). Median of ``--repeat`` passes, GB/s and the ratio
-(raw time / kvplug time: 1.0 means no overhead). Needs a CUDA GPU and cuFile (docs/gds.md).
+gds:// (kvplug-disk[gds]) puts and gets KV chunks of ``[2, 32, 256, 1024]`` and
+``[2, 24, 256, 1024]`` fp16 (32 and 24 MiB) that live in its own registered GPU buffer, one
+file per chunk; the raw limit is cufile-python doing what a minimal GDS cache must do for the
+same chunks: create a file with O_DIRECT, register it, cuFileWrite the chunk from the same
+registered buffer at file offset 4096, close; then open, register and cuFileRead it back at
+offset 4096. Chunks are moved one after another (queue depth 1). Median of ``--repeat``
+passes, GB/s and the ratio (raw time / kvplug time: 1.0 means no overhead). Needs a CUDA GPU
+and cuFile (docs/gds.md).
 
     python benchmarks/bench_gds.py [--dir /mnt/nvme/tmp] [--chunks 16] [--repeat 5]
 """
@@ -28,7 +29,7 @@ import torch
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
-from kvplug_gds.backend import GdsBackend
+from kvplug_disk.gds.backend import GdsBackend
 
 SHAPES = {
     "[2,32,256,1024] fp16, 32 MiB": (2, 32, 256, 1024),
@@ -128,7 +129,7 @@ async def bench_shape(
         kv = statistics.median(row[index] for row in kv_rows)
         raw = statistics.median(row[index] for row in raw_rows)
         print(
-            f"  {name:<9} cuFile {total / raw / 1e9:6.2f} GB/s   kvplug-gds "
+            f"  {name:<9} cuFile {total / raw / 1e9:6.2f} GB/s   gds://     "
             f"{total / kv / 1e9:6.2f} GB/s   ratio {raw / kv:.2f}x"
         )
     for obj in (*objs, *into):

@@ -244,7 +244,7 @@ def main() -> None:
             rows.append(compare(medium, args.chunks, args.repeat, l1_gb))
             print_row(rows[-1])
     if "redis" in wanted:
-        from kvplug_redis.testing import RedisServer
+        from kvplug_testing import RedisServer
 
         with RedisServer() as server:
             medium = Medium(

@@ -51,7 +51,7 @@ import torch
 
 import kvplug
 from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
-from kvplug_redis.testing import RedisServer
+from kvplug_testing import RedisServer
 
 SHAPES = {
     "[2,32,256,1024] fp16": (2, 32, 256, 1024),
@@ -97,7 +97,7 @@ def start_server(kind: str) -> Server:
         import valkey.asyncio
         import valkey.utils
 
-        from kvplug_valkey.testing import ValkeyServer
+        from kvplug_testing import ValkeyServer
 
         process = ValkeyServer()
         start(process)

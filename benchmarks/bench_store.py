@@ -365,7 +365,7 @@ def main() -> None:
         tiers = ["cpu://", {"url": f"file://{directory}/disk", "timeout": 300}]
         print_rows(asyncio.run(compare("cpu+file", tiers, batches, args.repeat, shape)))
     if not args.no_redis:
-        from kvplug_redis.testing import RedisServer
+        from kvplug_testing import RedisServer
 
         with RedisServer() as server:
             tiers = ["cpu://", {"url": server.url, "timeout": 300}]

@@ -15,7 +15,7 @@ if [ -n "${WHEELS_DIR:-}" ]; then
   "${PIP[@]}" --no-index "$WHEELS_DIR"/*.whl
 fi
 editable=()
-for dist in core plugins/*/ contracts examples/*/; do
+for dist in core plugins/*/ contracts testing examples/*/; do
   [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist")
 done
 "${PIP[@]}" --no-index --no-build-isolation "${editable[@]}"
@@ -31,7 +31,8 @@ PYEOF
 # needs redis-server, valkey-server and the Redis client wheels there.
 if [ $# -eq 0 ]; then
   set -- tests/test_memory_cuda.py tests/test_gpu_kernel_cuda.py tests/test_gpu_ops.py \
-    core/src/kvplug/gpu tests/test_gds_cuda.py tests/test_gds_backend.py tests/test_gds_contract.py
+    core/src/kvplug/gpu plugins/disk/tests/test_gds_cuda.py plugins/disk/tests/test_gds_backend.py \
+    plugins/disk/tests/test_gds_contract.py
 fi
 status=0
 "$PY" -m pytest -p no:cacheprovider -q -rs "$@" || status=$?

@@ -70,8 +70,11 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 "${PIP[@]}" -r requirements-dev.txt
 
-editable=()
-for dist in core plugins/*/ contracts examples/*/; do
+# kvplug-gds was folded into kvplug-disk (its gds extra): a venv from before keeps a stale copy.
+"$VENV/bin/python" -m pip uninstall --quiet --yes kvplug-gds 2>/dev/null || true
+# kvplug with its tools (the kvplug command, Prometheus metrics), then every other distribution.
+editable=(-e "core[cli,metrics]")
+for dist in contracts plugins/*/ testing examples/*/; do
   [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist")
 done
 "${PIP[@]}" "${editable[@]}"

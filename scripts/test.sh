@@ -4,13 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=.venv/bin/python
+# The environment scripts/setup.sh built (KVPLUG_VENV names another than .venv).
+VENV=${KVPLUG_VENV:-.venv}
+PY=$VENV/bin/python
 
 echo "== ruff"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
 echo "== mypy"
-.venv/bin/mypy
+"$VENV/bin/mypy"
 echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here too.
 "$PY" -m pytest -p no:cacheprovider "$@"
@@ -29,13 +31,13 @@ acme_dir=$(mktemp -d)
 redis_pid=
 valkey_pid=
 trap 'rm -rf "$acme_dir"; kill -9 $redis_pid $valkey_pid 2>/dev/null || true' EXIT
-.venv/bin/kvplug contract cpu://
-.venv/bin/kvplug contract audit::cpu://
-.venv/bin/kvplug contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
-.venv/bin/kvplug contract "acme://$acme_dir/contract.sqlite"
-.venv/bin/kvplug contract "file://$acme_dir/disk"
+"$VENV/bin/kvplug" contract cpu://
+"$VENV/bin/kvplug" contract audit::cpu://
+"$VENV/bin/kvplug" contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
+"$VENV/bin/kvplug" contract "acme://$acme_dir/contract.sqlite"
+"$VENV/bin/kvplug" contract "file://$acme_dir/disk"
 # A redis-server of our own on a free loopback port, killed on exit.
-redis_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
+redis_port=$("$PY" -c 'from kvplug_testing import free_port; print(free_port())')
 redis-server --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
   --dir "$acme_dir" >"$acme_dir/redis.log" 2>&1 &
 redis_pid=$!
@@ -44,17 +46,17 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 # --proxy: clause 10 (deadlines, recovery) through the suite's fault proxy.
-.venv/bin/kvplug contract --proxy "redis://127.0.0.1:$redis_port"
+"$VENV/bin/kvplug" contract --proxy "redis://127.0.0.1:$redis_port"
 # Whole tiers configs as one Store: cpu in front of a disk, cpu in front of that redis-server.
 printf 'tiers:\n  - cpu://?max_size=256MiB\n  - file://%s/store-disk\n' "$acme_dir" \
   >"$acme_dir/cpu-file.yaml"
-.venv/bin/kvplug contract --config "$acme_dir/cpu-file.yaml"
+"$VENV/bin/kvplug" contract --config "$acme_dir/cpu-file.yaml"
 printf 'tiers:\n  - cpu://?max_size=256MiB\n  - redis://127.0.0.1:%s\n' "$redis_port" \
   >"$acme_dir/cpu-redis.yaml"
-.venv/bin/kvplug contract --config "$acme_dir/cpu-redis.yaml"
+"$VENV/bin/kvplug" contract --config "$acme_dir/cpu-redis.yaml"
 # And a valkey-server (Debian's, from scripts/setup.sh) the same way.
-valkey_port=$("$PY" -c 'from kvplug_redis.testing import free_port; print(free_port())')
-valkey_server=$("$PY" -c 'from kvplug_valkey.testing import valkey_server_binary as b; print(b())')
+valkey_port=$("$PY" -c 'from kvplug_testing import free_port; print(free_port())')
+valkey_server=$("$PY" -c 'from kvplug_testing import valkey_server_binary as b; print(b())')
 "$valkey_server" --bind 127.0.0.1 --port "$valkey_port" --save '' --appendonly no \
   --dir "$acme_dir" >"$acme_dir/valkey.log" 2>&1 &
 valkey_pid=$!
@@ -62,4 +64,4 @@ for _ in $(seq 100); do
   grep -q "Ready to accept connections" "$acme_dir/valkey.log" && break
   sleep 0.1
 done
-.venv/bin/kvplug contract --proxy "valkey://127.0.0.1:$valkey_port"
+"$VENV/bin/kvplug" contract --proxy "valkey://127.0.0.1:$valkey_port"

@@ -15,7 +15,7 @@ from kvplug.cli import main
 from kvplug.registry import reset_registry
 from kvplug.units import host_memory
 from kvplug_cpu.backend import CpuBackend
-from kvplug_redis.testing import RedisServer
+from kvplug_testing import RedisServer
 
 SMALL = ["--shape", "2,2,16,64", "--count", "3"]
 

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplug.config import (
-    _COERCERS,
     CONFIG_KEYS,
     DEFAULT_CPU_SIZE,
     LMCACHE_TIER_KEYS,
@@ -27,6 +26,7 @@ from kvplug.config import (
     default_tiers,
     load_config,
 )
+from kvplug.config.model import _COERCERS
 from kvplug.env import env_owner, installed_plugin_names, plugin_env, plugin_env_prefix
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.units import parse_size
@@ -785,11 +785,12 @@ def test_a_plugins_env_variable_is_neither_an_error_nor_read_by_kvplug() -> None
 
 
 def test_kvplug_keeps_its_own_names_under_a_plugins_prefix() -> None:
-    # gds_path and audit_actual_remote_url are config keys although gds and audit are plugins.
-    env = {"KVPLUG_GDS_PATH": "/mnt/gds", "KVPLUG_GDS_BATCH": "4"}
-    assert load_config(env=env).gds_path == "/mnt/gds"
-    assert plugin_env("gds", env) == {"batch": "4"}
-    assert plugin_env("audit", {"KVPLUG_AUDIT_ACTUAL_REMOTE_URL": "redis://h:1"}) == {}
+    # audit_actual_remote_url is a config key although audit is a plugin.
+    env = {"KVPLUG_AUDIT_ACTUAL_REMOTE_URL": "redis://h:1", "KVPLUG_AUDIT_BATCH": "4"}
+    with pytest.warns(ConfigWarning, match="deprecated in LMCache"):
+        assert load_config(env=env).audit_actual_remote_url == "redis://h:1"
+    assert plugin_env("audit", env) == {"batch": "4"}
+    assert load_config(env={"KVPLUG_GDS_PATH": "/mnt/gds"}).gds_path == "/mnt/gds"
     for name in core_env_names():
         assert env_owner(name, installed_plugin_names()) is None, name
 

@@ -557,12 +557,13 @@ def test_the_command_agrees_with_the_suite_on_its_defaults() -> None:
 def test_the_suite_depends_on_a_compatible_kvplug_release_not_an_exact_one() -> None:
     """Versioning policy (contracts/README.md): kvplug-contracts X.Y.z works with every kvplug
     X.Y.*, so its dependency is ``kvplug~=X.Y.0``, never ``==``."""
-    import tomllib
+    import importlib.metadata
 
-    pyproject = Path(__file__).parents[1] / "contracts/pyproject.toml"
-    project = tomllib.loads(pyproject.read_text())["project"]
-    major, minor, _ = project["version"].split(".")
-    kvplug = [d for d in project["dependencies"] if d.replace(" ", "").startswith("kvplug")]
-    assert [d.replace(" ", "") for d in kvplug] == [f"kvplug~={major}.{minor}.0"]
+    version = (Path(__file__).parents[1] / "VERSION").read_text().strip()
+    assert importlib.metadata.version("kvplug-contracts") == version
+    major, minor, _ = version.split(".")
+    requires = importlib.metadata.requires("kvplug-contracts") or []
+    kvplug = [d.replace(" ", "") for d in requires if d.replace(" ", "").startswith("kvplug")]
+    assert kvplug == [f"kvplug~={major}.{minor}.0"]
     readme = (Path(__file__).parents[1] / "contracts/README.md").read_text()
     assert "## Versioning" in readme

@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from kvplug_contracts.faultproxy import FaultProxy, upstream_of
 from kvplug_contracts.suite import ServerControl
-from kvplug_redis.testing import RedisServer, free_port
+from kvplug_testing import RedisServer, free_port
 
 T = TypeVar("T")
 HOST = "127.0.0.1"

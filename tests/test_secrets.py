@@ -577,7 +577,7 @@ def _malformed(secret: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def guarded_server() -> Iterator[Any]:
-    from kvplug_redis.testing import RedisServer
+    from kvplug_testing import RedisServer
 
     with RedisServer(password=SERVER_PASSWORD) as server:
         yield server

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvplug_contracts import BackendContract
-from kvplug_redis.testing import RedisServer
+from kvplug_testing import RedisServer
 
 KVPLUG = str(Path(sys.executable).with_name("kvplug"))
 

@@ -22,11 +22,13 @@ all of them.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-contracts")
 
 if TYPE_CHECKING:
+    from kvplug_contracts.plugin import load_known_failures
     from kvplug_contracts.suite import BackendContract, ServerControl
 
 _SUPPORT = ("CLAUSES", "Keyspace", "check_same", "clause", "make_obj", "not_applicable", "violated")
@@ -42,7 +44,11 @@ def __getattr__(name: str) -> Any:
         from kvplug_contracts import suite
 
         return getattr(suite, name)
+    if name == "load_known_failures":
+        from kvplug_contracts import plugin
+
+        return plugin.load_known_failures
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["BackendContract", "ServerControl", "__version__", *_SUPPORT]
+__all__ = ["BackendContract", "ServerControl", "__version__", "load_known_failures", *_SUPPORT]

@@ -303,6 +303,7 @@ def release_all(objs: Sequence[MemoryObj | None]) -> None:
 
 __all__ = [
     "CLAUSES",
+    "MAX_ABANDONED_LOOPS",
     "ContractTimeout",
     "Keyspace",
     "LoopRunner",

@@ -18,12 +18,13 @@ Example::
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from kvplug.secrets import install_log_filter
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug")
 
 # Installed before any kvplug logger can write, so that no password reaches a log.
 install_log_filter()

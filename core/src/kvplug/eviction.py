@@ -4,7 +4,9 @@ A policy only orders keys; it never sees objects or sizes. The tier tells it wha
 (:meth:`~EvictionPolicy.on_put`, :meth:`~EvictionPolicy.on_hit`,
 :meth:`~EvictionPolicy.discard`) and, when it needs room, walks
 :meth:`~EvictionPolicy.candidates` from the best victim on, skipping keys it must keep (pinned
-ones), evicts one, and :meth:`~EvictionPolicy.discard` s it.
+ones), evicts one, and :meth:`~EvictionPolicy.discard` s it. Tiers normally do all of this
+through :class:`kvplug.index.EvictableIndex`, which adds the sizes, the capacity, the pins and
+the choice of victims.
 
 * ``lru`` (the default): least recently put or read first.
 * ``lfu``: lowest number of uses first (a put counts one, each hit one more); among keys with

@@ -66,9 +66,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from urllib.parse import quote
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Capabilities
@@ -85,6 +85,7 @@ from kvplug.errors import (
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.metrics import StoreMetrics
 from kvplug.registry import backend_class, create_backend
 from kvplug.secrets import mask_text
 from kvplug.units import GiB, format_size, parse_size
@@ -100,8 +101,6 @@ budget."""
 MAX_STALE_REMOVALS = 100_000
 """Removals of older values a tier may have queued (see :class:`Store`); beyond them a skipped
 overwrite is counted as ``untracked``."""
-LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
-
 DROP_REASONS = (
     "write_behind_full",
     "tier_failing",
@@ -230,77 +229,6 @@ class _Pending:
 
     def queued(self, tier: int) -> bool:
         return tier in self.writes or tier in self.removals
-
-
-class StoreMetrics:
-    """The store's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        registry = self.registry
-        tier = ["tier"]
-        self.hits = Counter(
-            "kvplug_tier_hits", "gets answered by the tier", tier, registry=registry
-        )
-        self.misses = Counter("kvplug_tier_misses", "gets the tier missed", tier, registry=registry)
-        self.bytes_read = Counter(
-            "kvplug_tier_read_bytes", "bytes returned by the tier", tier, registry=registry
-        )
-        self.bytes_written = Counter(
-            "kvplug_tier_written_bytes", "bytes stored in the tier", tier, registry=registry
-        )
-        self.errors = Counter(
-            "kvplug_tier_errors", "operations that failed", ["tier", "op"], registry=registry
-        )
-        self.dropped = Counter(
-            "kvplug_tier_dropped_puts",
-            "accepted puts that did not reach the tier, by reason",
-            ["tier", "reason"],
-            registry=registry,
-        )
-        self.latency = Histogram(
-            "kvplug_tier_op_seconds",
-            "latency of tier operations (one batched call is one observation)",
-            ["tier", "op"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.healthy = Gauge(
-            "kvplug_tier_healthy", "1 when the tier is serving", tier, registry=registry
-        )
-        self.queue_depth = Gauge(
-            "kvplug_tier_queue_depth", "keys waiting for the tier", tier, registry=registry
-        )
-        self.store_misses = Counter(
-            "kvplug_store_misses", "keys no tier returned, by reason", ["reason"], registry=registry
-        )
-        self.rejected = Counter(
-            "kvplug_store_rejected_puts", "puts no tier accepted", registry=registry
-        )
-        self.memory_waits = Counter(
-            "kvplug_store_memory_waits",
-            "times a get waited for room in the memory budget",
-            registry=registry,
-        )
-        self.write_behind_bytes = Gauge(
-            "kvplug_store_write_behind_bytes",
-            "bytes of objects waiting for lower tiers",
-            registry=registry,
-        )
-        self.write_behind_limit = Gauge(
-            "kvplug_store_write_behind_limit_bytes",
-            "most bytes that may wait for lower tiers",
-            registry=registry,
-        )
-        self.memory_used = Gauge(
-            "kvplug_store_memory_used_bytes", "bytes in use in the memory budget", registry=registry
-        )
-        self.memory_budget = Gauge(
-            "kvplug_store_memory_budget_bytes", "size of the memory budget", registry=registry
-        )
-
-    def value(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, labels) or 0.0
 
 
 async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str, Exception]]:
@@ -1364,8 +1292,8 @@ class Store(Backend):
         }
 
     def prometheus_text(self) -> str:
-        """Every metric in Prometheus' text exposition format."""
-        return generate_latest(self.metrics.registry).decode()
+        """Every metric in Prometheus' text exposition format (needs ``kvplug[metrics]``)."""
+        return self.metrics.exposition()
 
     def describe(self) -> dict[str, str]:
         return {
@@ -1406,6 +1334,18 @@ class Store(Backend):
             ) from failures[0][1]
 
 
+def store_url(config_file: str | os.PathLike[str]) -> str:
+    """The ``store://`` URL of a Store over the tiers YAML ``config_file``: its absolute path,
+    percent-encoded, so any file name makes a valid URL.
+
+    Example::
+
+        >>> store_url("/etc/kv cache/tiers.yaml")
+        'store:///etc/kv%20cache/tiers.yaml'
+    """
+    return f"store://{quote(str(Path(config_file).resolve()))}"
+
+
 async def open_store(
     config: Config | str | os.PathLike[str] | None = None,
     *,
@@ -1418,7 +1358,7 @@ async def open_store(
     if config is None or isinstance(config, Config):
         store = Store(config=config, allocator=allocator, **options)
     else:
-        store = Store(f"store://{Path(config).resolve()}", allocator=allocator, **options)
+        store = Store(store_url(config), allocator=allocator, **options)
     await store.open()
     return store
 
@@ -1428,8 +1368,8 @@ __all__ = [
     "MISS_REASONS",
     "MemoryTier",
     "Store",
-    "StoreMetrics",
     "StoreOptions",
     "TierHealth",
     "open_store",
+    "store_url",
 ]

@@ -38,7 +38,7 @@ from kvplug_lmcache.connector import (
     KvplugConnectorError,
     inprocess_module,
 )
-from kvplug_redis.testing import RedisServer
+from kvplug_testing import RedisServer
 
 cache_engine: Any = inprocess_module("cache_engine")
 GPUConnectorInterface: Any = inprocess_module("gpu_connector.gpu_connectors").GPUConnectorInterface

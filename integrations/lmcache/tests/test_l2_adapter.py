@@ -49,7 +49,7 @@ from kvplug.sync import SyncClient
 from kvplug_lmcache import l2_adapter
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
 from kvplug_lmcache.l2_adapter import KvplugL2Adapter
-from kvplug_redis.testing import RedisServer, free_port
+from kvplug_testing import RedisServer, free_port
 
 LMCACHE_VERSION = importlib.metadata.version("lmcache")
 DEADLINE = 60.0

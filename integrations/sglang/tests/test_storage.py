@@ -22,8 +22,8 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug_redis.testing import RedisServer, free_port
 from kvplug_sglang import KvplugHiCacheStorage
+from kvplug_testing import RedisServer, free_port
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE = 16

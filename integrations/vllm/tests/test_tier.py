@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug_redis.testing import RedisServer, free_port
+from kvplug_testing import RedisServer, free_port
 from kvplug_vllm import KvplugTier
 from kvplug_vllm.plugin import TIER_TYPE, register
 from kvplug_vllm.testing import ROW_BYTES, Engine, chunk_keys, offloading_config, payloads

@@ -46,10 +46,11 @@ from lmcache.v1.memory_management import MemoryFormat as LMCacheFormat
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplug.errors import BackendTimeout, BackendUnavailable, KvplugError, NotSupported
-from kvplug.integration import needs_private_copy, open_client, private_copies
+from kvplug.integration import check_target, needs_private_copy, open_client, private_copies
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import install_log_filter, mask_text, mask_url
+from kvplug.store import store_url
 from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key
 
@@ -628,4 +629,38 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         return f"<{type(self).__name__} {self.target}>"
 
 
-__all__ = ["INPROCESS_PACKAGE", "KvplugConnector", "KvplugConnectorError", "inprocess_module"]
+def backend_url_and_options(lmcache_config: Any) -> tuple[str, dict[str, Any]]:
+    """The kvplug URL and options of the backend :class:`KvplugConnector` opens for
+    ``lmcache_config`` (LMCache's in-process config: its ``extra_config`` keys
+    ``remote_storage_plugin.<name>.*``, read by :meth:`KvplugConnector.plugin_settings`):
+    ``url`` as given, or for ``config`` the ``store://`` URL of that tiers YAML (the same Store
+    over the same tiers), with every other key as an option. ``kvplug.open_backend(url,
+    **options)`` opens that backend, as the contract suite does in
+    ``integrations/lmcache/tests/test_lmcache_contract.py``.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> lmcache_config = SimpleNamespace(extra_config={
+        ...     "remote_storage_plugin.kvplug.class_name": "KvplugConnector",
+        ...     "remote_storage_plugin.kvplug.url": "redis://cache-1:6379",
+        ...     "remote_storage_plugin.kvplug.timeout": 5,
+        ... })
+        >>> backend_url_and_options(lmcache_config)
+        ('redis://cache-1:6379', {'timeout': 5})
+    """
+    name, settings = KvplugConnector.plugin_settings(lmcache_config)
+    url, tiers = settings.pop("url", None), settings.pop("config", None)
+    check_target(url, tiers, settings, what=f"extra_config {PLUGIN_PREFIX}{name}.*")
+    if tiers is not None:
+        url = store_url(tiers)
+    return str(url), settings
+
+
+__all__ = [
+    "INPROCESS_PACKAGE",
+    "KvplugConnector",
+    "KvplugConnectorError",
+    "backend_url_and_options",
+    "inprocess_module",
+]

@@ -89,7 +89,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_data, mask_text, mask_url
-from kvplug.store import Store
+from kvplug.store import Store, store_url
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
@@ -231,6 +231,28 @@ class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcac
 
     def __repr__(self) -> str:
         return f"KvplugL2AdapterConfig({self.target()})"
+
+
+def backend_url_and_options(adapter_params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The kvplug URL and options of the backend :class:`KvplugL2Adapter` opens for
+    ``adapter_params`` (of LMCache's ``--l2-adapter`` JSON), checked by
+    :meth:`KvplugL2AdapterConfig.from_dict` as at the server's start: ``url`` as given, or for
+    ``config`` the ``store://`` URL of that tiers YAML (the same Store over the same tiers), with
+    ``options``. ``kvplug.open_backend(url, **options)`` opens that backend, as the contract
+    suite does in ``integrations/lmcache/tests/test_lmcache_contract.py``.
+
+    Example::
+
+        >>> backend_url_and_options({"url": "redis://cache-1:6379", "options": {"timeout": 5}})
+        ('redis://cache-1:6379', {'timeout': 5})
+        >>> backend_url_and_options({"config": "/etc/kvplug.yaml"})
+        ('store:///etc/kvplug.yaml', {})
+    """
+    config = KvplugL2AdapterConfig.from_dict(dict(adapter_params))
+    url = config.url
+    if config.config is not None:
+        url = store_url(config.config)
+    return str(url), dict(config.options)
 
 
 def _byte_view(obj: Any) -> torch.Tensor:
@@ -931,4 +953,9 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                     notifier.close()
 
 
-__all__ = ["DEFAULT_TASK_TIMEOUT", "KvplugL2Adapter", "KvplugL2AdapterConfig"]
+__all__ = [
+    "DEFAULT_TASK_TIMEOUT",
+    "KvplugL2Adapter",
+    "KvplugL2AdapterConfig",
+    "backend_url_and_options",
+]

@@ -6,6 +6,13 @@ Load it with ``--hicache-storage-backend dynamic`` and the extra config
 """
 
 from kvplug_sglang.keys import PageNamespace, page_hash, page_key_of
-from kvplug_sglang.storage import KvplugHiCacheStorage, StorageHealth
+from kvplug_sglang.storage import KvplugHiCacheStorage, StorageHealth, backend_url_and_options
 
-__all__ = ["KvplugHiCacheStorage", "PageNamespace", "StorageHealth", "page_hash", "page_key_of"]
+__all__ = [
+    "KvplugHiCacheStorage",
+    "PageNamespace",
+    "StorageHealth",
+    "backend_url_and_options",
+    "page_hash",
+    "page_key_of",
+]

@@ -67,6 +67,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey, lmcache_dtype_name
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
+from kvplug.store import store_url
 from kvplug.sync import SyncClient
 from kvplug_sglang.keys import PageNamespace
 
@@ -157,6 +158,28 @@ def _settings(extra: Mapping[str, Any]) -> dict[str, Any]:
             extra.get("check_on_start", True), name="check_on_start", what=_WHAT
         ),
     }
+
+
+def backend_url_and_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The kvplug URL and options of the backend :class:`KvplugHiCacheStorage` opens for
+    ``extra_config`` (SGLang's ``--hicache-storage-backend-extra-config``, parsed), checked as
+    at SGLang's start: ``url`` as given, or for ``config`` the ``store://`` URL of that tiers
+    YAML (the same Store over the same tiers), with ``options``. ``kvplug.open_backend(url,
+    **options)`` opens that backend, as the contract suite does in
+    ``integrations/sglang/tests/test_sglang_contract.py``.
+
+    Example::
+
+        >>> backend_url_and_options({"url": "file:///var/cache/kv", "options": {"timeout": 5}})
+        ('file:///var/cache/kv', {'timeout': 5})
+        >>> backend_url_and_options({"config": "/etc/kvplug.yaml"})
+        ('store:///etc/kvplug.yaml', {})
+    """
+    _settings(extra_config)
+    url, config = extra_config.get("url"), extra_config.get("config")
+    if config is not None:
+        url = store_url(config)
+    return str(url), dict(extra_config.get("options") or {})
 
 
 def _namespace_shard(config: HiCacheStorageConfig) -> tuple[int, int]:

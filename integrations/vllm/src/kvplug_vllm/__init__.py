@@ -6,12 +6,13 @@ Add ``{"type": "kvplug", "url": "<a kvplug URL>"}`` to ``secondary_tiers`` in
 """
 
 from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity, offload_key_of
-from kvplug_vllm.tier import KvplugTier, TierHealth
+from kvplug_vllm.tier import KvplugTier, TierHealth, backend_url_and_options
 
 __all__ = [
     "ChunkNamespace",
     "KvplugTier",
     "TierHealth",
+    "backend_url_and_options",
     "key_dtype",
     "model_identity",
     "offload_key_of",

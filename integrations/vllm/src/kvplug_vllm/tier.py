@@ -94,6 +94,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
+from kvplug.store import store_url
 from kvplug.sync import SyncClient
 from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
 
@@ -200,6 +201,27 @@ class _Settings:
                 settings.get("enable_kv_events", False), name="enable_kv_events", what=_WHAT
             ),
         )
+
+
+def backend_url_and_options(tier_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The kvplug URL and options of the backend :class:`KvplugTier` opens for
+    ``tier_config`` (its ``secondary_tiers`` entry), checked as at vLLM's start: ``url`` as
+    given, or for ``config`` the ``store://`` URL of that tiers YAML (the same Store over the
+    same tiers), with ``options``. ``kvplug.open_backend(url, **options)`` opens that backend,
+    as the contract suite does in ``integrations/vllm/tests/test_vllm_contract.py``.
+
+    Example::
+
+        >>> backend_url_and_options({"type": "kvplug", "url": "redis://cache:6379"})
+        ('redis://cache:6379', {})
+        >>> backend_url_and_options({"type": "kvplug", "config": "/etc/kvplug.yaml"})
+        ('store:///etc/kvplug.yaml', {})
+    """
+    settings = _Settings.parse(tier_config)
+    url = settings.url
+    if settings.config is not None:
+        url = store_url(settings.config)
+    return str(url), dict(settings.options or {})
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@ See :class:`kvplug_audit.backend.AuditBackend`.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplug_audit.backend import AuditBackend, AuditOptions
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-audit")
 
 
 def __getattr__(name: str) -> Any:

@@ -6,12 +6,13 @@ plugin entry point stays light.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplug_cpu.backend import CpuBackend, CpuOptions
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-cpu")
 
 
 def __getattr__(name: str) -> Any:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
@@ -41,7 +40,8 @@ from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
-from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
+from kvplug.eviction import DEFAULT_POLICY, check_policy_name
+from kvplug.index import EvictableIndex
 from kvplug.keys import CacheKey
 from kvplug.memory import (
     DEFAULT_ALIGNMENT,
@@ -147,10 +147,9 @@ class CpuBackend(Backend):
             self.max_size -= self.max_size % DEFAULT_ALIGNMENT
         self._allocator_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._index: dict[CacheKey, MemoryObj] = {}
-        self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
-        self._pins: PinTable[CacheKey] = PinTable()
-        self._bytes_held = 0
+        self._index: EvictableIndex[CacheKey, MemoryObj] = EvictableIndex(
+            self.max_size, self.options.eviction, pin_ttl=self.options.pin_ttl
+        )
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -185,7 +184,7 @@ class CpuBackend(Backend):
     @property
     def bytes_held(self) -> int:
         """Allocator bytes (block sizes) of the stored objects."""
-        return self._bytes_held
+        return self._index.bytes_held
 
     def stats(self) -> dict[str, int]:
         """A consistent snapshot of the counters."""
@@ -194,9 +193,9 @@ class CpuBackend(Backend):
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
-                "bytes_held": self._bytes_held,
+                "bytes_held": self._index.bytes_held,
                 "keys": len(self._index),
-                "pinned_keys": len(self._pins),
+                "pinned_keys": self._index.pinned_keys,
                 "max_size": self.max_size,
             }
 
@@ -205,29 +204,9 @@ class CpuBackend(Backend):
 
     # -- internals (callers hold self._lock) -------------------------------------------------
 
-    def _drop(self, key: CacheKey) -> bool:
-        obj = self._index.pop(key, None)
-        if obj is None:
-            return False
-        self._policy.discard(key)
-        self._pins.discard(key)
-        self._bytes_held -= obj.phy_size
+    def _evicted(self, key: CacheKey, obj: MemoryObj) -> bool:
+        """The index's eviction callback: free the victim's memory (by our reference)."""
         obj.release()
-        return True
-
-    def _evict_one(self, exclude: CacheKey | None) -> bool:
-        now = time.monotonic()
-        victim = next(
-            (
-                key
-                for key in self._policy.candidates()
-                if key != exclude and not self._pins.is_pinned(key, now)
-            ),
-            None,
-        )
-        if victim is None:
-            return False
-        self._drop(victim)
         self.evictions += 1
         return True
 
@@ -239,7 +218,7 @@ class CpuBackend(Backend):
 
     def _full(self, nbytes: int) -> CapacityExceeded:
         return CapacityExceeded(
-            f"cannot make room for {nbytes} bytes in {self.url} ({self._bytes_held} of "
+            f"cannot make room for {nbytes} bytes in {self.url} ({self._index.bytes_held} of "
             f"{self.max_size} bytes held in {len(self._index)} objects): every remaining key is "
             "pinned, or the memory is still referenced by readers. Unpin keys, release objects "
             "returned by get, or raise max_size."
@@ -249,25 +228,19 @@ class CpuBackend(Backend):
         """Store ``stored`` (taking its reference) under ``key``, replacing any old object in
         one step under the lock; on failure ``stored`` is released and the old one kept."""
         error: Exception
+        size = stored.phy_size
         with self._lock:
             if self._closed:
                 error = BackendClosed(f"{self.url} was closed during a put; open a new backend.")
-            elif stored.phy_size > self.max_size:
+            elif size > self.max_size:
                 error = self._too_big(stored.nbytes)
+            elif self._index.make_room(size, self._evicted, replacing=key):
+                old = self._index.put(key, stored, size)
+                if old is not None:
+                    old.release()
+                return
             else:
-                old = self._index.get(key)
-                old_size = old.phy_size if old is not None else 0
-                while self._bytes_held - old_size + stored.phy_size > self.max_size:
-                    if not self._evict_one(exclude=key):
-                        error = self._full(stored.phy_size)
-                        break
-                else:
-                    self._index[key] = stored
-                    self._bytes_held += stored.phy_size - old_size
-                    self._policy.on_put(key)
-                    if old is not None:
-                        old.release()
-                    return
+                error = self._full(size)
         stored.release()
         raise error
 
@@ -299,24 +272,8 @@ class CpuBackend(Backend):
         from the index would lose the entry and free nothing. A Store installs this method as
         its memory budget's reclaimer (:meth:`kvplug.memory.FreeListAllocator.set_reclaimer`).
         """
-        freed = 0
         with self._lock:
-            now = time.monotonic()
-            while freed < nbytes:
-                victim = next(
-                    (
-                        key
-                        for key in self._policy.candidates()
-                        if not self._pins.is_pinned(key, now) and _only_ours(self._index[key])
-                    ),
-                    None,
-                )
-                if victim is None:
-                    break
-                freed += self._index[victim].phy_size
-                self._drop(victim)
-                self.evictions += 1
-        return freed
+            return self._index.reclaim(nbytes, self._evicted, evictable=_only_ours)
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -324,13 +281,12 @@ class CpuBackend(Backend):
         """The stored object with one reference for the caller (release it; read-only), or
         ``None``."""
         with self._lock:
-            obj = self._index.get(key)
+            obj = self._index.hit(key)
             if obj is None:
                 self.misses += 1
                 return None
             obj.retain()
             self.hits += 1
-            self._policy.on_hit(key)
             return obj
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
@@ -360,19 +316,22 @@ class CpuBackend(Backend):
     async def _remove(self, key: CacheKey) -> bool:
         """Delete ``key`` even when pinned (its pins go with it); False if absent."""
         with self._lock:
-            return self._drop(key)
+            obj = self._index.remove(key)
+            if obj is None:
+                return False
+            obj.release()
+            return True
 
     async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         results: list[MemoryObj | None] = []
         with self._lock:
             for key in keys:
-                obj = self._index.get(key)
+                obj = self._index.hit(key)
                 if obj is None:
                     self.misses += 1
                 else:
                     obj.retain()
                     self.hits += 1
-                    self._policy.on_hit(key)
                 results.append(obj)
         return results
 
@@ -389,21 +348,18 @@ class CpuBackend(Backend):
         """Keep ``key`` from eviction for ``pin_ttl`` seconds or until ``unpin``; pins
         count. False if ``key`` is absent."""
         with self._lock:
-            if key not in self._index:
-                return False
-            self._pins.pin(key, self.options.pin_ttl)
-            return True
+            return self._index.pin(key)
 
     async def _unpin(self, key: CacheKey) -> bool:
         """Release the oldest live pin of ``key``; False when none is left (never raises for an
         absent or unpinned key)."""
         with self._lock:
-            return self._pins.unpin(key)
+            return self._index.unpin(key)
 
     def is_pinned(self, key: CacheKey) -> bool:
         """Whether ``key`` holds a pin that has not expired."""
         with self._lock:
-            return self._pins.is_pinned(key)
+            return self._index.is_pinned(key)
 
     def _list_keys(self) -> AsyncIterator[CacheKey]:
         """The keys stored when this is called (a snapshot), in no particular order."""
@@ -414,11 +370,7 @@ class CpuBackend(Backend):
     async def _close(self) -> None:
         """Release every stored object (readers keep theirs until they release them)."""
         with self._lock:
-            held = list(self._index.values())
-            self._index.clear()
-            self._pins.clear()
-            self._policy = make_policy(self.options.eviction)
-            self._bytes_held = 0
+            held = self._index.clear()
         for obj in held:
             obj.release()
 

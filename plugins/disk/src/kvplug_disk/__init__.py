@@ -1,27 +1,77 @@
-"""kvplug-disk: the local-disk tier, ``file:///dir`` or ``file:///nvme0/kv,/nvme1/kv``.
+"""kvplug-disk: the local-file tiers. ``file:///dir`` (or ``file:///nvme0/kv,/nvme1/kv``) moves
+payloads with POSIX I/O; ``gds:///dir`` and ``weka:///dir`` move them with NVIDIA cuFile
+(GPUDirect Storage, ``pip install 'kvplug-disk[gds]'``). One engine serves all three.
 
-See :class:`kvplug_disk.backend.DiskBackend`, :mod:`kvplug_disk.layout` (the file format) and
-:mod:`kvplug_disk.fileops` (what it trusts on disk: nothing).
-The backend is imported on first use, so the plugin entry point stays light.
+Public API, versioned with the distribution:
+
+* :class:`DiskBackend` and :class:`DiskOptions` (``file://``; :mod:`kvplug_disk.backend`);
+* :class:`GdsBackend`, :class:`WekaBackend`, :class:`GdsOptions`, :class:`WekaOptions` and
+  :class:`GdsUnavailable` (:mod:`kvplug_disk.gds`);
+* :class:`FileIO`, :class:`Payload`, :class:`PosixFileIO` and :class:`CuFileIO`, the seam
+  payloads move through (:mod:`kvplug_disk.fileio`);
+* :class:`WriteRefused`, the file layout (:mod:`kvplug_disk.layout`) and what the engine
+  trusts on disk (:mod:`kvplug_disk.fileops`: nothing).
+
+Every other module is internal. Names are imported on first use, so the plugin entry point
+stays light and nothing here loads cuFile until a ``gds://`` or ``weka://`` URL is opened.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvplug_disk.backend import DiskBackend, DiskOptions
+    from kvplug_disk.backend import DiskBackend
+    from kvplug_disk.fileio import CuFileIO, FileIO, Payload, PosixFileIO
     from kvplug_disk.fileops import WriteRefused
+    from kvplug_disk.gds.backend import (
+        GdsBackend,
+        GdsOptions,
+        GdsUnavailable,
+        WekaBackend,
+        WekaOptions,
+    )
+    from kvplug_disk.options import DiskOptions
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-disk")
+
+_LAZY = {
+    "DiskBackend": "kvplug_disk.backend",
+    "DiskOptions": "kvplug_disk.options",
+    "WriteRefused": "kvplug_disk.fileops",
+    "FileIO": "kvplug_disk.fileio",
+    "Payload": "kvplug_disk.fileio",
+    "PosixFileIO": "kvplug_disk.fileio",
+    "CuFileIO": "kvplug_disk.fileio",
+    "GdsBackend": "kvplug_disk.gds.backend",
+    "GdsOptions": "kvplug_disk.gds.backend",
+    "GdsUnavailable": "kvplug_disk.gds.backend",
+    "WekaBackend": "kvplug_disk.gds.backend",
+    "WekaOptions": "kvplug_disk.gds.backend",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DiskBackend", "DiskOptions", "WriteRefused"):
-        from kvplug_disk import backend
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-__all__ = ["DiskBackend", "DiskOptions", "WriteRefused", "__version__"]
+__all__ = [
+    "CuFileIO",
+    "DiskBackend",
+    "DiskOptions",
+    "FileIO",
+    "GdsBackend",
+    "GdsOptions",
+    "GdsUnavailable",
+    "Payload",
+    "PosixFileIO",
+    "WekaBackend",
+    "WekaOptions",
+    "WriteRefused",
+    "__version__",
+]

@@ -47,32 +47,30 @@ Example::
 
 # File descriptors and str paths on the I/O path: os.* is the syscall itself, pathlib would add
 # an object per call and hide which call ran.
-# ruff: noqa: PTH102, PTH103, PTH105, PTH108, PTH116, PTH117, PTH118, PTH120
+# ruff: noqa: PTH102, PTH105, PTH108, PTH116, PTH118, PTH120
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
 import errno
 import itertools
 import logging
-import mmap
 import os
 import shutil
 import stat
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from contextlib import AbstractContextManager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import numpy as np
 import torch
-from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, Capabilities, gather_all
 from kvplug.errors import (
@@ -84,13 +82,21 @@ from kvplug.errors import (
     CorruptObject,
     InvalidBackendURL,
 )
-from kvplug.eviction import DEFAULT_POLICY, EvictionPolicy, PinTable, check_policy_name, make_policy
 from kvplug.frame import encode_header, payload_checksum, verify_payload
+from kvplug.index import EvictableIndex, Reservation
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj, nbytes_of
 from kvplug.options import BackendOptions
-from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
+from kvplug_disk.directories import (
+    OPEN_FLAGS,
+    Directory,
+    _directory_paths,
+    _prepare_directory,
+    _probe_o_direct,
+)
+from kvplug_disk.fileio.base import FileIO, Payload, synchronize
+from kvplug_disk.fileio.posix import PosixFileIO
 from kvplug_disk.fileops import (
     O_DIRECT,
     LiveWriters,
@@ -108,17 +114,14 @@ from kvplug_disk.fileops import (
     read_all,
     reason,
     unlink_quietly,
-    write_all,
 )
+from kvplug_disk.index import IndexEntry, _delete_object_file, _Deleted
 from kvplug_disk.layout import (
     BLOCK,
+    FLAG_NO_PAYLOAD_CHECKSUM,
     MAX_KEY_BYTES,
-    OBJECT_NAME,
     SERDE,
-    SUBDIR_NAME,
     SUFFIX,
-    TEMP_NAME,
-    WRITER_LOCK_NAME,
     ObjectHeader,
     checked_header,
     decode_block,
@@ -127,22 +130,24 @@ from kvplug_disk.layout import (
     file_length,
     new_writer_id,
     padded,
-    probe_name,
     temp_name,
 )
+from kvplug_disk.options import (
+    DEFAULT_MAX_SIZE,
+    DEFAULT_QUEUE_DEPTH,
+    DEFAULT_WORKERS,
+    DiskOptions,
+)
+from kvplug_disk.rebuild import DiskScan, KeptTemp, log_rebuild
+from kvplug_disk.workers import Workers, release_read
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.disk")
 
-DEFAULT_MAX_SIZE = 10 * GiB
-DEFAULT_WORKERS = 4
-DEFAULT_QUEUE_DEPTH = 64
 CLOSE_WAIT = 4.0
 """Seconds ``close`` waits for file I/O in flight before it returns anyway."""
 BOUNCE_POOL_SIZE = 64 << 20
 """Aligned staging memory for objects that do not live in 4096-aligned host memory."""
-
-_OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 RETRY_UNDELETABLE = 30.0
 """Seconds eviction leaves a file it could not delete alone before it tries again."""
 TEMP_RECHECK = 60.0
@@ -156,233 +161,27 @@ _STRIPES = 64
 _ZEROS = bytes(BLOCK)
 
 
-class DiskOptions(BackendOptions):
-    """Options of ``file://``."""
-
-    paths: tuple[str, ...] = Field(
-        (), description="more directories besides the URL path: a list or 'a,b'"
-    )
-    max_size: int = Field(
-        DEFAULT_MAX_SIZE, description="bytes of object files the tier holds: '100GiB'"
-    )
-    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
-    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts before it expires")
-    o_direct: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
-    fsync: bool = Field(False, description="fsync files and directories before put returns")
-    workers: int = Field(DEFAULT_WORKERS, ge=1, le=256, description="file I/O threads")
-    queue_depth: int = Field(
-        DEFAULT_QUEUE_DEPTH, ge=1, le=1 << 16, description="operations in flight at most"
-    )
-    allow_shared_dir: bool = Field(
-        False, description="accept a directory another user owns or can write to"
-    )
-
-    @field_validator("paths", mode="before")
-    @classmethod
-    def _split_paths(cls, value: object) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            return tuple(value.split(",")) if value else ()
-        if isinstance(value, list | tuple) and all(isinstance(p, str | os.PathLike) for p in value):
-            return tuple(os.fspath(p) for p in value)
-        raise ConfigError(
-            f"paths must be a list of directories or a comma-separated string, got {value!r}."
-        )
-
-    @field_validator("max_size", mode="before")
-    @classmethod
-    def _parse_max_size(cls, value: object) -> int:
-        size = parse_size(value, what="file max_size")
-        if size < 2 * BLOCK:
-            raise ConfigError(
-                f"file max_size is {size} bytes, less than one {2 * BLOCK}-byte object file "
-                "(a header block and a payload block), so nothing would fit. "
-                "Give a size such as '10GiB'."
-            )
-        return size
-
-    @field_validator("eviction", mode="before")
-    @classmethod
-    def _check_eviction(cls, value: object) -> str:
-        if not isinstance(value, str):
-            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
-        return check_policy_name(value)
-
-
-# -- helpers --------------------------------------------------------------------------------
-
-
-class _Slots:
-    """A counting semaphore for coroutines of any event loop and thread.
-
-    asyncio's semaphore belongs to one loop, but one backend serves engine threads through
-    SyncClient and tasks of other loops at once; waiters here are woken on their own loop.
-    """
-
-    def __init__(self, count: int) -> None:
-        self._free = count
-        self._lock = threading.Lock()
-        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
-        self._closed: Callable[[], BaseException] | None = None
-
-    async def acquire(self) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closed is not None:
-                raise self._closed()
-            if self._free > 0 and not self._waiters:
-                self._free -= 1
-                return
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append((loop, waiter))
-        try:
-            await waiter
-        except BaseException:
-            with self._lock:
-                try:
-                    self._waiters.remove((loop, waiter))
-                    queued = True
-                except ValueError:
-                    queued = False
-            granted = waiter.done() and not waiter.cancelled() and waiter.exception() is None
-            if not queued and granted:
-                self.release()  # granted, but this caller gave up: pass the slot on
-            raise
-
-    def release(self) -> None:
-        with self._lock:
-            while self._waiters:
-                loop, waiter = self._waiters.popleft()
-                try:
-                    loop.call_soon_threadsafe(self._grant, waiter)
-                    return
-                except RuntimeError:  # that loop is closed: nobody waits there any more
-                    continue
-            self._free += 1
-
-    def _grant(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.done():  # cancelled after it was picked: pass the slot on
-            self.release()
-        else:
-            waiter.set_result(None)
-
-    def close(self, error: Callable[[], BaseException]) -> None:
-        """Fail every waiter and every later :meth:`acquire` with ``error()``."""
-        with self._lock:
-            self._closed = error
-            waiters = list(self._waiters)
-            self._waiters.clear()
-        for loop, waiter in waiters:
-            try:
-                loop.call_soon_threadsafe(_fail, waiter, error())
-            except RuntimeError:
-                continue
-
-
-def _fail(waiter: asyncio.Future[None], error: BaseException) -> None:
-    if not waiter.done():
-        waiter.set_exception(error)
-
-
-@dataclass
-class Directory:
-    """One directory of the tier, as found at open."""
-
-    path: str
-    o_direct: bool
-    """Whether files here are read and written with O_DIRECT."""
-    o_direct_problem: str | None
-    """Why O_DIRECT is not used here (``None`` when it is)."""
-    subdirs: set[str] = field(default_factory=set, repr=False)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
-@dataclass
-class IndexEntry:
-    """What the index knows about one stored object; the file is the truth."""
-
-    path: str
-    stem: str
-    directory: Directory
-    size: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fmt: MemoryFormat
-    payload_len: int
-    gen: int
-    undeletable_until: float = 0.0
-    """Monotonic time before which eviction skips this file: deleting it failed."""
-
-    def describes(self, header: ObjectHeader) -> bool:
-        frame = header.frame
-        return (frame.shape, frame.dtype, frame.fmt, frame.payload_len) == (
-            self.shape,
-            self.dtype,
-            self.fmt,
-            self.payload_len,
-        )
-
-
-@dataclass(frozen=True)
-class _KeptTemp:
-    """A temporary file of another live writer, found at open: its bytes count against
-    max_size until it is gone."""
-
-    directory: Directory
-    pid: str
-    writer: str
-    size: int
-
-
-@dataclass
-class _Transfer:
-    """How one payload moves between memory and a file."""
-
-    buffers: list[memoryview]
-    """The payload's buffers after the header block, in file order."""
-    o_direct: bool
-    host: memoryview
-    """The payload bytes in host memory (what the checksum covers)."""
-    staging: torch.Tensor | None = None
-    """After a read: host bytes still to be copied into the object."""
-    bounce: MemoryObj | None = None
-
-    @property
-    def length(self) -> int:
-        return sum(view.nbytes for view in self.buffers)
-
-    def close(self) -> None:
-        if self.bounce is not None:
-            self.bounce.release()
-            self.bounce = None
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        size /= 1024
-    return f"{nbytes} B"  # pragma: no cover
-
-
-def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
+def _aligned_block(obj: MemoryObj, length: int, *, own_memory: bool) -> torch.Tensor | None:
     """The first ``length`` bytes of ``obj``'s allocator block, when that block is 4096-aligned
-    host memory of a :class:`FreeListAllocator` and at least that long; or ``obj``'s own bytes
-    when they are 4096-aligned host memory of exactly ``length`` bytes (an engine's buffer,
-    whatever owns it); else None.
+    memory of a :class:`FreeListAllocator` and at least that long; or, with ``own_memory``,
+    ``obj``'s own bytes when they are 4096-aligned host memory of exactly ``length`` bytes (an
+    engine's buffer, whatever owns it); else None.
 
     Such a block can go to and from the file with O_DIRECT as it is: the bytes after the
     object's end up to ``length`` are the block's own padding.
     """
-    if obj.device.type == "cpu" and obj.nbytes == length and obj.data_ptr() % BLOCK == 0:
+    if (
+        own_memory
+        and obj.device.type == "cpu"
+        and obj.nbytes == length
+        and obj.data_ptr() % BLOCK == 0
+    ):
         return obj.raw
     allocator = obj.allocator
     if not isinstance(allocator, FreeListAllocator) or allocator.alignment % BLOCK:
         return None
     buffer = allocator.buffer
-    if buffer.device.type != "cpu" or obj.phy_size < length:
+    if obj.phy_size < length:
         return None
     start = buffer.data_ptr() + obj.offset
     if start % BLOCK or (obj.nbytes and start != obj.data_ptr()):
@@ -390,150 +189,22 @@ def _aligned_block(obj: MemoryObj, length: int) -> torch.Tensor | None:
     return buffer[obj.offset : obj.offset + length]
 
 
-def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
-    raw = (url.path.split(",") if url.path else []) + list(extra)
-    if not raw:
-        raise InvalidBackendURL(
-            f"{url} names no directory. Write an absolute path after three slashes, "
-            f"{url.scheme}:///var/cache/kvplug, several separated by commas, "
-            f"{url.scheme}:///nvme0/kv,/nvme1/kv, or give the option paths."
-        )
-    paths: list[str] = []
-    for path in raw:
-        if not path or not os.path.isabs(path):
-            raise InvalidBackendURL(
-                f"{url}: directory {path!r} is not an absolute path. Write absolute paths, "
-                f"separated by commas: {url.scheme}:///nvme0/kv,/nvme1/kv"
-            )
-        normal = os.path.normpath(path)
-        if normal not in paths:
-            paths.append(normal)
-    return tuple(paths)
+def _whole(buffer: torch.Tensor, nbytes: int, o_direct: bool) -> Payload:
+    """A payload that is the one flat buffer ``buffer`` (its first ``nbytes`` the object's)."""
+    if buffer.device.type != "cpu":
+        return Payload([], o_direct, None, buffer)
+    view = byte_view(buffer)
+    return Payload([view], o_direct, view[:nbytes], buffer)
 
 
-def _check_not_shared(path: str, url: BackendURL) -> None:
-    """Refuse a directory that another user owns or can write to."""
-    info = os.stat(path)
-    problems = []
-    uid = os.geteuid()
-    if info.st_uid != uid:
-        problems.append(f"it is owned by uid {info.st_uid}, not by this process's uid {uid}")
-    writers = [
-        who
-        for bit, who in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
-        if info.st_mode & bit
-    ]
-    if writers:
-        problems.append(
-            f"{' and '.join(writers)} can write to it (mode {stat.S_IMODE(info.st_mode):o})"
-        )
-    if problems:
-        raise ConfigError(
-            f"{url}: refusing the cache directory {path}: {'; '.join(problems)}, so another "
-            "user could plant, change or delete cached KV data there. Run `chmod 700 "
-            f"{path}` (and chown it to this user), use a directory of your own, or pass "
-            "allow_shared_dir=true if sharing it is intended."
-        )
+def _length_only(nbytes: int) -> Any:
+    """A zero-copy buffer that is ``nbytes`` long and holds nothing: encode_header reads only
+    the payload's length when its checksum is given, and a GPU payload has no host bytes."""
+    return np.broadcast_to(np.zeros(1, np.uint8), (nbytes,))
 
 
-def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(
-            f"{url}: {path} exists and is not a directory. Name a directory for the cache."
-        ) from None
-    except OSError as error:
-        raise ConfigError(
-            f"{url}: cannot create the cache directory {path}: {reason(error)}. Create it "
-            "(mode 700) or choose a directory this user can write to."
-        ) from None
-    if not allow_shared:
-        _check_not_shared(path, url)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{url}: the cache directory {path} is not writable by this user. Fix its "
-            "permissions or choose another directory."
-        )
-
-
-def _probe_o_direct(path: str, writer: str) -> str | None:
-    """None when an aligned block can be written and read back with O_DIRECT in ``path``,
-    else the reason it cannot."""
-    if not O_DIRECT:
-        return "this platform has no O_DIRECT"
-    name = os.path.join(path, probe_name(writer))
-    block = mmap.mmap(-1, BLOCK)
-    back = mmap.mmap(-1, BLOCK)
-    block[:] = (b"kvplug O_DIRECT probe " * (BLOCK // 16))[:BLOCK]
-    try:
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | _OPEN_FLAGS, 0o600)
-        except OSError as error:
-            unlink_quietly(name)
-            return f"opening a file with O_DIRECT failed: {reason(error)}"
-        try:
-            if os.pwritev(fd, [block], 0) != BLOCK or os.preadv(fd, [back], 0) != BLOCK:
-                return "an aligned O_DIRECT write and read transferred fewer bytes than asked"
-            if back[:] != block[:]:
-                return "an aligned O_DIRECT read did not return the block just written"
-        except OSError as error:
-            return f"an aligned O_DIRECT write and read failed: {reason(error)}"
-        finally:
-            os.close(fd)
-            unlink_quietly(name)
-    finally:
-        block.close()
-        back.close()
-    return None
-
-
-def _load_header(path: str) -> tuple[ObjectHeader, float]:
-    """The verified header of an object file and its mtime; CorruptObject when damaged,
-    NotAnObject when it is not a regular file."""
-    fd = open_object(path)
-    try:
-        info = os.fstat(fd)
-        data = os.pread(fd, BLOCK, 0)
-    finally:
-        os.close(fd)
-    return checked_header(data, info.st_size), info.st_mtime
-
-
-class _Deleted(enum.Enum):
-    """What deleting an object file did."""
-
-    DONE = "deleted"
-    ABSENT = "nothing was there"
-    FOREIGN = "a directory is there, not an object file; left alone"
-
-
-def _delete_object_file(path: str) -> _Deleted:
-    """Delete the object file ``path``; raises the OSError when the file stays."""
-    try:
-        os.unlink(path)
-        return _Deleted.DONE
-    except (FileNotFoundError, NotADirectoryError):
-        return _Deleted.ABSENT
-    except (IsADirectoryError, PermissionError):
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            return _Deleted.ABSENT
-        if stat.S_ISDIR(mode):
-            return _Deleted.FOREIGN
-        raise
-
-
-def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        abandoned(future.result())
-
-
-def release_read(obj: MemoryObj | None) -> None:
-    """Release the object a read returned, if any (a read whose caller went away)."""
-    if obj is not None:
-        obj.release()
+def _device_checksum(payload: torch.Tensor) -> int:
+    return payload_checksum(byte_view(payload.cpu()))
 
 
 # -- the backend ----------------------------------------------------------------------------
@@ -567,6 +238,12 @@ class DiskBackend(Backend):
     **Reads** verify the header block, the key inside it, the file length and the payload
     checksum; anything damaged reads as a miss, is counted in :attr:`corrupt_objects` and its
     file is removed (clause 6).
+
+    **Data movement.** Payload bytes go through one :class:`~kvplug_disk.fileio.FileIO`,
+    :attr:`io` (``file_io=``; default :class:`~kvplug_disk.fileio.PosixFileIO`): the engine
+    plans where each payload lives in memory and checks what is read, the FileIO only moves
+    bytes. :class:`~kvplug_disk.gds.backend.GdsBackend` is this class with
+    :class:`~kvplug_disk.fileio.CuFileIO`.
 
     **O_DIRECT.** Probed per directory at open. Objects in a 4096-aligned
     :class:`~kvplug.memory.FreeListAllocator` (the core's default) go straight between their
@@ -616,11 +293,21 @@ class DiskBackend(Backend):
     # What the contract suite opens to fill the store (clauses 8, 9).
     contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
     options: DiskOptions
+    _medium: ClassVar[str] = "disk"
+    """What error messages call the tier's storage."""
 
     def __init__(
-        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+        self,
+        url: BackendURL | str,
+        *,
+        allocator: Allocator | None = None,
+        file_io: FileIO | None = None,
+        **options: Any,
     ) -> None:
+        """``file_io`` moves the payloads (default: :class:`~kvplug_disk.fileio.PosixFileIO`);
+        see :mod:`kvplug_disk.fileio`."""
         super().__init__(url, allocator=allocator, **options)
+        self._io: FileIO | None = file_io if file_io is not None else self._default_file_io()
         if self.url.hosts or self.url.username or self.url.password:
             raise InvalidBackendURL(
                 f"{self.url} names a host or user, but {self.url.scheme}:// takes local "
@@ -634,31 +321,20 @@ class DiskBackend(Backend):
         """The directories in use, with their O_DIRECT state (filled by :meth:`open`)."""
         self._lock = threading.Lock()
         self._stripes = [threading.RLock() for _ in range(_STRIPES)]
-        self._index: dict[CacheKey, IndexEntry] = {}
-        self._policy: EvictionPolicy[CacheKey] = make_policy(self.options.eviction)
-        self._pins: PinTable[CacheKey] = PinTable()
-        self._bytes_held = 0
-        self._reserved = 0
+        self._index: EvictableIndex[CacheKey, IndexEntry] = EvictableIndex(
+            self.max_size, self.options.eviction, pin_ttl=self.options.pin_ttl
+        )
         self._generations = itertools.count(1)
         self._open_lock = threading.Lock()
         self._directories_open = False
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.options.workers, thread_name_prefix="kvplug-disk"
+        self._workers = Workers(
+            self.options.workers, self.options.queue_depth, self._closed_error, self._idle
         )
-        # The payload checksum is computed here while the worker's write (which releases the
-        # GIL) is in the kernel, so hashing costs no time on the write path.
-        self._hashers = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.options.workers, thread_name_prefix="kvplug-disk-hash"
-        )
-        self._slots = _Slots(self.options.queue_depth)
-        self._inflight: set[concurrent.futures.Future[Any]] = set()
-        self._inflight_lock = threading.Lock()
         self._bounce: FreeListAllocator | None = None
         self._bounce_lock = threading.Lock()
         self._writer = new_writer_id()
         self._writer_locks: list[WriterLock] = []
-        self._kept_temps: dict[str, _KeptTemp] = {}
-        self._temp_bytes = 0
+        self._kept_temps: dict[str, KeptTemp] = {}
         self._temps_checked_at = 0.0
         self._reported: set[tuple[str, str]] = set()
         self._report_lock = threading.Lock()
@@ -683,7 +359,7 @@ class DiskBackend(Backend):
     @property
     def bytes_held(self) -> int:
         """Bytes of the stored object files (header blocks and padding included)."""
-        return self._bytes_held
+        return self._index.bytes_held
 
     def stats(self) -> dict[str, int]:
         """A consistent snapshot of the counters. ``temp_bytes`` and ``temp_files``: other
@@ -698,11 +374,11 @@ class DiskBackend(Backend):
                 "foreign_files": self.foreign_files,
                 "discovered": self.discovered,
                 "eviction_failures": self.eviction_failures,
-                "bytes_held": self._bytes_held,
-                "temp_bytes": self._temp_bytes,
+                "bytes_held": self._index.bytes_held,
+                "temp_bytes": self._index.external_bytes,
                 "temp_files": len(self._kept_temps),
                 "keys": len(self._index),
-                "pinned_keys": len(self._pins),
+                "pinned_keys": self._index.pinned_keys,
                 "max_size": self.max_size,
             }
 
@@ -788,133 +464,24 @@ class DiskBackend(Backend):
         rebuilt: the place for a subclass (``gds://``) to check more. Default: nothing."""
 
     def _rebuild(self) -> None:
-        stats = dict.fromkeys(
-            (
-                "objects",
-                "bytes",
-                "corrupt",
-                "temp_removed",
-                "temp_in_use",
-                "stale_locks",
-                "duplicates",
-                "foreign",
-                "unreadable",
-                "evicted",
-            ),
-            0,
-        )
-        found: dict[CacheKey, tuple[float, IndexEntry]] = {}
-        writers = LiveWriters()
-        for directory in self.directories:
-            with os.scandir(directory.path) as items:
-                for item in items:
-                    if TEMP_NAME.fullmatch(item.name):
-                        self._clean_temp(directory, item.path, item.name, stats, writers)
-                    elif SUBDIR_NAME.fullmatch(item.name) and item.is_dir(follow_symlinks=False):
-                        if not self.options.allow_shared_dir:
-                            _check_not_shared(item.path, self.url)
-                        directory.subdirs.add(item.name)
-                        self._scan_subdir(directory, item.path, found, stats, writers)
-                    elif not (
-                        WRITER_LOCK_NAME.fullmatch(item.name)
-                        and writers.check_lock(directory.path, item.name) is not None
-                    ):
-                        stats["foreign"] += 1
-        stats["stale_locks"] = writers.stale_locks
+        scan = DiskScan(self.url, self.options.allow_shared_dir, self._temp_in_use, self._entry)
+        scan.run(self.directories)
+        stats = scan.stats
         with self._lock:
-            for key, (_, entry) in sorted(found.items(), key=lambda item: item[1][0]):
-                self._index[key] = entry
-                self._policy.on_put(key)
-                self._bytes_held += entry.size
+            for path, temp in scan.kept_temps.items():
+                if path not in self._kept_temps:
+                    self._kept_temps[path] = temp
+                    self._index.external_bytes += temp.size
+            for key, (_, entry) in sorted(scan.found.items(), key=lambda item: item[1][0]):
+                self._index.put(key, entry, entry.size)
             stats["objects"] = len(self._index)
-            stats["bytes"] = self._bytes_held
-            while self._bytes_held + self._temp_bytes > self.max_size and self._evict_one(
-                exclude=None
-            ):
+            stats["bytes"] = self._index.bytes_held
+            while self._index.used > self.max_size and self._index.evict_one(self._evicted):
                 stats["evicted"] += 1
             self.corrupt_objects += stats["corrupt"]
             self._temps_checked_at = time.monotonic()
         self.rebuild_stats = stats
-        self._log_rebuild(stats)
-
-    def _scan_subdir(
-        self,
-        directory: Directory,
-        path: str,
-        found: dict[CacheKey, tuple[float, IndexEntry]],
-        stats: dict[str, int],
-        writers: LiveWriters,
-    ) -> None:
-        with os.scandir(path) as items:
-            for item in items:
-                match = OBJECT_NAME.fullmatch(item.name)
-                if TEMP_NAME.fullmatch(item.name):
-                    self._clean_temp(directory, item.path, item.name, stats, writers)
-                    continue
-                if match is None or not item.is_file(follow_symlinks=False):
-                    stats["foreign"] += 1
-                    continue
-                try:
-                    header, mtime = _load_header(item.path)
-                    if digest(header.key_text) != match.group(1):
-                        raise CorruptObject("the key inside does not match the file name.")
-                    key = CacheKey.parse(header.key_text)
-                except (FileNotFoundError, NotAnObject):  # replaced since it was listed
-                    stats["foreign"] += 1
-                    continue
-                except (CorruptObject, InvalidKey) as error:
-                    logger.debug("%s: removing damaged object file %s: %s", self.url, item, error)
-                    stats["corrupt"] += 1
-                    unlink_quietly(item.path)
-                    continue
-                except OSError as error:
-                    logger.debug("%s: cannot read %s: %s", self.url, item.path, reason(error))
-                    stats["unreadable"] += 1
-                    continue
-                entry = self._entry(item.path, match.group(1), directory, header)
-                previous = found.get(key)
-                if previous is not None:
-                    # One key in two places (the directory list changed): keep the newer.
-                    stats["duplicates"] += 1
-                    older, newer = sorted((previous, (mtime, entry)), key=lambda pair: pair[0])
-                    unlink_quietly(older[1].path)
-                    found[key] = newer
-                else:
-                    found[key] = (mtime, entry)
-
-    def _clean_temp(
-        self,
-        directory: Directory,
-        path: str,
-        name: str,
-        stats: dict[str, int],
-        writers: LiveWriters,
-    ) -> None:
-        """Delete the temporary file ``path`` unless its writer is alive; then it is kept and
-        counts against max_size until it is gone."""
-        match = TEMP_NAME.fullmatch(name)
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if match is None or not stat.S_ISREG(info.st_mode):
-            stats["foreign"] += 1
-            return
-        pid, writer = match.group(1), match.group(2)
-        if self._temp_in_use(directory, pid, writer, info.st_mtime, writers):
-            stats["temp_in_use"] += 1  # another backend's write in progress
-            with self._lock:
-                if path not in self._kept_temps:
-                    self._kept_temps[path] = _KeptTemp(directory, pid, writer, info.st_size)
-                    self._temp_bytes += info.st_size
-            return
-        try:
-            os.unlink(path)
-            stats["temp_removed"] += 1
-        except FileNotFoundError:
-            pass
-        except OSError:
-            stats["unreadable"] += 1
+        log_rebuild(self.url, len(self.directories), stats)
 
     def _temp_in_use(
         self, directory: Directory, pid: str, writer: str, mtime: float, writers: LiveWriters
@@ -945,32 +512,7 @@ class DiskBackend(Backend):
                 continue
             with self._lock:
                 if self._kept_temps.pop(path, None) is not None:
-                    self._temp_bytes -= temp.size
-
-    def _log_rebuild(self, stats: dict[str, int]) -> None:
-        count = len(self.directories)
-        parts = [
-            f"found {stats['objects']} object(s), {_human(stats['bytes'])}, in {count} "
-            f"director{'y' if count == 1 else 'ies'}"
-        ]
-        notes = (
-            ("evicted", "evicted {} to fit max_size"),
-            ("corrupt", "removed {} damaged object file(s)"),
-            ("temp_removed", "removed {} temporary file(s) of interrupted writes"),
-            ("stale_locks", "removed {} lock file(s) of writers that ended"),
-            ("duplicates", "removed {} older duplicate(s)"),
-            ("unreadable", "skipped {} unreadable file(s)"),
-            ("foreign", "left {} foreign file(s) alone"),
-            ("temp_in_use", "left {} temporary file(s) of running writers alone"),
-        )
-        parts += [text.format(stats[name]) for name, text in notes if stats[name]]
-        damaged = stats["corrupt"] or stats["temp_removed"] or stats["unreadable"]
-        logger.log(
-            logging.WARNING if damaged else logging.INFO,
-            "%s: index rebuilt from disk: %s.",
-            self.url,
-            "; ".join(parts),
-        )
+                    self._index.external_bytes -= temp.size
 
     # -- internals (callers hold self._lock) ------------------------------------------------
 
@@ -1000,43 +542,26 @@ class DiskBackend(Backend):
         first = self._shard(stem)
         return [first, *(d for d in self.directories if d is not first)]
 
-    def _drop_locked(self, key: CacheKey) -> IndexEntry | None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._policy.discard(key)
-            self._pins.discard(key)
-            self._bytes_held -= entry.size
-        return entry
-
-    def _evict_one(self, exclude: CacheKey | None) -> bool:
-        """Evict the policy's first unpinned key whose writes are not in progress and whose
-        file can be deleted; a file that cannot be deleted stays indexed (and counted)."""
-        now = time.monotonic()
-        for key in self._policy.candidates():
-            entry = self._index[key]
-            if key == exclude or entry.undeletable_until > now or self._pins.is_pinned(key, now):
-                continue
-            stripe = self._stripe(entry.stem)
-            # Never wait here (the index lock is held): a key being written is skipped.
-            if not stripe.acquire(blocking=False):
-                continue
-            try:
-                try:
-                    deleted = _delete_object_file(entry.path)
-                except OSError as error:
-                    entry.undeletable_until = now + RETRY_UNDELETABLE
-                    self.eviction_failures += 1
-                    self._report_undeletable(entry, error)
-                    continue
-                self._drop_locked(key)
-            finally:
-                stripe.release()
-            if deleted is _Deleted.FOREIGN:
-                self.foreign_files += 1
-            else:
-                self.evictions += 1
-            return True
-        return False
+    def _evicted(self, key: CacheKey, entry: IndexEntry) -> bool:
+        """The index's eviction callback (self._lock held): delete the victim's file."""
+        stripe = self._stripe(entry.stem)
+        # Never wait here (the index lock is held): a key being written is skipped.
+        if not stripe.acquire(blocking=False):
+            return False
+        try:
+            deleted = _delete_object_file(entry.path)
+        except OSError as error:
+            self._index.hold_off(key, RETRY_UNDELETABLE)
+            self.eviction_failures += 1
+            self._report_undeletable(entry, error)
+            return False
+        finally:
+            stripe.release()
+        if deleted is _Deleted.FOREIGN:
+            self.foreign_files += 1
+        else:
+            self.evictions += 1
+        return True
 
     def _report_undeletable(self, entry: IndexEntry, error: OSError) -> None:
         first = self._first_report(entry.directory.path, error)
@@ -1074,12 +599,8 @@ class DiskBackend(Backend):
 
     # -- the worker pool ----------------------------------------------------------------------
 
-    def _finished(self, future: concurrent.futures.Future[Any]) -> None:
-        with self._inflight_lock:
-            self._inflight.discard(future)
-            idle = not self._inflight
-        self._slots.release()
-        if idle and self._closed:
+    def _idle(self) -> None:
+        if self._closed:
             self._release_writer_locks()  # the last file I/O after close is done
 
     async def _run(
@@ -1102,7 +623,7 @@ class DiskBackend(Backend):
         result of a ``work`` whose caller stopped waiting.
         """
         if self._directories_open:
-            return await self._submit(work, not_run, abandoned)
+            return await self._workers.submit(work, not_run, abandoned, self.ensure_open)
         try:
             await self._ready()
         except BaseException:
@@ -1111,7 +632,7 @@ class DiskBackend(Backend):
             raise
         try:
             async with asyncio.timeout(self.options.timeout):
-                return await self._submit(work, not_run, abandoned)
+                return await self._workers.submit(work, not_run, abandoned, self.ensure_open)
         except TimeoutError:
             raise BackendTimeout(
                 f"{what} on {self.url} took longer than {self.options.timeout} s; the disk is "
@@ -1119,67 +640,64 @@ class DiskBackend(Backend):
                 "the disk."
             ) from None
 
-    async def _submit(
-        self,
-        work: Callable[[], T],
-        not_run: Callable[[], None] | None,
-        abandoned: Callable[[T], None] | None,
-    ) -> T:
-        """``work`` on the pool within a queue slot; see :meth:`_run`."""
-        submitted: list[concurrent.futures.Future[T]] = []
-        try:
-            await self._slots.acquire()
-            try:
-                self.ensure_open()  # the wait for a slot may have outlasted the backend
-                future = self._pool.submit(work)
-            except RuntimeError:  # the pool was shut down by close()
-                self._slots.release()
-                raise self._closed_error() from None
-            except BaseException:
-                self._slots.release()
-                raise
-            submitted.append(future)
-            with self._inflight_lock:
-                self._inflight.add(future)
-            future.add_done_callback(self._finished)
-            if not_run is not None:
-                future.add_done_callback(lambda f: not_run() if f.cancelled() else None)
-            return await asyncio.wrap_future(future)
-        except BaseException:
-            if not submitted:
-                if not_run is not None:
-                    not_run()
-            elif abandoned is not None:
-                submitted[0].add_done_callback(partial(_hand_back, abandoned))
-            raise
-
     # -- memory -------------------------------------------------------------------------------
 
-    def _bounce_allocate(self, length: int) -> MemoryObj | None:
+    @property
+    def io(self) -> FileIO:
+        """The :class:`~kvplug_disk.fileio.FileIO` payloads move through."""
+        if self._io is None:
+            raise BackendError(f"{self.url} is not open yet; await open() first.")
+        return self._io
+
+    def _default_file_io(self) -> FileIO | None:
+        """The FileIO of a backend given none (None: chosen at open)."""
+        return PosixFileIO()
+
+    def _staging_block(self, length: int) -> MemoryObj | None:
+        """``length`` bytes of 4096-aligned memory the I/O seam takes, for a payload whose own
+        memory it cannot use; None when there is none to spare (then buffered I/O)."""
         with self._bounce_lock:
             if self._bounce is None:
                 self._bounce = FreeListAllocator(BOUNCE_POOL_SIZE, alignment=BLOCK, pin=False)
             bounce = self._bounce
         return bounce.allocate((length,), torch.uint8, MemoryFormat.BINARY_BUFFER)
 
-    def _plan(self, obj: MemoryObj, length: int, o_direct: bool, writing: bool) -> _Transfer:
+    def _using_block(self, obj: MemoryObj) -> None:
+        """``obj``'s allocator block is about to be moved as it is (``gds://`` registers the
+        allocator's buffer with cuFile here). Default: nothing."""
+
+    def _checksums_device_memory(self) -> bool:
+        """Whether payloads in device memory are checksummed too (copied to the host)."""
+        return False
+
+    def _plan(self, obj: MemoryObj, length: int, o_direct: bool, writing: bool) -> Payload:
         """How ``obj``'s payload (``length`` bytes on disk, block-padded) moves."""
         nbytes = obj.nbytes
-        if o_direct:
-            block = _aligned_block(obj, length)
-            if block is not None:  # the fast path: no copy at all
-                if writing:
+        io = self.io
+        if not length:
+            return Payload([], o_direct, memoryview(b""))
+        if o_direct or not io.moves_host_views:
+            block = _aligned_block(obj, length, own_memory=io.moves_host_views)
+            if block is not None and io.accepts(block):  # the fast path: no copy at all
+                self._using_block(obj)
+                if writing and length > nbytes:
                     block[nbytes:].zero_()  # the block's padding: never leak stale memory
-                view = byte_view(block)
-                return _Transfer([view], True, view[:nbytes])
-            bounce = self._bounce_allocate(length)
+                return _whole(block, nbytes, o_direct)
+            bounce = self._staging_block(length)
+            if bounce is None and not io.moves_host_views:  # it takes no host views: a copy
+                bounce = FreeListAllocator(length, alignment=BLOCK, pin=False).allocate(
+                    (length,), torch.uint8, MemoryFormat.BINARY_BUFFER
+                )
             if bounce is not None:
                 raw = bounce.raw
                 if writing:
-                    raw[:nbytes].copy_(obj.raw)
+                    raw[:nbytes].copy_(obj.raw.reshape(-1))
                     raw[nbytes:].zero_()
-                view = byte_view(raw)
-                return _Transfer([view], True, view[:nbytes], raw[:nbytes], bounce)
+                payload = _whole(raw, nbytes, o_direct)
+                payload.bounce = bounce
+                if not writing:
+                    payload.staging = raw[:nbytes]
+                return payload
         # Buffered I/O takes any host memory; device memory goes through a host copy.
         staging: torch.Tensor | None = None
         if obj.device.type == "cpu":
@@ -1192,7 +710,7 @@ class DiskBackend(Backend):
         buffers = [view]
         if writing and length > nbytes:
             buffers.append(memoryview(_ZEROS)[: length - nbytes])
-        return _Transfer(buffers, False, view, staging)
+        return Payload(buffers, False, view, staging=staging)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -1247,42 +765,36 @@ class DiskBackend(Backend):
             )
         os.replace(temp, final)
 
-    def _reserve(self, key: CacheKey, length: int) -> None:
+    def _reserve(self, key: CacheKey, length: int) -> Reservation:
         """Make room for a file of ``length`` bytes (evicting by policy) and reserve it."""
         if self._kept_temps and (
-            self._bytes_held + self._temp_bytes + self._reserved + length > self.max_size
+            self._index.used + length > self.max_size
             or time.monotonic() - self._temps_checked_at > TEMP_RECHECK
         ):
             self._recheck_temps()
         with self._lock:
             self._check_open_worker()
-            current = self._index.get(key)
-            replaced = current.size if current is not None else 0
-            while (
-                self._bytes_held - replaced + self._temp_bytes + self._reserved + length
-                > self.max_size
-            ):
-                if not self._evict_one(exclude=key):
-                    raise CapacityExceeded(self._full_message(length))
-            self._reserved += length
+            reservation = self._index.reserve(length, self._evicted, replacing=key)
+            if reservation is None:
+                raise CapacityExceeded(self._full_message(length))
+            return reservation
 
     def _full_message(self, length: int) -> str:
         """Why an object file of ``length`` bytes does not fit (the index lock is held)."""
-        now = time.monotonic()
-        stuck = [e for e in self._index.values() if e.undeletable_until > now]
+        stuck = self._index.held_off()
         parts = [
-            f"{self._bytes_held} of {self.max_size} bytes are held in {len(self._index)} "
-            f"objects and {self._reserved} more are being written"
+            f"{self._index.bytes_held} of {self.max_size} bytes are held in {len(self._index)} "
+            f"objects and {self._index.reserved} more are being written"
         ]
-        if self._temp_bytes:
+        if self._index.external_bytes:
             parts.append(
-                f"{self._temp_bytes} bytes are temporary files of {len(self._kept_temps)} "
-                "writes of other running processes"
+                f"{self._index.external_bytes} bytes are temporary files of "
+                f"{len(self._kept_temps)} writes of other running processes"
             )
         if stuck:
             parts.append(
-                f"{sum(e.size for e in stuck)} bytes are in {len(stuck)} files that could not "
-                "be deleted (see the warning logged)"
+                f"{sum(self._index.nbytes(k) for k in stuck)} bytes are in {len(stuck)} files "
+                "that could not be deleted (see the warning logged)"
             )
         return (
             f"cannot make room for an object file of {length} bytes in {self.url}: "
@@ -1320,16 +832,40 @@ class DiskBackend(Backend):
     def _write_file(
         self, directory: Directory, stem: str, key_text: str, obj: MemoryObj, length: int
     ) -> str:
-        """Write ``obj`` to a temporary file and rename it into place; the final path."""
+        """Write ``obj`` to a temporary file (through :attr:`io`) and rename it into place;
+        the final path."""
         subdir = os.path.join(directory.path, stem[:2])
         final = os.path.join(subdir, stem + SUFFIX)
         temp = os.path.join(subdir, temp_name(stem, self._writer))
-        transfer = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
-        flags |= O_DIRECT if transfer.o_direct else 0
+        nbytes = obj.nbytes
+        payload = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags()
+        flags |= O_DIRECT if payload.o_direct else 0
         fd = -1
         created = False
-        checksum = self._hashers.submit(payload_checksum, transfer.host)
+        synchronize(payload.tensor)
+        header_flags = 0
+        checksum: concurrent.futures.Future[int] | None = None
+        if payload.host is not None:
+            checksum = self._workers.hashers.submit(payload_checksum, payload.host)
+        elif payload.tensor is not None and self._checksums_device_memory():
+            checksum = self._workers.hashers.submit(_device_checksum, payload.tensor[:nbytes])
+        else:
+            header_flags = FLAG_NO_PAYLOAD_CHECKSUM
+
+        def header() -> memoryview:
+            block = header_buffer()
+            frame = encode_header(
+                obj.shape,
+                obj.dtype,
+                obj.fmt,
+                SERDE,
+                payload.host if payload.host is not None else _length_only(nbytes),
+                checksum.result() if checksum is not None else 0,
+            )
+            block[:] = encode_block(frame, key_text, header_flags)
+            return memoryview(block)
+
         try:
             self._subdir(directory, stem[:2])
             try:
@@ -1338,17 +874,7 @@ class DiskBackend(Backend):
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
             created = True
-            header = header_buffer()
-            frame = encode_header(
-                obj.shape, obj.dtype, obj.fmt, SERDE, transfer.host, checksum.result()
-            )
-            header[:] = encode_block(frame, key_text)
-            # One sequential write from the start: no hole for the file system to fill later.
-            written = write_all(fd, [memoryview(header), *transfer.buffers], 0)
-            if written != BLOCK + transfer.length:
-                raise OSError(
-                    errno.EIO, f"wrote {written} of {BLOCK + transfer.length} bytes of the object"
-                )
+            self.io.write_object(fd, payload, header)
             if self.options.fsync:
                 os.fsync(fd)
             os.close(fd)
@@ -1366,10 +892,16 @@ class DiskBackend(Backend):
                 raise self._write_failed(error, subdir, length) from error
             raise
         finally:
-            checksum.cancel()
-            concurrent.futures.wait([checksum])  # never release memory it is still reading
-            transfer.close()
+            if checksum is not None:
+                checksum.cancel()
+                concurrent.futures.wait([checksum])  # never release memory it still reads
+            payload.close()
         return final
+
+    def _open_flags(self) -> int:
+        """Flags of every object file opened for :attr:`io` (O_NOFOLLOW unless it refuses
+        such descriptors; O_EXCL already refuses to follow a link when creating)."""
+        return os.O_CLOEXEC if self.io.refuses_nofollow else OPEN_FLAGS
 
     def _write(self, key: CacheKey, key_text: str, obj: MemoryObj, length: int) -> None:
         """The whole put, on a worker thread; releases the reference ``put`` took."""
@@ -1378,16 +910,15 @@ class DiskBackend(Backend):
             stem = digest(key_text)
             directory = self._shard(stem)
             with self._stripe(stem):
-                self._reserve(key, length)
+                reservation = self._reserve(key, length)
                 try:
                     self._check_free_space(directory, length)
                     path = self._write_file(directory, stem, key_text, obj, length)
                 except BaseException:
                     with self._lock:
-                        self._reserved -= length
+                        self._index.cancel(reservation)
                     raise
                 with self._lock:
-                    self._reserved -= length
                     entry = IndexEntry(
                         path,
                         stem,
@@ -1399,12 +930,7 @@ class DiskBackend(Backend):
                         obj.nbytes,
                         next(self._generations),
                     )
-                    old = self._index.get(key)
-                    if old is not None:
-                        self._bytes_held -= old.size
-                    self._index[key] = entry
-                    self._bytes_held += length
-                    self._policy.on_put(key)
+                    old = self._index.commit(reservation, key, entry)
                 if old is not None and old.path != path:
                     unlink_quietly(old.path)  # it lived in another directory
         finally:
@@ -1417,7 +943,7 @@ class DiskBackend(Backend):
         with self._stripe(entry.stem), self._lock:
             current = self._index.get(key)
             if current is not None and current.gen == entry.gen:
-                self._drop_locked(key)
+                self._index.remove(key)
 
     def _forget_foreign(self, key: CacheKey, entry: IndexEntry, error: NotAnObject) -> None:
         """A foreign thing is under ``entry``'s name: a counted miss; drop the key from the
@@ -1426,7 +952,7 @@ class DiskBackend(Backend):
             current = self._index.get(key)
             if current is None or current.gen != entry.gen:
                 return
-            self._drop_locked(key)
+            self._index.remove(key)
             self.foreign_files += 1
         first = self._first_report(entry.directory.path, "foreign")
         logger.log(
@@ -1453,7 +979,7 @@ class DiskBackend(Backend):
             with self._lock:
                 current = self._index.get(key)
                 if current is not None and current.gen == entry.gen:
-                    self._drop_locked(key)
+                    self._index.remove(key)
             try:
                 on_disk = os.stat(entry.path, follow_symlinks=False)
                 opened = os.fstat(fd)
@@ -1482,14 +1008,18 @@ class DiskBackend(Backend):
         with self._lock:
             current = self._index.get(key)
             if current is not None and current.gen == entry.gen:
-                self._index[key] = adopted
-                self._bytes_held += adopted.size - current.size
+                self._index.update(key, adopted, adopted.size)
         return adopted
 
     def _verify(
-        self, fd: int, key: CacheKey, key_text: str, entry: IndexEntry, transfer: _Transfer
+        self,
+        fd: int,
+        key_text: str,
+        entry: IndexEntry,
+        payload: Payload,
+        path: str,
     ) -> ObjectHeader | None:
-        """Read and verify the file into ``transfer``. Returns None when the object is
+        """Read and verify the file into ``payload``. Returns None when the object is
         complete, or the header of a different valid object the file holds; raises
         CorruptObject when the file is damaged."""
         head_block = header_buffer()
@@ -1503,13 +1033,19 @@ class DiskBackend(Backend):
             raise CorruptObject(
                 f"file is {size} bytes, its header says {header.file_length} (truncated or torn)."
             )
+        synchronize(payload.tensor)
         try:
-            count = read_all(fd, [memoryview(head_block), *transfer.buffers], 0)
+            count = self.io.read_object(
+                fd,
+                memoryview(head_block),
+                payload,
+                self._payload_handle(fd, path, key_text, payload.o_direct),
+            )
         except OSError as error:
             if error.errno in (errno.EIO, errno.EINVAL):
                 raise CorruptObject(f"reading the file failed: {reason(error)}.") from None
             raise
-        expected = BLOCK + transfer.length
+        expected = BLOCK + payload.length
         if count != expected:
             raise CorruptObject(f"read {count} of {expected} bytes: the file was truncated.")
         header = decode_block(memoryview(head_block))
@@ -1518,7 +1054,19 @@ class DiskBackend(Backend):
         if not entry.describes(header):
             return header
         if header.payload_checksummed:  # else written from GPU memory by gds://: length only
-            verify_payload(header.frame, transfer.host)
+            if payload.host is not None:
+                verify_payload(header.frame, payload.host)
+            elif payload.tensor is not None and self._checksums_device_memory():
+                nbytes = header.frame.payload_len
+                verify_payload(header.frame, byte_view(payload.tensor[:nbytes].cpu()))
+        return None
+
+    def _payload_handle(
+        self, fd: int, path: str, key_text: str, o_direct: bool
+    ) -> Callable[[], AbstractContextManager[Any]] | None:
+        """How :attr:`io` opens the file ``fd`` (``path``, holding ``key_text``, opened with
+        O_DIRECT or not) for a payload read; None: its own way
+        (:meth:`~kvplug_disk.fileio.FileIO.open`)."""
         return None
 
     def _allocate_for(self, key: CacheKey, entry: IndexEntry) -> MemoryObj | None:
@@ -1535,19 +1083,30 @@ class DiskBackend(Backend):
     ) -> MemoryObj | ObjectHeader | None:
         """Read ``entry`` into a new object, or into ``into`` (the caller's, never released
         here) when its size is the stored object's."""
+        return self._read_path(key, key_text, entry, entry.path, into)
+
+    def _read_path(
+        self,
+        key: CacheKey,
+        key_text: str,
+        entry: IndexEntry,
+        path: str,
+        into: MemoryObj | None = None,
+    ) -> MemoryObj | ObjectHeader | None:
+        """Read ``entry``'s object from ``path`` (its file, or a link to it)."""
         if into is not None and nbytes_of(entry.shape, entry.dtype) != into.nbytes:
             return None
         obj = into if into is not None else self._allocate_for(key, entry)
         if obj is None:
             return None
         keep = obj is into
-        transfer: _Transfer | None = None
+        payload: Payload | None = None
         try:
-            transfer = self._plan(
+            payload = self._plan(
                 obj, padded(entry.payload_len), entry.directory.o_direct, writing=False
             )
             try:
-                fd = open_object(entry.path, O_DIRECT if transfer.o_direct else 0)
+                fd = open_object(path, O_DIRECT if payload.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
                 return None
@@ -1556,12 +1115,12 @@ class DiskBackend(Backend):
                 return None
             except OSError as error:
                 raise BackendError(
-                    f"{self.url}: cannot open {entry.path}: {reason(error)}. Check the disk "
-                    "and the directory's permissions."
+                    f"{self.url}: cannot open {path}: {reason(error)}. Check the "
+                    f"{self._medium} and the directory's permissions."
                 ) from None
             try:
                 try:
-                    other = self._verify(fd, key, key_text, entry, transfer)
+                    other = self._verify(fd, key_text, entry, payload, path)
                 except CorruptObject as error:
                     self._discard_corrupt(key, entry, fd, error)
                     return None
@@ -1569,13 +1128,13 @@ class DiskBackend(Backend):
                 os.close(fd)
             if other is not None:
                 return other
-            if transfer.staging is not None:
-                obj.raw.copy_(transfer.staging)
+            if payload.staging is not None:
+                obj.raw.copy_(payload.staging)
             keep = True
             return obj
         finally:
-            if transfer is not None:
-                transfer.close()
+            if payload is not None:
+                payload.close()
             if not keep:
                 obj.release()
 
@@ -1598,8 +1157,7 @@ class DiskBackend(Backend):
                 self.misses += 1
             else:
                 self.hits += 1
-                if key in self._index:
-                    self._policy.on_hit(key)
+                self._index.hit(key)
         return result
 
     def _read_header(self, fd: int) -> ObjectHeader:
@@ -1638,9 +1196,7 @@ class DiskBackend(Backend):
                 if current is not None:
                     return current
                 entry = self._entry(path, stem, directory, header)
-                self._index[key] = entry
-                self._bytes_held += entry.size
-                self._policy.on_put(key)
+                self._index.put(key, entry, entry.size)
                 self.discovered += 1
             return entry
         return None
@@ -1737,7 +1293,7 @@ class DiskBackend(Backend):
             with self._lock:
                 current = self._index.get(key)
                 if current is not None and current.gen == entry.gen:
-                    self._drop_locked(key)
+                    self._index.remove(key)
                 if deleted is _Deleted.FOREIGN:
                     self.foreign_files += 1
         return deleted is _Deleted.DONE
@@ -1822,21 +1378,18 @@ class DiskBackend(Backend):
         if not known and await self._run(f"pin of {key}", partial(self._known, key)) is None:
             return False
         with self._lock:
-            if key not in self._index:
-                return False
-            self._pins.pin(key, self.options.pin_ttl)
-            return True
+            return self._index.pin(key)
 
     async def _unpin(self, key: CacheKey) -> bool:
         """Release the oldest live pin of ``key``; False when none is left (never raises for an
         absent or unpinned key)."""
         with self._lock:
-            return self._pins.unpin(key)
+            return self._index.unpin(key)
 
     def is_pinned(self, key: CacheKey) -> bool:
         """Whether ``key`` holds a pin that has not expired."""
         with self._lock:
-            return self._pins.is_pinned(key)
+            return self._index.is_pinned(key)
 
     def stored_files(self, key: CacheKey) -> list[Path]:
         """:class:`~kvplug.backend.StoredFiles`: the path of the file holding ``key`` (empty
@@ -1858,28 +1411,18 @@ class DiskBackend(Backend):
         """Stop taking operations, wait for file I/O in flight (up to :data:`CLOSE_WAIT`
         seconds, and less than half the deadline, so that what follows runs within it), and
         stop the workers. The files stay (the tier is persistent)."""
-        self._slots.close(self._closed_error)
+        self._workers.close()
         try:
             give_up = time.monotonic() + min(CLOSE_WAIT, self.options.timeout / 2)
-            while time.monotonic() < give_up:
-                with self._inflight_lock:
-                    if not self._inflight:
-                        break
+            while time.monotonic() < give_up and self._workers.busy:
                 await asyncio.sleep(0.005)
         finally:
-            with self._inflight_lock:
-                idle = not self._inflight
-            if idle:
+            if not self._workers.busy:
                 self._release_writer_locks()  # else the last file I/O in flight releases them
-            self._pool.shutdown(wait=False)
-            self._hashers.shutdown(wait=False)
+            self._workers.shutdown()
             with self._lock:
                 self._index.clear()
-                self._pins.clear()
-                self._policy = make_policy(self.options.eviction)
-                self._bytes_held = 0
                 self._kept_temps.clear()
-                self._temp_bytes = 0
 
 
 __all__ = [

@@ -2,26 +2,73 @@
 ``redis+sentinel://h1:26379,h2:26379/mymaster`` (``rediss+sentinel://`` over TLS) and
 ``redis+cluster://h1:7000,h2:7001``.
 
-See :class:`kvplug_redis.backend.RedisBackend`; :mod:`kvplug_redis.testing` starts real
-servers for tests. The backend is imported on first use, so the plugin entry point stays light.
+See :class:`RedisBackend`. Its modules, one job each: :mod:`kvplug_redis.backend` (the data
+path), :mod:`kvplug_redis.urls` (URL forms), :mod:`kvplug_redis.options`,
+:mod:`kvplug_redis.client_library` (the client library seam), :mod:`kvplug_redis.connections`
+(the clients of each event loop), :mod:`kvplug_redis.sentinel` (which server is master),
+:mod:`kvplug_redis.direct` (reads straight into allocator memory), :mod:`kvplug_redis.pipeline`
+(how values go on the wire), :mod:`kvplug_redis.failures` (the library's errors as kvplug's)
+and :mod:`kvplug_redis.tls`. Real servers for tests are in the
+separate distribution kvplug-testing (:mod:`kvplug_testing`).
+
+The names below are the public API, the one other distributions may use (kvplug-valkey builds
+on it): :class:`RedisBackend` to subclass, :class:`ClientLibrary` and :class:`ClientVersions`
+to hand it another client library (as :func:`redis_py` does for redis-py),
+:class:`Mode` to map schemes to, and :class:`RedisOptions`, :class:`Target`,
+:class:`UrlForms`, :func:`escape_glob` and :data:`REDIS_PY_VERSIONS`. They are imported on first
+use, so the plugin entry point stays light.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvplug_redis.backend import ClientLibrary, RedisBackend, RedisOptions
+    from kvplug_redis.backend import RedisBackend
+    from kvplug_redis.client_library import (
+        REDIS_PY_VERSIONS,
+        ClientLibrary,
+        ClientVersions,
+        redis_py,
+    )
+    from kvplug_redis.options import RedisOptions
+    from kvplug_redis.urls import Mode, Target, UrlForms, escape_glob
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-redis")
+
+_HOMES = {
+    "RedisBackend": "kvplug_redis.backend",
+    "REDIS_PY_VERSIONS": "kvplug_redis.client_library",
+    "ClientLibrary": "kvplug_redis.client_library",
+    "ClientVersions": "kvplug_redis.client_library",
+    "redis_py": "kvplug_redis.client_library",
+    "RedisOptions": "kvplug_redis.options",
+    "Mode": "kvplug_redis.urls",
+    "Target": "kvplug_redis.urls",
+    "UrlForms": "kvplug_redis.urls",
+    "escape_glob": "kvplug_redis.urls",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ClientLibrary", "RedisBackend", "RedisOptions"):
-        from kvplug_redis import backend
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
 
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-__all__ = ["ClientLibrary", "RedisBackend", "RedisOptions", "__version__"]
+__all__ = [
+    "REDIS_PY_VERSIONS",
+    "ClientLibrary",
+    "ClientVersions",
+    "Mode",
+    "RedisBackend",
+    "RedisOptions",
+    "Target",
+    "UrlForms",
+    "__version__",
+    "escape_glob",
+    "redis_py",
+]

@@ -1,17 +1,11 @@
-"""The Redis tier: KV-cache chunks as Redis strings, through redis-py's asyncio client.
+"""The Redis tier's data path: KV-cache chunks as Redis strings, through redis-py's asyncio
+client, and kvplug's own connections for reads.
 
-URL forms (options go in the query or in code/config, which win)::
-
-    redis://[user[:password]@]host[:port][/db]           one server (port 6379 by default)
-    rediss://host:6380?ssl_ca_certs=/etc/ca.pem          the same over TLS
-    unix:///run/redis/redis.sock?db=1                    a unix socket
-    redis+sentinel://[user[:password]@]h1:26379,h2:26379/mymaster
-                                                         a Sentinel-managed master
-                                                         (LMCache's redis-sentinel:// too)
-    rediss+sentinel://h1:26379,h2:26379/mymaster?ssl_ca_certs=/etc/ca.pem
-                                                         the same, TLS to the sentinels and
-                                                         to the servers they name
-    redis+cluster://[user[:password]@]h1:7000,h2:7001    a Redis Cluster
+The URL forms (``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``,
+``rediss+sentinel://``, ``redis+cluster://``) are read by :mod:`kvplug_redis.urls`, the options
+are :class:`~kvplug_redis.options.RedisOptions`, the clients of each event loop are made by
+:mod:`kvplug_redis.connections` (with :mod:`kvplug_redis.sentinel` following the master), and
+values go on the wire as :mod:`kvplug_redis.pipeline` packs them.
 
 **Storage.** One Redis string per chunk, under ``key_prefix`` + the key's LMCache string form
 (``kvplug:llama@1@0@2a@half``). The value is kvplug's whole frame (header, checksums,
@@ -37,8 +31,8 @@ than ``max_value_size`` or the server's ``proto-max-bulk-len`` (read at the firs
 
 **Client versions.** The backend uses internals of the client library (the connections'
 stream writer, packed commands of memoryviews), so it accepts only the versions it is tested
-with (:data:`REDIS_PY_VERSIONS`, the range kvplug-redis pins) and otherwise raises
-:class:`~kvplug.errors.PluginLoadError` when it is created.
+with (:data:`~kvplug_redis.client_library.REDIS_PY_VERSIONS`, the range kvplug-redis pins) and
+otherwise raises :class:`~kvplug.errors.PluginLoadError` when it is created.
 
 **Credentials** come from the options, then the URL, then the ``REDIS_USERNAME`` and
 ``REDIS_PASSWORD`` environment variables; they are never logged.
@@ -50,23 +44,11 @@ library (:meth:`RedisBackend.client_library`), the schemes and the environment p
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
-import itertools
 import logging
-import os
 import secrets
-import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
-from typing import Any, ClassVar, Literal, TypeVar
-
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-from pydantic import Field, SecretStr, field_validator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from kvplug.backend import Buffer, BytesBackend, Capabilities, gather_all
 from kvplug.errors import (
@@ -77,306 +59,46 @@ from kvplug.errors import (
     CapacityExceeded,
     InvalidBackendURL,
     KvplugError,
-    PluginLoadError,
 )
 from kvplug.frame import FrameReceiver
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import Allocator
-from kvplug.options import BackendOptions, BytesBackendOptions
-from kvplug.units import parse_size
+from kvplug.options import BackendOptions
 from kvplug.url import BackendURL
-from kvplug_redis.connections import ConnectionBudget, LoopClients, tracked_connection_class
+from kvplug_redis.client_library import ClientLibrary, redis_py
+from kvplug_redis.connections import (
+    CONNECTS_AT_ONCE,
+    ConnectionBudget,
+    LoopClients,
+    make_loop_clients,
+)
 from kvplug_redis.direct import DirectReads, Endpoint, pack
+from kvplug_redis.failures import NoMasterHint, translate
+from kvplug_redis.options import RedisOptions, credentials, sentinel_password
+from kvplug_redis.pipeline import (
+    PIPELINE_BYTES,
+    fetch_spread,
+    group_by_size,
+    send_sets,
+    set_command,
+)
 from kvplug_redis.sentinel import MasterTracker
+from kvplug_redis.tls import ssl_context, tls_settings
+from kvplug_redis.urls import Mode, UrlForms, escape_glob
 
 T = TypeVar("T")
 
 logger = logging.getLogger("kvplug.redis")
 
-SEND_SLICE_BYTES = 1 << 20
-"""A put hands the socket at most this many bytes at a time (see ``_set_on``)."""
-
-
-def _slices(pieces: Sequence[bytes | memoryview], limit: int) -> Iterator[list[memoryview]]:
-    """``pieces`` regrouped into lists of views of at most ``limit`` bytes, in order."""
-    group: list[memoryview] = []
-    size = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        while view.nbytes:
-            take = view[: limit - size]
-            group.append(take)
-            size += take.nbytes
-            view = view[take.nbytes :]
-            if size == limit:
-                yield group
-                group, size = [], 0
-    if group:
-        yield group
-
-
-FETCH_SPREAD = 4
-"""A batch of direct reads into the caller's buffers (``batched_get_into``, an engine's load)
-is spread over at most this many connections at once."""
-
-
-async def _fetch_spread(
-    direct: DirectReads, names: Sequence[str], receivers: Sequence[FrameReceiver]
-) -> None:
-    """``direct.fetch`` of ``names`` into ``receivers``, in up to :data:`FETCH_SPREAD`
-    pipelines on their own connections at once (the server sends on one while this reads
-    another); the first error once every pipeline has ended, so none still writes."""
-    parts = min(FETCH_SPREAD, len(names))
-    bounds = [len(names) * i // parts for i in range(parts + 1)]
-    await gather_all(
-        direct.fetch(names[lo:hi], receivers[lo:hi]) for lo, hi in itertools.pairwise(bounds)
-    )
-
-
-PIPELINE_BYTES = 64 << 20
-"""A batched put sends its values in pipelines of about this many bytes, so a large batch is
-not joined into memory all at once."""
 SCAN_COUNT = 1000
 """The ``COUNT`` hint of each ``SCAN`` page of ``list_keys``."""
 PROBE_TTL_MS = 60_000
 """The probe key of :meth:`RedisBackend.ping` expires by itself if its ``DEL`` is lost."""
-CONNECTS_AT_ONCE = 8
-"""Connections being opened at once, by the client library and by direct reads each: a burst
-of tasks waits for these (and reuses them) instead of starting hundreds of TLS handshakes that
-starve every request (:mod:`kvplug_redis.connections`)."""
-
-
-class Mode(enum.Enum):
-    """How the backend reaches Redis, chosen by the URL's scheme."""
-
-    STANDALONE = "standalone"
-    TLS = "tls"
-    UNIX = "unix"
-    SENTINEL = "sentinel"
-    CLUSTER = "cluster"
-
-
-@dataclass(frozen=True)
-class ClientVersions:
-    """The versions of a client library that a plugin is tested with: the one place that
-    says so, which the plugin's distribution pins too (a test compares them)."""
-
-    plugin: str
-    """The plugin's distribution, which pins the range: ``kvplug-redis``."""
-    distribution: str
-    """The client library's distribution, as pip names it: ``redis``."""
-    lowest: tuple[int, ...]
-    """The lowest version tested: ``(5, 3)``."""
-    below: int
-    """The first major version not tested: ``9``."""
-
-    @property
-    def range(self) -> str:
-        """For messages: ``5.3 to 8.x``, or ``6.x``."""
-        last = f"{self.below - 1}.x"
-        if self.lowest == (self.below - 1,):
-            return last
-        return f"{'.'.join(map(str, self.lowest))} to {last}"
-
-    @property
-    def specifier(self) -> str:
-        return f">={'.'.join(map(str, self.lowest))},<{self.below}"
-
-    @property
-    def requirement(self) -> str:
-        """What to ``pip install``: ``redis>=5.3,<9``."""
-        return self.distribution + self.specifier
-
-    def covers(self, version: str) -> bool:
-        """Whether ``version`` (``8.1.0``, pre-releases included) lies in the tested range."""
-        try:
-            parsed = Version(version)
-        except InvalidVersion:
-            return False
-        return SpecifierSet(self.specifier).contains(parsed, prereleases=True)
-
-
-REDIS_PY_VERSIONS = ClientVersions(
-    plugin="kvplug-redis", distribution="redis", lowest=(5, 3), below=9
-)
-"""redis-py 5.3 to 8.x (the tests run 8.1.0; 5.3.0, 6.4.0 and 7.0.1 were checked too). Before
-5.3 a connection pool's ``get_connection`` needs a command name, which the put path omits."""
-
-
-@dataclass(frozen=True)
-class ClientLibrary:
-    """The parts of the client library the backend uses. redis-py and valkey-py have the same
-    API under different names, so kvplug-valkey hands valkey-py's parts here; the fields are
-    typed ``Any`` because they are one library's classes or the other's."""
-
-    name: str
-    """For messages: ``redis-py``."""
-    client: Any
-    """The asyncio client class (``redis.asyncio.Redis``), with ``from_pool``."""
-    connection_pool: Any
-    """``redis.asyncio.ConnectionPool``."""
-    ssl_connection: Any
-    """``redis.asyncio.SSLConnection``."""
-    unix_connection: Any
-    """``redis.asyncio.UnixDomainSocketConnection``."""
-    connection: Any
-    """``redis.asyncio.Connection`` (TCP)."""
-    sentinel: Any
-    """``redis.asyncio.sentinel.Sentinel``."""
-    sentinel_connection: Any
-    """``redis.asyncio.sentinel.SentinelManagedConnection``."""
-    sentinel_ssl_connection: Any
-    """``redis.asyncio.sentinel.SentinelManagedSSLConnection``."""
-    master_not_found: type[Exception]
-    """``redis.asyncio.sentinel.MasterNotFoundError``."""
-    cluster: Any
-    """``redis.asyncio.cluster.RedisCluster``."""
-    cluster_node: Any
-    """``redis.asyncio.cluster.ClusterNode``."""
-    retry: Any
-    """``redis.asyncio.retry.Retry``."""
-    backoff: Any
-    """``redis.backoff.ExponentialBackoff``."""
-    exceptions: ModuleType
-    """``redis.exceptions``: ``ConnectionError``, ``TimeoutError``, ``ResponseError`` ..."""
-    base_error: type[Exception]
-    """The root of the library's errors (``RedisError``)."""
-    cluster_exception: type[Exception]
-    """The cluster client's set-up error, outside ``base_error`` (``RedisClusterException``)."""
-    version: str
-    """The installed version (``redis.__version__``)."""
-    versions: ClientVersions
-    """The versions the plugin is tested with (:data:`REDIS_PY_VERSIONS`)."""
-
-    def check_version(self) -> None:
-        """Raise :class:`~kvplug.errors.PluginLoadError` if :attr:`version` is not tested."""
-        tested = self.versions
-        if tested.covers(self.version):
-            return
-        raise PluginLoadError(
-            f"{tested.plugin} is tested with {self.name} {tested.range} "
-            f"({tested.requirement}), but {self.name} {self.version} is installed: the backend "
-            "relies on internals of the library (its connections' stream writer, packed "
-            "commands) that other versions lack or may change. Install a tested one: "
-            f"pip install '{tested.requirement}'"
-        )
-
-
-def redis_py() -> ClientLibrary:
-    """redis-py's asyncio client (hiredis parses replies when it is installed)."""
-    import redis.asyncio
-    import redis.asyncio.cluster
-    import redis.asyncio.retry
-    import redis.asyncio.sentinel
-    import redis.backoff
-    import redis.exceptions
-
-    return ClientLibrary(
-        name="redis-py",
-        client=redis.asyncio.Redis,
-        connection_pool=redis.asyncio.ConnectionPool,
-        ssl_connection=redis.asyncio.SSLConnection,
-        unix_connection=redis.asyncio.UnixDomainSocketConnection,
-        connection=redis.asyncio.Connection,
-        sentinel=redis.asyncio.sentinel.Sentinel,
-        sentinel_connection=redis.asyncio.sentinel.SentinelManagedConnection,
-        sentinel_ssl_connection=redis.asyncio.sentinel.SentinelManagedSSLConnection,
-        master_not_found=redis.asyncio.sentinel.MasterNotFoundError,
-        cluster=redis.asyncio.cluster.RedisCluster,
-        cluster_node=redis.asyncio.cluster.ClusterNode,
-        retry=redis.asyncio.retry.Retry,
-        backoff=redis.backoff.ExponentialBackoff,
-        exceptions=redis.exceptions,
-        base_error=redis.exceptions.RedisError,
-        cluster_exception=redis.exceptions.RedisClusterException,
-        version=redis.__version__,
-        versions=REDIS_PY_VERSIONS,
-    )
-
-
-class RedisOptions(BytesBackendOptions):
-    """Options of the Redis schemes (query parameters or keyword options; keywords win)."""
-
-    key_prefix: str = Field(
-        "kvplug:",
-        description="prepended to every Redis key; one prefix per deployment or tenant",
-    )
-    ttl: float | None = Field(
-        None, gt=0, description="seconds a stored chunk lives (SET ... PX); none by default"
-    )
-    max_connections: int = Field(
-        256,
-        ge=1,
-        description="operations in flight at most (and connections per server, for the client "
-        "library and for direct reads each)",
-    )
-    db: int | None = Field(
-        None, ge=0, description="database number (default: the URL path /N, else 0)"
-    )
-    username: str | None = Field(None, description="ACL user (wins over the URL and env)")
-    password: SecretStr | None = Field(None, description="password (wins over URL and env)")
-    max_value_size: int = Field(
-        512 << 20,
-        description="largest frame a put sends; the server's proto-max-bulk-len, read at the "
-        "first put, bounds it too",
-    )
-    ssl_ca_certs: str | None = Field(None, description="TLS schemes: CA bundle (PEM)")
-    ssl_certfile: str | None = Field(None, description="TLS schemes: client certificate (PEM)")
-    ssl_keyfile: str | None = Field(None, description="TLS schemes: client private key (PEM)")
-    ssl_cert_reqs: Literal["required", "optional", "none"] = Field(
-        "required", description="TLS schemes: how the server certificate is checked"
-    )
-    ssl_check_hostname: bool = Field(
-        True, description="TLS schemes: the certificate must name the host"
-    )
-    read_from_replicas: bool = Field(
-        False, description="Sentinel and Cluster: gets and contains may go to replicas"
-    )
-    direct_reads: bool = Field(
-        True,
-        description="read GET replies straight into allocator memory; off: through the client "
-        "library (Cluster and read_from_replicas always read through it)",
-    )
-    sentinel_username: str | None = Field(None, description="Sentinel: user of the sentinels")
-    sentinel_password: SecretStr | None = Field(
-        None, description="Sentinel: password of the sentinels (default: REDIS_SENTINEL_PASSWORD)"
-    )
-    master_check_interval: float = Field(
-        1.0,
-        gt=0,
-        description="Sentinel: seconds between questions to the sentinels about which server "
-        "is master (also asked at every +switch-master and after a broken connection)",
-    )
-
-    @field_validator("max_value_size", mode="before")
-    @classmethod
-    def _parse_max_value_size(cls, value: object) -> int:
-        return parse_size(value, what="redis max_value_size")
-
-
-_SECRET_OPTIONS = ("password", "sentinel_password")
-_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password", "master_check_interval")
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where the URL points: validated hosts, socket path, database and Sentinel service."""
-
-    hosts: tuple[tuple[str, int], ...] = ()
-    socket_path: str | None = None
-    db: int = 0
-    service: str | None = None
-
-
-def escape_glob(text: str) -> str:
-    """``text`` as a literal in a Redis glob pattern (``SCAN MATCH``)."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class RedisBackend(BytesBackend):
     """A shared, persistent byte store on Redis: standalone, TLS, unix socket, Sentinel or
-    Cluster, chosen by the URL's scheme (see the module docstring for the URL forms).
+    Cluster, chosen by the URL's scheme (:mod:`kvplug_redis.urls` lists the URL forms).
 
     **Atomicity.** Each object is one Redis string holding the whole frame, written by one
     ``SET``: readers see the old value or the new one (clause 3), and there is no separate
@@ -428,11 +150,24 @@ class RedisBackend(BytesBackend):
         """The client library; kvplug-valkey returns valkey-py's parts."""
         return redis_py()
 
+    @classmethod
+    def url_forms(cls) -> UrlForms:
+        """The URL forms this class serves, from its class attributes."""
+        return UrlForms(
+            schemes=cls.schemes,
+            tls_schemes=cls.tls_schemes,
+            env_prefix=cls.env_prefix,
+            default_port=cls.default_port,
+            default_sentinel_port=cls.default_sentinel_port,
+            default_service_name=cls.default_service_name,
+        )
+
     def __init__(
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
     ) -> None:
         parsed = BackendURL.parse(url)
-        self._refuse_secrets_in_query(parsed)
+        forms = self.url_forms()
+        forms.refuse_secrets_in_query(parsed)
         super().__init__(parsed, allocator=allocator, **options)
         mode = self.schemes.get(self.url.scheme)
         if mode is None:
@@ -441,8 +176,8 @@ class RedisBackend(BytesBackend):
                 f"{', '.join(s + '://' for s in self.schemes)}."
             )
         self.mode = mode
-        self._check_options_fit_the_scheme()
-        self.target = self._target()
+        forms.check_options_fit(self.url, mode, self.options)
+        self.target = forms.target(self.url, mode, self.options)
         self._lib = self.client_library()
         self._lib.check_version()
         self._in_flight = 0
@@ -507,275 +242,35 @@ class RedisBackend(BytesBackend):
 
     # -- configuration ---------------------------------------------------------------------------
 
-    def _refuse_secrets_in_query(self, url: BackendURL) -> None:
-        leaked = [name for name in _SECRET_OPTIONS if name in url.options]
-        if leaked:
-            # The URL is not shown: its query, which holds the secret, is not masked.
-            raise InvalidBackendURL(
-                f"a {url.scheme}:// URL has {leaked[0]!r} in its query, where URLs are logged "
-                f"unmasked. Put the password in the user-info part "
-                f"({url.scheme}://user:password@host), in ${self.env_prefix}_PASSWORD, or in "
-                "the option given in code or config."
-            )
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass whose :attr:`tls_schemes` do not match its :attr:`schemes`: a
         ``Mode.TLS`` scheme left out would connect in the clear."""
         super().__init_subclass__(**kwargs)
-        tls_mode = {scheme for scheme, mode in cls.schemes.items() if mode is Mode.TLS}
-        if not tls_mode <= cls.tls_schemes <= set(cls.schemes):
-            raise TypeError(
-                f"{cls.__name__}.tls_schemes must hold every Mode.TLS scheme of its schemes "
-                f"({', '.join(sorted(tls_mode))}) and no other class's schemes; it holds "
-                f"{', '.join(sorted(cls.tls_schemes))}."
-            )
+        mismatch = cls.url_forms().tls_mismatch()
+        if mismatch is not None:
+            raise TypeError(f"{cls.__name__}.{mismatch}")
 
     def _scheme_of(self, mode: Mode, *, tls: bool = False) -> str:
         """This class's scheme for ``mode`` as hints spell it (``redis+sentinel://``), its TLS
         form with ``tls`` (``rediss+sentinel://``) where the mode has one."""
-        named = [scheme for scheme, m in self.schemes.items() if m is mode]
-        fitting = (scheme for scheme in named if (scheme in self.tls_schemes) == tls)
-        return next(fitting, named[0]) + "://"
-
-    def _fail(self, problem: str, fix: str) -> InvalidBackendURL:
-        return InvalidBackendURL(f"{self.url}: {problem}. {fix}")
-
-    def _check_options_fit_the_scheme(self) -> None:
-        given = self.options.model_fields_set
-        scheme = self.url.scheme
-        sentinel_scheme = self._scheme_of(Mode.SENTINEL, tls=self.tls)
-        if not self.tls:
-            tls = [name for name in _TLS_OPTIONS if name in given]
-            if tls:
-                raise self._fail(
-                    f"option {tls[0]!r} applies to TLS, which {scheme}:// does not use",
-                    self._tls_hint(),
-                )
-        if self.mode is not Mode.SENTINEL:
-            sentinel = [name for name in _SENTINEL_OPTIONS if name in given]
-            if sentinel:
-                raise self._fail(
-                    f"option {sentinel[0]!r} applies to Sentinel only",
-                    f"Use {sentinel_scheme}h1:26379,h2:26379/service, or drop the option",
-                )
-        if self.options.read_from_replicas and self.mode not in (Mode.SENTINEL, Mode.CLUSTER):
-            raise self._fail(
-                f"read_from_replicas needs replicas that {scheme}:// cannot find",
-                f"Use {sentinel_scheme} or {self._scheme_of(Mode.CLUSTER)}, or drop the option",
-            )
-
-    def _tls_hint(self) -> str:
-        """The scheme to write for TLS instead of this plain one."""
-        tls_sentinel = self._scheme_of(Mode.SENTINEL, tls=True) + "h1:26379,h2:26379/service"
-        tls_server = self._scheme_of(Mode.TLS, tls=True) + "host:port"
-        if self.mode is Mode.SENTINEL:
-            return f"Use {tls_sentinel} for TLS to the sentinels and servers, or drop the option"
-        if self.mode is Mode.CLUSTER:
-            return (
-                f"TLS to a Cluster is not offered; use {tls_server} or {tls_sentinel}, or drop "
-                "the option"
-            )
-        return f"Use {tls_server} for TLS, or drop the option"
-
-    def _target(self) -> Target:
-        url, mode = self.url, self.mode
-        scheme = url.scheme
-        if mode is Mode.UNIX:
-            if url.hosts or not url.path.startswith("/") or url.path.endswith("/"):
-                raise self._fail(
-                    "a unix:// URL names a socket file by its absolute path and has no host",
-                    "Write three slashes: unix:///run/redis/redis.sock",
-                )
-            return Target(socket_path=url.path, db=self.options.db or 0)
-        if not url.hosts:
-            example = {
-                Mode.SENTINEL: f"{scheme}://h1:26379,h2:26379/mymaster",
-                Mode.CLUSTER: f"{scheme}://h1:7000,h2:7001",
-            }.get(mode, f"{scheme}://host:{self.default_port}")
-            raise self._fail("it names no host", f"Write it as {example}")
-        if mode is Mode.SENTINEL:
-            port = self.default_sentinel_port
-            service = url.path.strip("/") or (
-                os.environ.get(f"{self.env_prefix}_SERVICE_NAME") or self.default_service_name
-            )
-            if "/" in service:
-                raise self._fail(
-                    f"the path {url.path!r} is not one Sentinel service name",
-                    f"Write it as {scheme}://h1:26379,h2:26379/mymaster",
-                )
-            hosts = tuple((host, p or port) for host, p in url.hosts)
-            return Target(hosts=hosts, db=self.options.db or 0, service=service)
-        hosts = tuple((host, p or self.default_port) for host, p in url.hosts)
-        if mode is Mode.CLUSTER:
-            if url.path.strip("/") or self.options.db:
-                raise self._fail(
-                    "Redis Cluster has only database 0",
-                    f"Drop the path and the db option: {scheme}://h1:7000,h2:7001",
-                )
-            return Target(hosts=hosts)
-        if len(hosts) > 1:
-            raise self._fail(
-                f"{scheme}:// takes one host, it names {len(hosts)}",
-                f"Use {self._scheme_of(Mode.SENTINEL, tls=self.tls)}h1,h2/service or "
-                f"{self._scheme_of(Mode.CLUSTER)}h1,h2 for several servers",
-            )
-        db_text = url.path.strip("/")
-        if db_text and not (db_text.isascii() and db_text.isdigit()):
-            raise self._fail(
-                f"the path {url.path!r} is not a database number",
-                f"Write the database as a number: {scheme}://host:{self.default_port}/0",
-            )
-        db = self.options.db if self.options.db is not None else int(db_text or 0)
-        return Target(hosts=hosts, db=db)
+        return self.url_forms().scheme_of(mode, tls=tls)
 
     def _credentials(self) -> tuple[str | None, str | None]:
         """(username, password): the options, else the URL, else the environment."""
-        env = os.environ
-        username = (
-            self.options.username
-            or self.url.username
-            or env.get(f"{self.env_prefix}_USERNAME")
-            or None
-        )
-        if self.options.password is not None:
-            password: str | None = self.options.password.get_secret_value()
-        elif self.url.password is not None:
-            password = self.url.password
-        else:
-            password = env.get(f"{self.env_prefix}_PASSWORD") or None
-        return username, password
-
-    def _quick_retry(self) -> Any:
-        """One retry of a broken connection, 10-100 ms later (see ``_make_clients``)."""
-        lib = self._lib
-        return lib.retry(lib.backoff(cap=0.1, base=0.01), 1, (lib.exceptions.ConnectionError,))
+        return credentials(self.options, self.url, self.env_prefix)
 
     def _make_clients(self) -> LoopClients:
-        """The clients of one event loop: the writer, and the reader (the same one unless reads
-        may go to replicas), with Sentinel the tracker that names the master."""
-        lib, options, target = self._lib, self.options, self.target
-        budget = ConnectionBudget(CONNECTS_AT_ONCE)
-        slots = asyncio.Semaphore(options.max_connections)
-        username, password = self._credentials()
-        common: dict[str, Any] = {
-            "username": username,
-            "password": password,
-            "socket_timeout": options.timeout,
-            "socket_connect_timeout": options.timeout,
-            # One quick retry on a broken connection: after a server restart every pooled
-            # connection is dead, and the retry reconnects instead of failing the operation.
-            # Timeouts are not retried: the deadline is already spent. (redis-py's default
-            # backs off for seconds, which also makes Sentinel discovery slow past a dead
-            # sentinel.)
-            "retry": self._quick_retry(),
-            # valkey-py retries a command only for the errors listed here (redis-py for the
-            # retry's own): without it a broken connection fails the command at once.
-            "retry_on_error": [lib.exceptions.ConnectionError],
-            "client_name": "kvplug",
-        }
-        if self.mode is Mode.CLUSTER:
-            if options.read_from_replicas:
-                common["read_from_replicas"] = True  # only when asked: deprecated in redis-py 5.3
-            client = lib.cluster(
-                startup_nodes=[lib.cluster_node(host, port) for host, port in target.hosts],
-                max_connections=options.max_connections,
-                **common,
-            )
-            return LoopClients(client, client, None, None, budget, slots)
-        common["db"] = target.db
-        if self.mode is Mode.SENTINEL:
-            sentinel_password = (
-                options.sentinel_password.get_secret_value()
-                if options.sentinel_password is not None
-                else os.environ.get(f"{self.env_prefix}_SENTINEL_PASSWORD") or None
-            )
-            # ssl=True makes the sentinels' clients use SSLConnection and the master/replica
-            # pools SentinelManagedSSLConnection; both get the same certificates.
-            tls: dict[str, Any] = {"ssl": True, **self._ssl_settings()} if self.tls else {}
-            sentinel = lib.sentinel(
-                list(target.hosts),
-                sentinel_kwargs={
-                    "username": options.sentinel_username,
-                    "password": sentinel_password,
-                    "socket_timeout": options.timeout,
-                    "socket_connect_timeout": options.timeout,
-                    "max_connections": options.max_connections,
-                    "retry": self._quick_retry(),
-                    "client_name": "kvplug",
-                    **tls,
-                },
-                **common,
-                **tls,
-            )
-            assert target.service is not None
-            tracker = MasterTracker(
-                sentinels=sentinel.sentinels,
-                service=target.service,
-                interval=options.master_check_interval,
-                timeout=options.timeout,
-                not_found=lib.master_not_found,
-            )
-            # Why: the client library asks the sentinels at every new connection and keeps
-            # connections to a deposed master that still answers; the tracker decides instead.
-            sentinel.discover_master = lambda _service: tracker.locate()
-            base = lib.sentinel_ssl_connection if self.tls else lib.sentinel_connection
-            writer = sentinel.master_for(
-                target.service,
-                max_connections=options.max_connections,
-                connection_class=self._connection_class(base, budget, tracker),
-            )
-            reader = writer
-            if options.read_from_replicas:
-                reader = sentinel.slave_for(
-                    target.service,
-                    max_connections=options.max_connections,
-                    connection_class=self._connection_class(base, budget, None),
-                )
-            return LoopClients(writer, reader, sentinel, tracker, budget, slots)
-        if self.mode is Mode.UNIX:
-            base = lib.unix_connection
-            common.update(path=target.socket_path)
-        else:
-            base = lib.ssl_connection if self.tls else lib.connection
-            (host, port) = target.hosts[0]
-            common.update(host=host, port=port)
-        if self.tls:
-            common.update(self._ssl_settings())
-        common.update(connection_class=self._connection_class(base, budget, None))
-        pool = lib.connection_pool(max_connections=options.max_connections, **common)
-        client = lib.client.from_pool(pool)
-        return LoopClients(client, client, None, None, budget, slots)
-
-    def _connection_class(
-        self, base: type[Any], budget: ConnectionBudget, tracker: MasterTracker | None
-    ) -> type[Any]:
-        """``base`` reporting its connections to the operations' ``budget``, and with a
-        ``tracker`` connecting only to the master it names (see
-        :func:`~kvplug_redis.connections.tracked_connection_class`)."""
-        return tracked_connection_class(
-            base,
-            budget=budget,
-            tracker=tracker,
-            moved_error=self._lib.exceptions.ConnectionError,
+        """The clients of one event loop (:func:`~kvplug_redis.connections.make_loop_clients`);
+        a TLS scheme's PEM files are checked each time."""
+        return make_loop_clients(
+            self._lib,
+            self.mode,
+            self.target,
+            self.options,
+            credentials=self._credentials(),
+            sentinel_password=sentinel_password(self.options, self.env_prefix),
+            tls=tls_settings(self.options, self.url) if self.tls else None,
         )
-
-    def _ssl_settings(self) -> dict[str, Any]:
-        """The ``ssl_*`` connection arguments of a TLS scheme, its PEM files checked now so a
-        wrong path fails at creation, not as an unreachable server later."""
-        options = self.options
-        for name in _TLS_OPTIONS:
-            path = getattr(options, name)
-            if path is not None and not Path(path).is_file():
-                raise self._fail(
-                    f"{name} {path!r} is not a readable file", "Give the path of a PEM file"
-                )
-        return {
-            "ssl_ca_certs": options.ssl_ca_certs,
-            "ssl_certfile": options.ssl_certfile,
-            "ssl_keyfile": options.ssl_keyfile,
-            "ssl_cert_reqs": options.ssl_cert_reqs,
-            "ssl_check_hostname": options.ssl_check_hostname,
-        }
 
     # -- running operations ----------------------------------------------------------------------
 
@@ -850,82 +345,23 @@ class RedisBackend(BytesBackend):
             raise self._translate(error, what) from error
 
     def _translate(self, error: Exception, what: str) -> Exception:
-        """The library's ``error`` as the kvplug error that tells the caller what to do."""
+        """The library's ``error`` as the kvplug error that tells the caller what to do
+        (:func:`~kvplug_redis.failures.translate`)."""
         if self.closed:
             return BackendClosed(f"{what} on {self.url} was cut short by close(); open a new one.")
-        errors = self._lib.exceptions
-        where = f"{what} on {self.url}"
-        reason = f"{type(error).__name__}: {error}"
-
-        def classes(*names: str) -> tuple[type[Exception], ...]:
-            return tuple(getattr(errors, name) for name in names if hasattr(errors, name))
-
-        if isinstance(
-            error, classes("AuthenticationError", "AuthorizationError", "NoPermissionError")
-        ):
-            return BackendError(
-                f"{where} was refused ({reason}). Check the user name and password (URL, "
-                f"options or ${self.env_prefix}_USERNAME/${self.env_prefix}_PASSWORD) and the "
-                "user's ACL permissions."
-            )
-        if isinstance(error, classes("OutOfMemoryError")) or (
-            isinstance(error, errors.ResponseError) and str(error).startswith("OOM")
-        ):
-            return CapacityExceeded(
-                f"{where} failed: the server is full ({error}). Raise its maxmemory, set an "
-                "eviction policy such as allkeys-lru, or use a ttl; reads keep working."
-            )
-        if isinstance(error, errors.ResponseError) and "invalid bulk length" in str(error):
-            return CapacityExceeded(
-                f"{where} failed: the server refused a value longer than its "
-                f"proto-max-bulk-len ({error}). Store smaller chunks, or raise proto-max-bulk-len "
-                "on the server (CONFIG SET proto-max-bulk-len); set max_value_size to the "
-                "server's limit so such values are refused before they are sent."
-            )
-        if isinstance(error, errors.TimeoutError):
-            return BackendTimeout(
-                f"{where} timed out ({reason}): the server is slow or unreachable. Check it, or "
-                "raise the 'timeout' option."
-            )
-        if type(error).__name__ in ("MasterNotFoundError", "SlaveNotFoundError"):
-            return BackendUnavailable(self._no_master_message(where, type(error).__name__))
-        unavailable = (
-            errors.ConnectionError,
-            OSError,
-            self._lib.cluster_exception,
-            *classes("ReadOnlyError", "ClusterDownError", "TryAgainError", "BusyLoadingError"),
+        return translate(
+            error,
+            f"{what} on {self.url}",
+            self._lib,
+            env_prefix=self.env_prefix,
+            no_master=self._no_master_hint(),
         )
-        if isinstance(error, unavailable):
-            return BackendUnavailable(
-                f"{where} failed ({reason}): the server is unreachable, restarting, loading or "
-                "failing over. Operations succeed again once it answers; check the server if "
-                "this persists."
-            )
-        if isinstance(error, errors.ResponseError):
-            return BackendError(f"{where} was rejected by the server: {error}.")
-        if isinstance(error, self._lib.base_error):
-            return BackendError(f"{where} failed in {self._lib.name} ({reason}).")
-        return error
 
-    def _no_master_message(self, where: str, error_name: str) -> str:
-        """Why no sentinel named a server, without the library's message: that lists every
-        sentinel client's repr and says nothing of the usual cause, TLS on one side only (the
-        whole error stays the ``__cause__``)."""
-        if self.tls:
-            check = (
-                "their TLS set-up: ssl_ca_certs must hold the CA of their certificates, and "
-                "sentinels with tls-auth-clients need ssl_certfile and ssl_keyfile"
-            )
-        else:
-            check = (
-                "whether they listen on TLS only: then use "
-                f"{self._scheme_of(Mode.SENTINEL, tls=True)} with the ssl_* options"
-            )
-        return (
-            f"{where} failed ({error_name}): no sentinel named a server of service "
-            f"{self.target.service!r}. The sentinels are unreachable or failing over, do not "
-            f"watch that service, or refuse this client; check {check}. Operations succeed "
-            "again once a sentinel answers."
+    def _no_master_hint(self) -> NoMasterHint:
+        return NoMasterHint(
+            service=self.target.service,
+            tls=self.tls,
+            tls_sentinel_scheme=self._scheme_of(Mode.SENTINEL, tls=True),
         )
 
     async def _read_bulk_limit(self, what: str) -> None:
@@ -996,68 +432,12 @@ class RedisBackend(BytesBackend):
         return value
 
     def _set_pieces(self, key: str, parts: Sequence[Buffer]) -> list[bytes | memoryview]:
-        """``SET key <frame> [PX ms]`` as RESP pieces, the frame's parts sent as they are.
-        Why: joining a 32 MiB payload behind its 128-byte header costs a copy per put; the
-        pieces go to the socket in one ``writelines``, still as one ``SET``, so a reader never
-        sees a header without its payload."""
+        """``SET key <frame> [PX ms]`` as RESP pieces, the frame's parts sent as they are
+        (:func:`~kvplug_redis.pipeline.set_command`), checked against the size limits."""
         views = [memoryview(part).cast("B") for part in parts]
         size = sum(view.nbytes for view in views)
         self._check_size(key, size)
-        name = key.encode()
-        count = 3 if self._ttl_ms is None else 5
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (count, len(name), name, size)
-        tail = b"\r\n"
-        if self._ttl_ms is not None:
-            ms = b"%d" % self._ttl_ms
-            tail += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
-        return [head, *views, tail]
-
-    async def _send_set(
-        self, client: Any, pieces: list[bytes | memoryview], count: int = 1
-    ) -> None:
-        """``count`` packed ``SET`` s (``pieces``, one pipeline) on a connection of
-        ``client``'s pool, retried like the client's own commands (one quick retry of a
-        broken connection); the first error reply is raised once all replies are read."""
-        pool = client.connection_pool
-        # redis-py >= 5.3 warns when get_connection gets a command name; valkey-py needs one.
-        conn = await (
-            pool.get_connection("SET") if self._lib.name == "valkey-py" else pool.get_connection()
-        )
-        try:
-            await conn.retry.call_with_retry(
-                lambda: self._set_on(conn, pieces, count), lambda error: conn.disconnect()
-            )
-        finally:
-            await pool.release(conn)
-
-    async def _set_on(self, conn: Any, pieces: list[bytes | memoryview], count: int) -> None:
-        answered = False
-        refused: Exception | None = None
-        try:
-            # Why slices: asyncio (before Python 3.12) keeps what the socket did not take in
-            # one bytearray and deletes each sent part from its front, so handing it a 32 MiB
-            # value at once costs a memmove of the rest per send (0.3 GB/s); slices of a few
-            # MiB, each drained, keep that buffer small.
-            for index, group in enumerate(_slices(pieces, SEND_SLICE_BYTES)):
-                await conn.send_packed_command(group, check_health=index == 0)
-            for _ in range(count):
-                try:
-                    await conn.read_response()
-                except self._lib.exceptions.ResponseError as error:
-                    refused = refused or error  # an error reply (OOM ...): read on
-            answered = True
-        finally:
-            if not answered:
-                # Why abort: drain() returns with up to the high-water mark still buffered, and
-                # since Python 3.12 the transport buffers our memoryviews without copying; a
-                # plain close would go on sending them after the caller released the payload.
-                writer = getattr(conn, "_writer", None)
-                if writer is not None:
-                    writer.transport.abort()
-                with contextlib.suppress(Exception):
-                    await conn.disconnect(nowait=True)
-        if refused is not None:
-            raise refused
+        return set_command(key.encode(), views, size, self._ttl_ms)
 
     # -- direct reads --------------------------------------------------------------------------
 
@@ -1082,7 +462,7 @@ class RedisBackend(BytesBackend):
             errors=self._lib.exceptions,
             setup=setup,
             auth_first=password is not None or bool(username),
-            ssl_context=self._ssl_context() if self.tls else None,
+            ssl_context=ssl_context(self.options, self.url) if self.tls else None,
             max_idle=options.max_connections,
             max_connecting=CONNECTS_AT_ONCE,
             suspect=self._suspect_master if self.mode is Mode.SENTINEL else None,
@@ -1113,29 +493,6 @@ class RedisBackend(BytesBackend):
         host, port = target.hosts[0]
         return Endpoint(host=host, port=port)
 
-    def _ssl_context(self) -> ssl.SSLContext:
-        """The ``ssl_*`` options as an :class:`ssl.SSLContext` for direct reads, checking the
-        server as the client library's TLS connections do."""
-        options = self.options
-        verify = {
-            "required": ssl.CERT_REQUIRED,
-            "optional": ssl.CERT_OPTIONAL,
-            "none": ssl.CERT_NONE,
-        }[options.ssl_cert_reqs]
-        try:
-            context = ssl.create_default_context(cafile=options.ssl_ca_certs)
-            context.check_hostname = options.ssl_check_hostname and verify != ssl.CERT_NONE
-            context.verify_mode = verify
-            if options.ssl_certfile is not None:
-                context.load_cert_chain(options.ssl_certfile, options.ssl_keyfile)
-        except (ssl.SSLError, OSError) as error:
-            raise self._fail(
-                f"the TLS files could not be loaded ({error})",
-                "Give PEM files: ssl_ca_certs a CA bundle, ssl_certfile and ssl_keyfile the "
-                "client certificate and its key",
-            ) from None
-        return context
-
     # -- reads -----------------------------------------------------------------------------------
 
     async def receive_frames(self, keys: Sequence[str], receivers: Sequence[FrameReceiver]) -> None:
@@ -1152,7 +509,7 @@ class RedisBackend(BytesBackend):
         what = "get" if len(keys) == 1 else f"get of {len(keys)} keys"
         if len(keys) > 1 and all(receiver.into is not None for receiver in receivers):
             await self._run(
-                what, lambda _client: _fetch_spread(direct, keys, receivers), read=True, direct=True
+                what, lambda _client: fetch_spread(direct, keys, receivers), read=True, direct=True
             )
         else:
             await self._run(
@@ -1185,7 +542,7 @@ class RedisBackend(BytesBackend):
             await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
             return
         pieces = self._set_pieces(key, parts)
-        await self._run("put", lambda c: self._send_set(c, pieces))
+        await self._run("put", lambda c: send_sets(c, pieces, self._lib))
 
     async def batched_put_bytes(
         self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
@@ -1198,17 +555,7 @@ class RedisBackend(BytesBackend):
     async def _put_pipelines(
         self, client: Any, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
     ) -> None:
-        batches: list[list[tuple[str, Sequence[Buffer]]]] = []
-        batch: list[tuple[str, Sequence[Buffer]]] = []
-        size = 0
-        for key, parts in zip(keys, values, strict=True):
-            batch.append((key, parts))
-            size += sum(memoryview(part).nbytes for part in parts)
-            if size >= PIPELINE_BYTES:
-                batches.append(batch)
-                batch, size = [], 0
-        if batch:
-            batches.append(batch)
+        batches = group_by_size(keys, values, PIPELINE_BYTES)
         if self.mode is Mode.CLUSTER:
             for batch in batches:
                 joined = [(key, self._value(key, parts)) for key, parts in batch]
@@ -1226,7 +573,7 @@ class RedisBackend(BytesBackend):
             [p for k, parts in batch for p in self._set_pieces(k, parts)] for batch in batches
         ]
         await gather_all(
-            self._send_set(client, pieces, len(batch))
+            send_sets(client, pieces, self._lib, len(batch))
             for pieces, batch in zip(packed, batches, strict=True)
         )
 
@@ -1368,14 +715,4 @@ class RedisBackend(BytesBackend):
                 logger.debug("%s: error while closing: %s", self.url, outcome)
 
 
-__all__ = [
-    "REDIS_PY_VERSIONS",
-    "ClientLibrary",
-    "ClientVersions",
-    "Mode",
-    "RedisBackend",
-    "RedisOptions",
-    "Target",
-    "escape_glob",
-    "redis_py",
-]
+__all__ = ["RedisBackend"]

@@ -7,7 +7,7 @@ of handshakes starve each other and every operation runs past its deadline.
 :class:`ConnectionBudget` admits an operation only while a connection is idle or fewer than
 ``spare`` are being opened, so the rest wait for a warm connection;
 :func:`tracked_connection_class` reports the connections to it. :class:`LoopClients` holds
-the clients of one event loop.
+the clients of one event loop; :func:`make_loop_clients` makes them for one URL form.
 """
 
 from __future__ import annotations
@@ -19,10 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplug_redis.client_library import ClientLibrary
+from kvplug_redis.options import RedisOptions
 from kvplug_redis.sentinel import Address, MasterTracker
+from kvplug_redis.urls import Mode, Target
 
 logger = logging.getLogger("kvplug.redis")
 
+CONNECTS_AT_ONCE = 8
+"""Connections being opened at once, by the client library and by direct reads each: a burst
+of tasks waits for these (and reuses them) instead of starting hundreds of TLS handshakes that
+starve every request."""
 CLOSE_TIMEOUT = 5.0
 """Seconds :meth:`LoopClients.aclose` waits for the client library to drop its connections."""
 
@@ -224,14 +231,131 @@ class LoopClients:
                 logger.debug("%s: error while closing: %s", where, result)
 
 
+def quick_retry(lib: ClientLibrary) -> Any:
+    """One retry of a broken connection, 10-100 ms later (see :func:`make_loop_clients`)."""
+    return lib.retry(lib.backoff(cap=0.1, base=0.01), 1, (lib.exceptions.ConnectionError,))
+
+
+def make_loop_clients(
+    lib: ClientLibrary,
+    mode: Mode,
+    target: Target,
+    options: RedisOptions,
+    *,
+    credentials: tuple[str | None, str | None],
+    sentinel_password: str | None,
+    tls: dict[str, Any] | None,
+) -> LoopClients:
+    """The clients of one event loop for ``target``: the writer, and the reader (the same one
+    unless reads may go to replicas), with Sentinel the tracker that names the master. ``tls``
+    is the ``ssl_*`` connection arguments of a TLS scheme, None for a plain one."""
+    budget = ConnectionBudget(CONNECTS_AT_ONCE)
+    slots = asyncio.Semaphore(options.max_connections)
+    username, password = credentials
+    common: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "socket_timeout": options.timeout,
+        "socket_connect_timeout": options.timeout,
+        # One quick retry on a broken connection: after a server restart every pooled
+        # connection is dead, and the retry reconnects instead of failing the operation.
+        # Timeouts are not retried: the deadline is already spent. (redis-py's default backs
+        # off for seconds, which also makes Sentinel discovery slow past a dead sentinel.)
+        "retry": quick_retry(lib),
+        # valkey-py retries a command only for the errors listed here (redis-py for the
+        # retry's own): without it a broken connection fails the command at once.
+        "retry_on_error": [lib.exceptions.ConnectionError],
+        "client_name": "kvplug",
+    }
+    moved_error = lib.exceptions.ConnectionError
+    if mode is Mode.CLUSTER:
+        if options.read_from_replicas:
+            common["read_from_replicas"] = True  # only when asked: deprecated in redis-py 5.3
+        client = lib.cluster(
+            startup_nodes=[lib.cluster_node(host, port) for host, port in target.hosts],
+            max_connections=options.max_connections,
+            **common,
+        )
+        return LoopClients(client, client, None, None, budget, slots)
+    common["db"] = target.db
+    if mode is Mode.SENTINEL:
+        # ssl=True makes the sentinels' clients use SSLConnection and the master/replica pools
+        # SentinelManagedSSLConnection; both get the same certificates.
+        ssl_arguments: dict[str, Any] = {"ssl": True, **tls} if tls is not None else {}
+        sentinel = lib.sentinel(
+            list(target.hosts),
+            sentinel_kwargs={
+                "username": options.sentinel_username,
+                "password": sentinel_password,
+                "socket_timeout": options.timeout,
+                "socket_connect_timeout": options.timeout,
+                "max_connections": options.max_connections,
+                "retry": quick_retry(lib),
+                "client_name": "kvplug",
+                **ssl_arguments,
+            },
+            **common,
+            **ssl_arguments,
+        )
+        assert target.service is not None
+        tracker = MasterTracker(
+            sentinels=sentinel.sentinels,
+            service=target.service,
+            interval=options.master_check_interval,
+            timeout=options.timeout,
+            not_found=lib.master_not_found,
+        )
+        # Why: the client library asks the sentinels at every new connection and keeps
+        # connections to a deposed master that still answers; the tracker decides instead.
+        sentinel.discover_master = lambda _service: tracker.locate()
+        base = lib.sentinel_ssl_connection if tls is not None else lib.sentinel_connection
+        writer = sentinel.master_for(
+            target.service,
+            max_connections=options.max_connections,
+            connection_class=tracked_connection_class(
+                base, budget=budget, tracker=tracker, moved_error=moved_error
+            ),
+        )
+        reader = writer
+        if options.read_from_replicas:
+            reader = sentinel.slave_for(
+                target.service,
+                max_connections=options.max_connections,
+                connection_class=tracked_connection_class(
+                    base, budget=budget, tracker=None, moved_error=moved_error
+                ),
+            )
+        return LoopClients(writer, reader, sentinel, tracker, budget, slots)
+    if mode is Mode.UNIX:
+        base = lib.unix_connection
+        common.update(path=target.socket_path)
+    else:
+        base = lib.ssl_connection if tls is not None else lib.connection
+        (host, port) = target.hosts[0]
+        common.update(host=host, port=port)
+    if tls is not None:
+        common.update(tls)
+    common.update(
+        connection_class=tracked_connection_class(
+            base, budget=budget, tracker=None, moved_error=moved_error
+        )
+    )
+    pool = lib.connection_pool(max_connections=options.max_connections, **common)
+    client = lib.client.from_pool(pool)
+    return LoopClients(client, client, None, None, budget, slots)
+
+
 def _where(address: Address | None) -> str:
     return "an unknown server" if address is None else f"{address[0]}:{address[1]}"
 
 
 __all__ = [
     "CLOSE_TIMEOUT",
+    "CONNECTS_AT_ONCE",
     "ConnectionBudget",
     "LoopClients",
     "Waiters",
+    "make_loop_clients",
+    "quick_retry",
     "tracked_connection_class",
 ]

@@ -3,18 +3,20 @@
 ``valkey+cluster://h1:7000,h2:7001``.
 
 See :class:`kvplug_valkey.backend.ValkeyBackend`: kvplug-redis' backend on valkey-py's client.
-:mod:`kvplug_valkey.testing` finds a valkey-server and starts real servers for tests. The
-backend is imported on first use, so the plugin entry point stays light.
+Real valkey-server processes for tests are in the separate distribution kvplug-testing
+(:mod:`kvplug_testing.valkey`). The backend is imported on first use, so the plugin entry point
+stays light.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplug_valkey.backend import ValkeyBackend, valkey_py
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("kvplug-valkey")
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ URL forms (options go in the query or in code/config, which win)::
     valkey+cluster://[user[:password]@]h1:7000,h2:7001   a Valkey Cluster
 
 Valkey speaks Redis' protocol and valkey-py is a fork of redis-py with the same API, so this
-backend is :class:`kvplug_redis.backend.RedisBackend` with valkey-py's classes handed in
+backend is :class:`kvplug_redis.RedisBackend` with valkey-py's classes handed in
 (:func:`valkey_py`), its own schemes and its own environment variables. Everything else, the
 storage layout (one key per chunk holding kvplug's whole frame, written by one ``SET``),
 pipelined batches, deadlines, the bound on operations in flight, reconnects, failover,
@@ -33,13 +33,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from kvplug_redis.backend import ClientLibrary, ClientVersions, Mode, RedisBackend
+from kvplug_redis import ClientLibrary, ClientVersions, Mode, RedisBackend
 
 VALKEY_PY_VERSIONS = ClientVersions(
     plugin="kvplug-valkey", distribution="valkey", lowest=(6,), below=7
 )
 """valkey-py 6.x (the suites pass on 6.0.2, 6.1.1 and 6.2.0); the backend refuses other
-versions when it is created, as :data:`kvplug_redis.backend.REDIS_PY_VERSIONS` does for
+versions when it is created, as :data:`kvplug_redis.REDIS_PY_VERSIONS` does for
 redis-py."""
 
 
@@ -79,7 +79,7 @@ def valkey_py() -> ClientLibrary:
 class ValkeyBackend(RedisBackend):
     """A shared, persistent byte store on Valkey: standalone, TLS, Sentinel or Cluster, chosen
     by the URL's scheme, through valkey-py. Options, atomicity, failure behaviour and
-    capabilities are those of :class:`~kvplug_redis.backend.RedisBackend`.
+    capabilities are those of :class:`~kvplug_redis.RedisBackend`.
 
     Example (with a valkey-server listening on 127.0.0.1:6379)::
 

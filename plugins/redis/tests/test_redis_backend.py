@@ -1,0 +1,1063 @@
+"""The Redis tier (plugins/redis) against real redis-server, redis-sentinel and cluster
+processes: URL forms and their errors, the tested redis-py versions, credentials, key layout,
+SCAN listing, TTL, the connection bound, deadlines on a paused server, a restart mid-load, full
+memory with and without eviction, values over the server's proto-max-bulk-len, Sentinel
+failover under load (plain and over TLS), and Cluster batches across slots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+
+import kvplug
+from kvplug import (
+    BackendClosed,
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    CacheKey,
+    CapacityExceeded,
+    FreeListAllocator,
+    InvalidBackendURL,
+    PluginLoadError,
+    UnknownOption,
+)
+from kvplug.store import Store
+from kvplug_redis import Mode, RedisBackend, escape_glob
+from kvplug_testing import RedisCluster, RedisServer, SentinelGroup, make_tls_files
+from kvplug_testing.tier_checks import (
+    keys_of,
+    make_obj,
+    new_model,
+    obj_of_mib,
+    oversize_values_are_refused,
+    run,
+    same,
+)
+
+pytestmark = pytest.mark.redis
+
+T = TypeVar("T")
+
+PASSWORD = "s3cret-pw@x"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """A shared server on which KEYS is disabled: listing must use SCAN."""
+    with RedisServer(extra_config={"rename-command": 'KEYS ""'}) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Iterator[RedisServer]:
+    with RedisServer(password=PASSWORD) as shared:
+        with shared.client() as client:
+            client.execute_command("ACL", "SETUSER", "alice", "on", ">alice-pw", "~*", "+@all")
+        yield shared
+
+
+@pytest.fixture
+def fresh_server() -> Iterator[RedisServer]:
+    """A server of this test's own, to pause, stop or fill."""
+    with RedisServer() as own:
+        yield own
+
+
+# -- URLs and options ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "mode", "hosts", "db", "service"),
+    [
+        ("redis://cache-1", Mode.STANDALONE, (("cache-1", 6379),), 0, None),
+        ("redis://cache-1:7000/3", Mode.STANDALONE, (("cache-1", 7000),), 3, None),
+        ("rediss://[::1]:6380", Mode.TLS, (("::1", 6380),), 0, None),
+        (
+            "redis+sentinel://h1,h2:5000/cache",
+            Mode.SENTINEL,
+            (("h1", 26379), ("h2", 5000)),
+            0,
+            "cache",
+        ),
+        ("redis-sentinel://u:p@h1:26379", Mode.SENTINEL, (("h1", 26379),), 0, "mymaster"),
+        ("rediss+sentinel://h1,h2:5000/c", Mode.SENTINEL, (("h1", 26379), ("h2", 5000)), 0, "c"),
+        ("redis+cluster://h1:7000,h2", Mode.CLUSTER, (("h1", 7000), ("h2", 6379)), 0, None),
+    ],
+)
+def test_url_forms_name_hosts_database_and_service(
+    url: str,
+    mode: Mode,
+    hosts: tuple[tuple[str, int], ...],
+    db: int,
+    service: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("REDIS_SERVICE_NAME", raising=False)
+    backend = kvplug.create_backend(url)
+    assert isinstance(backend, RedisBackend)
+    assert (backend.mode, backend.target.hosts, backend.target.db) == (mode, hosts, db)
+    assert backend.target.service == service
+    assert backend.options.key_prefix == "kvplug:"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tls"),
+    [
+        ("redis", False),
+        ("rediss", True),
+        ("redis+sentinel", False),
+        ("redis-sentinel", False),
+        ("rediss+sentinel", True),
+        ("redis+cluster", False),
+    ],
+)
+def test_tls_follows_the_scheme(scheme: str, tls: bool) -> None:
+    backend = kvplug.create_backend(f"{scheme}://h1:1")
+    assert isinstance(backend, RedisBackend)
+    assert backend.tls is tls
+
+
+def test_a_subclass_must_name_its_tls_schemes() -> None:
+    with pytest.raises(TypeError, match="tls_schemes"):
+
+        class Forgetful(RedisBackend):  # its TLS scheme would connect in the clear
+            schemes: ClassVar[Mapping[str, Mode]] = {"plain": Mode.STANDALONE, "tls": Mode.TLS}
+
+
+def test_unix_url_names_the_socket_and_db_option() -> None:
+    backend = kvplug.create_backend("unix:///run/redis/redis.sock?db=2")
+    assert isinstance(backend, RedisBackend)
+    assert (backend.target.socket_path, backend.target.db) == ("/run/redis/redis.sock", 2)
+
+
+def test_sentinel_service_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_SERVICE_NAME", "from-env")
+    backend = kvplug.create_backend("redis+sentinel://h1:26379")
+    assert isinstance(backend, RedisBackend)
+    assert backend.target.service == "from-env"
+    explicit = kvplug.create_backend("redis+sentinel://h1:26379/from-path")
+    assert isinstance(explicit, RedisBackend)
+    assert explicit.target.service == "from-path"
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "message"),
+    [
+        ("redis://", {}, "names no host"),
+        ("redis://h1:6379,h2:6379", {}, "takes one host"),
+        ("redis://h1:6379/abc", {}, "not a database number"),
+        ("redis+sentinel:///mymaster", {}, "names no host"),
+        ("redis+sentinel://h1/a/b", {}, "not one Sentinel service name"),
+        ("redis+cluster://", {}, "names no host"),
+        ("redis+cluster://h1:7000/2", {}, "only database 0"),
+        ("unix://host/redis.sock", {}, "absolute path and has no host"),
+        ("unix://", {}, "absolute path and has no host"),
+        ("redis://h1", {"ssl_ca_certs": "/ca.pem"}, "Use rediss://"),
+        ("redis+sentinel://h1/m", {"ssl_ca_certs": "/ca.pem"}, r"Use rediss\+sentinel://h1"),
+        ("redis-sentinel://h1", {"ssl_certfile": "/c.pem"}, r"Use rediss\+sentinel://h1"),
+        ("redis+cluster://h1", {"ssl_keyfile": "/k.pem"}, "TLS to a Cluster is not offered"),
+        ("redis://h1", {"read_from_replicas": True}, "read_from_replicas"),
+        ("rediss://h1", {"read_from_replicas": True}, r"Use rediss\+sentinel:// or redis\+"),
+        ("redis://h1", {"sentinel_password": "x"}, "Sentinel only"),
+        ("rediss://h1", {"sentinel_password": "x"}, r"Use rediss\+sentinel://h1"),
+        ("rediss://h1,h2", {}, r"Use rediss\+sentinel://h1,h2/service or redis\+cluster"),
+        ("rediss://h1?ssl_ca_certs=/no/such/ca.pem", {}, "not a readable file"),
+        ("rediss+sentinel://h1/m?ssl_certfile=/no/such/c.pem", {}, "not a readable file"),
+        ("rediss+sentinel:///m", {}, r"rediss\+sentinel://h1:26379,h2:26379/mymaster"),
+    ],
+)
+def test_bad_urls_say_what_to_write(url: str, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidBackendURL, match=message) as error:
+        kvplug.create_backend(url, **options)
+    problem, _, fix = str(error.value).partition(". ")
+    assert fix, f"no fix after the problem: {problem}"
+
+
+def test_tls_sentinel_takes_the_ssl_and_sentinel_options_for_both_hops(tmp_path: Path) -> None:
+    """rediss+sentinel:// takes every ssl_* option and hands them to the sentinels' clients
+    and to the master's and replicas' pools alike."""
+    files = make_tls_files(tmp_path)
+    backend = kvplug.create_backend(
+        f"rediss+sentinel://h1,h2/cache?ssl_ca_certs={files.ca_cert}&ssl_cert_reqs=optional",
+        ssl_certfile=str(files.client_cert),
+        ssl_keyfile=str(files.client_key),
+        ssl_check_hostname=False,
+        sentinel_username="watcher",
+        sentinel_password="sentinel-pw",
+        read_from_replicas=True,
+    )
+    assert isinstance(backend, RedisBackend)
+    assert backend.tls and backend.mode is Mode.SENTINEL
+    expected = {
+        "ssl_ca_certs": str(files.ca_cert),
+        "ssl_certfile": str(files.client_cert),
+        "ssl_keyfile": str(files.client_key),
+        "ssl_cert_reqs": "optional",
+        "ssl_check_hostname": False,
+    }
+    pools = [backend._clients.writer.connection_pool, backend._clients.reader.connection_pool]
+    pools += [sentinel.connection_pool for sentinel in backend._clients.sentinel.sentinels]
+    assert len(pools) == 4
+    for pool in pools:
+        assert issubclass(pool.connection_class, redis.asyncio.SSLConnection)
+        assert {k: pool.connection_kwargs.get(k) for k in expected} == expected
+    plain = kvplug.create_backend("redis+sentinel://h1,h2/cache")
+    assert isinstance(plain, RedisBackend)
+    plain_class = plain._clients.writer.connection_pool.connection_class
+    assert issubclass(plain_class, redis.asyncio.sentinel.SentinelManagedConnection)
+    assert not issubclass(plain_class, redis.asyncio.SSLConnection)
+
+
+def test_unknown_and_invalid_options_are_rejected() -> None:
+    with pytest.raises(UnknownOption, match="Did you mean 'max_connections'"):
+        kvplug.create_backend("redis://h1?max_connection=3")
+    with pytest.raises(UnknownOption, match="ttl"):
+        kvplug.create_backend("redis://h1?ttl=-1")
+
+
+def test_a_password_in_the_query_is_refused_without_echoing_it() -> None:
+    with pytest.raises(InvalidBackendURL) as error:
+        kvplug.create_backend("redis://h1:6379?password=hunter2")
+    assert "hunter2" not in str(error.value)
+    assert "REDIS_PASSWORD" in str(error.value)
+
+
+@pytest.mark.parametrize("version", ["5.2.1", "9.0.0"])
+def test_an_untested_redis_py_major_fails_at_open_with_the_fix(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis, "__version__", version)
+    with pytest.raises(PluginLoadError) as refused:
+        run(kvplug.open_backend("redis://127.0.0.1:1"))
+    message = str(refused.value)
+    assert f"redis-py {version} is installed" in message, message
+    assert "pip install 'redis>=5.3,<9'" in message, message
+
+
+def test_escape_glob_makes_a_prefix_literal() -> None:
+    assert escape_glob("a*b?[c]\\") == "a\\*b\\?\\[c\\]\\\\"
+
+
+# -- storage layout, listing, TTL --------------------------------------------------------------
+
+
+def test_one_key_per_chunk_holds_the_whole_frame(server: RedisServer) -> None:
+    model = new_model()
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url)
+        obj = make_obj(1)
+        try:
+            await backend.put(keys_of(model, 1)[0], obj)
+        finally:
+            obj.release()
+        await backend.close()
+
+    run(scenario())
+    with server.client() as client:
+        raw = [k.decode() for k in client.scan_iter(match=f"*{model}*")]
+        assert raw == [f"kvplug:{model}@1@0@0@half"]
+        value = client.get(raw[0])
+        assert value is not None and value[:4] == b"KVPF"
+        assert client.ttl(raw[0]) == -1
+
+
+def test_list_keys_scans_the_prefix_and_skips_foreign_keys(server: RedisServer) -> None:
+    model = new_model()
+    prefix = f"t[{uuid.uuid4().hex[:6]}]*:"  # glob characters must be taken literally
+
+    async def scenario() -> tuple[set[CacheKey], set[CacheKey]]:
+        backend = await kvplug.open_backend(server.url, key_prefix=prefix)
+        other = await kvplug.open_backend(server.url, key_prefix=prefix[:-2] + "x:")
+        keys = keys_of(model, 2500)  # several SCAN pages
+        obj = make_obj(2, (1, 8))
+        try:
+            await backend.batched_put(keys, [obj] * len(keys))
+            await other.put(keys[0], obj)
+        finally:
+            obj.release()
+        with server.client() as client:
+            client.set(prefix + "not-a-cache-key", b"x")
+            client.set(prefix.encode() + b"\xff\xfe", b"x")
+        listed = {key async for key in backend.list_keys()}
+        other_listed = {key async for key in other.list_keys()}
+        await backend.close()
+        await other.close()
+        return listed, other_listed
+
+    listed, other_listed = run(scenario())
+    assert listed == set(keys_of(model, 2500))
+    assert other_listed == set(keys_of(model, 1))
+
+
+def test_ttl_expires_chunks(server: RedisServer) -> None:
+    model = new_model()
+    key = keys_of(model, 1)[0]
+
+    async def scenario() -> tuple[bool, bool]:
+        backend = await kvplug.open_backend(server.url, ttl=0.3)
+        obj = make_obj(3)
+        try:
+            await backend.batched_put([key], [obj])
+        finally:
+            obj.release()
+        before = await backend.contains(key)
+        await asyncio.sleep(0.6)
+        after = await backend.contains(key)
+        await backend.close()
+        return before, after
+
+    assert run(scenario()) == (True, False)
+
+
+def test_a_32_mib_chunk_round_trips_and_max_value_size_is_enforced(server: RedisServer) -> None:
+    model = new_model()
+    shape = (2, 32, 256, 1024)  # one 8B-class chunk of 256 tokens: 32 MiB in fp16
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url)
+        obj = make_obj(4, shape)
+        try:
+            await backend.put(keys_of(model, 1)[0], obj)
+            got = await backend.get(keys_of(model, 1)[0])
+            try:
+                assert same(obj, got)
+            finally:
+                if got is not None:
+                    got.release()
+            small = await kvplug.open_backend(server.url, max_value_size="1MiB")
+            with pytest.raises(CapacityExceeded, match="max_value_size"):
+                await small.put(keys_of(model, 1, start=1)[0], obj)
+            assert not await small.contains(keys_of(model, 1, start=1)[0])
+            await small.close()
+        finally:
+            obj.release()
+            await backend.remove(keys_of(model, 1)[0])
+            await backend.close()
+
+    run(scenario())
+
+
+def test_a_value_of_another_type_is_a_backend_error(server: RedisServer) -> None:
+    key = keys_of(new_model(), 1)[0]
+    with server.client() as client:
+        client.lpush("kvplug:" + key.to_string(), b"x")
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url)
+        with pytest.raises(BackendError, match="WRONGTYPE"):
+            await backend.get(key)
+        await backend.close()
+
+    run(scenario())
+
+
+def test_ping_round_trips_through_the_data_path(server: RedisServer) -> None:
+    async def scenario() -> float:
+        backend = await kvplug.open_backend(server.url)
+        seconds = await backend.ping()  # type: ignore[attr-defined]
+        await backend.close()
+        with pytest.raises(BackendClosed):
+            await backend.ping()  # type: ignore[attr-defined]
+        return float(seconds)
+
+    assert 0 < run(scenario()) < 1
+    with server.client() as client:
+        assert list(client.scan_iter(match="kvplug:kvplug-probe:*")) == []
+
+
+# -- connections ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_connections", [256, 4])
+def test_300_concurrent_operations_wait_for_a_connection(
+    server: RedisServer, max_connections: int
+) -> None:
+    model = new_model()
+    keys = keys_of(model, 300)
+
+    async def scenario() -> tuple[int, int]:
+        backend = await kvplug.open_backend(server.url, max_connections=max_connections)
+        assert isinstance(backend, RedisBackend) and backend.direct is not None
+        obj = make_obj(5)
+        try:
+            await asyncio.gather(*(backend.put(key, obj) for key in keys))
+            got = await asyncio.gather(*(backend.get(key) for key in keys))
+            assert all(same(obj, g) for g in got)
+            for g in got:
+                if g is not None:
+                    g.release()
+            with server.client() as client:
+                mine = [c for c in client.client_list() if c.get("name") == "kvplug"]
+            direct = backend.direct.open_connections
+            await backend.close()
+            return len(mine) - direct, direct
+        finally:
+            obj.release()
+
+    # The client library's pool and the direct reads' connections are bounded each.
+    library, direct = run(scenario())
+    assert 0 < library <= max_connections
+    assert 0 < direct <= max_connections
+
+
+def test_close_is_bounded_while_the_server_is_paused(fresh_server: RedisServer) -> None:
+    async def scenario() -> float:
+        backend = await kvplug.open_backend(fresh_server.url, timeout=1.0)
+        await backend.contains(keys_of(new_model(), 1)[0])
+        fresh_server.pause()
+        try:
+            pending = asyncio.ensure_future(backend.get(keys_of(new_model(), 1)[0]))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            await backend.close()
+            seconds = time.monotonic() - started
+            with pytest.raises(BackendClosed):
+                await pending
+            return seconds
+        finally:
+            fresh_server.resume()
+
+    assert run(scenario()) < 2.0
+
+
+def test_open_with_the_server_down_logs_and_recovers_when_it_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = RedisServer()  # configured, not started yet
+    try:
+
+        async def scenario() -> None:
+            with caplog.at_level(logging.WARNING, logger="kvplug.redis"):
+                backend = await kvplug.open_backend(server.url, timeout=1.0)
+            assert "not reachable" in caplog.text
+            key = keys_of(new_model(), 1)[0]
+            with pytest.raises(BackendUnavailable):
+                await backend.contains(key)
+            await asyncio.to_thread(server.start)
+            assert await backend.contains(key) is False
+            await backend.close()
+
+        run(scenario())
+    finally:
+        server.close()
+
+
+# -- credentials ---------------------------------------------------------------------------------
+
+
+def _password_round_trip(url: str, **options: Any) -> bool:
+    async def scenario() -> bool:
+        backend = await kvplug.open_backend(url, **options)
+        try:
+            key = keys_of(new_model(), 1)[0]
+            obj = make_obj(6)
+            try:
+                await backend.put(key, obj)
+            finally:
+                obj.release()
+            return bool(await backend.contains(key))
+        finally:
+            await backend.close()
+
+    return run(scenario())
+
+
+def test_password_from_the_environment_is_the_default(
+    password_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_PASSWORD", PASSWORD)
+    assert _password_round_trip(f"redis://127.0.0.1:{password_server.port}")
+
+
+def test_the_url_password_wins_over_the_environment(
+    password_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_PASSWORD", "wrong-from-env")
+    assert _password_round_trip(password_server.url)
+
+
+def test_the_password_option_wins_over_the_url(password_server: RedisServer) -> None:
+    url = f"redis://:wrong-in-url@127.0.0.1:{password_server.port}"
+    assert _password_round_trip(url, password=PASSWORD)
+
+
+def test_username_and_password_from_the_environment(
+    password_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_USERNAME", "alice")
+    monkeypatch.setenv("REDIS_PASSWORD", "alice-pw")
+    assert _password_round_trip(f"redis://127.0.0.1:{password_server.port}")
+
+
+def test_a_wrong_password_fails_at_open_and_is_never_shown(
+    password_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "Wr0ng-Pa55word"
+    url = f"redis://:{secret}@127.0.0.1:{password_server.port}"
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(BackendError, match="refused") as error:
+            run(kvplug.open_backend(url))
+        backend = kvplug.create_backend(url)
+    shown = [str(error.value), repr(error.value), repr(backend), str(backend.url), caplog.text]
+    assert error.value.__cause__ is not None
+    shown.append(str(error.value.__cause__))
+    assert all(secret not in text for text in shown)
+    assert "***" in str(error.value)
+
+
+def test_a_missing_password_fails_with_a_hint(password_server: RedisServer) -> None:
+    with pytest.raises(BackendError, match="REDIS_PASSWORD"):
+        run(kvplug.open_backend(f"redis://127.0.0.1:{password_server.port}"))
+
+
+def test_tls_with_a_client_certificate() -> None:
+    with RedisServer(tls=True, tls_auth_clients=True) as server:
+        assert "ssl_certfile" in server.url
+        assert _password_round_trip(server.url)
+        without_certificate = server.url.split("&")[0]
+        with pytest.raises(BackendUnavailable):
+            run(_fails_once_open(without_certificate))
+
+
+async def _fails_once_open(url: str) -> None:
+    backend = await kvplug.open_backend(url, timeout=2.0)
+    try:
+        await backend.contains(keys_of(new_model(), 1)[0])
+    finally:
+        await backend.close()
+
+
+# -- outages ---------------------------------------------------------------------------------------
+
+
+def test_a_paused_server_hits_the_deadline_and_recovers(fresh_server: RedisServer) -> None:
+    deadline = 0.5
+    model = new_model()
+    key = keys_of(model, 1)[0]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(fresh_server.url, timeout=deadline)
+        obj = make_obj(7)
+        await backend.put(key, obj)
+        operations: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
+            "get": lambda: backend.get(key),
+            "put": lambda: backend.put(key, obj),
+            "contains": lambda: backend.contains(key),
+            "batched_get": lambda: backend.batched_get([key, key]),
+            "batched_contains": lambda: backend.batched_contains([key]),
+            "ping": lambda: backend.ping(),  # type: ignore[attr-defined]
+        }
+        fresh_server.pause()
+        try:
+            for what, operation in operations.items():
+                started = time.monotonic()
+                with pytest.raises(BackendTimeout):
+                    await operation()
+                assert time.monotonic() - started < deadline + 0.5, what
+        finally:
+            fresh_server.resume()
+        got = await backend.get(key)
+        try:
+            assert same(obj, got)
+        finally:
+            obj.release()
+            if got is not None:
+                got.release()
+        await backend.close()
+
+    run(scenario())
+
+
+def test_a_restart_mid_load_fails_fast_and_recovers_without_reopening(
+    fresh_server: RedisServer,
+) -> None:
+    model = new_model()
+
+    async def scenario() -> dict[str, float]:
+        backend = await kvplug.open_backend(fresh_server.url, timeout=2.0)
+        obj = make_obj(8)
+        n = 0
+        slowest_failure = 0.0
+        failures = 0
+        stopped_at = started_at = recovered_at = None
+        begin = time.monotonic()
+        try:
+            while time.monotonic() - begin < 8.0:
+                now = time.monotonic()
+                if stopped_at is None and now - begin > 0.5:
+                    fresh_server.stop()
+                    stopped_at = time.monotonic()
+                if started_at is None and stopped_at and now - stopped_at > 1.5:
+                    await asyncio.to_thread(fresh_server.start)
+                    started_at = time.monotonic()
+                key = keys_of(model, 1, start=n)[0]
+                n += 1
+                t = time.monotonic()
+                try:
+                    await backend.put(key, obj)
+                    got = await backend.get(key)
+                except BackendUnavailable:
+                    failures += 1
+                    slowest_failure = max(slowest_failure, time.monotonic() - t)
+                    await asyncio.sleep(0.02)
+                    continue
+                try:
+                    assert same(obj, got)
+                finally:
+                    if got is not None:
+                        got.release()
+                if started_at is not None and recovered_at is None:
+                    recovered_at = time.monotonic()
+                    break
+        finally:
+            obj.release()
+            await backend.close()
+        assert stopped_at is not None and started_at is not None and recovered_at is not None
+        return {
+            "failures": failures,
+            "slowest_failure": slowest_failure,
+            "recovery": recovered_at - started_at,
+        }
+
+    result = run(scenario())
+    assert result["failures"] > 0
+    assert result["slowest_failure"] < 1.0  # refused connections fail fast, not at the deadline
+    assert result["recovery"] < 2.0
+
+
+# -- full memory -------------------------------------------------------------------------------
+
+
+def test_a_full_server_refuses_puts_and_keeps_serving_gets() -> None:
+    with RedisServer(maxmemory="3mb", policy="noeviction") as server:
+        model = new_model()
+
+        async def scenario() -> None:
+            backend = await kvplug.open_backend(server.url)
+            obj = make_obj(9, (2, 2, 64, 512))  # 256 KiB
+            stored: list[CacheKey] = []
+            try:
+                with pytest.raises(CapacityExceeded, match="maxmemory"):
+                    for key in keys_of(model, 64):
+                        await backend.put(key, obj)
+                        stored.append(key)
+                assert stored, "the first put into an empty server must fit"
+                with pytest.raises(CapacityExceeded):
+                    await backend.batched_put(keys_of(model, 2, start=100), [obj, obj])
+                got = await backend.batched_get(stored)
+                assert all(same(obj, g) for g in got)
+                for g in got:
+                    if g is not None:
+                        g.release()
+                assert await backend.batched_contains(stored) == len(stored)
+                assert await backend.remove(stored[0])  # deleting frees memory, also when full
+            finally:
+                obj.release()
+                await backend.close()
+
+        run(scenario())
+
+
+def test_an_evicting_server_turns_evicted_keys_into_misses() -> None:
+    with RedisServer(maxmemory="3mb", policy="allkeys-lru") as server:
+        model = new_model()
+
+        async def scenario() -> None:
+            backend = await kvplug.open_backend(server.url)
+            obj = make_obj(10, (2, 2, 64, 512))
+            keys = keys_of(model, 40)  # 10 MiB into 3 MB
+            try:
+                for key in keys:
+                    await backend.put(key, obj)
+                got = await backend.batched_get(keys)
+                assert len(got) == len(keys)
+                assert got[0] is None and got[-1] is not None
+                assert all(g is None or same(obj, g) for g in got)
+                for g in got:
+                    if g is not None:
+                        g.release()
+                assert await backend.contains(keys[0]) is False
+            finally:
+                obj.release()
+                await backend.close()
+
+        run(scenario())
+
+
+# -- values over the server's proto-max-bulk-len --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_bulk_server() -> Iterator[RedisServer]:
+    with RedisServer(extra_config={"proto-max-bulk-len": "1mb"}) as shared:
+        yield shared
+
+
+@pytest.mark.parametrize("mib", [2, 64], ids=["2MiB-error-reply", "64MiB-reset-mid-send"])
+def test_a_value_over_the_servers_proto_max_bulk_len_is_capacity_exceeded(
+    small_bulk_server: RedisServer, mib: int
+) -> None:
+    """The server answers a value a little over its limit with a protocol error and drops the
+    connection; a large one it cuts off mid-send. Either is a size error, not an outage."""
+    run(oversize_values_are_refused(small_bulk_server.url, mib))
+
+
+def test_a_value_over_a_clusters_proto_max_bulk_len_is_capacity_exceeded() -> None:
+    with RedisCluster(extra_config={"proto-max-bulk-len": "1mb"}) as cluster:
+        run(oversize_values_are_refused(cluster.url, 64))
+
+
+@pytest.mark.parametrize("refusal", ["renamed", "acl"])
+def test_with_config_get_refused_puts_are_checked_against_max_value_size(
+    refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CONFIG renamed away or refused by the user's ACL: the server's limit cannot be read,
+    which is logged once; puts go on, checked against max_value_size alone."""
+    config = {"proto-max-bulk-len": "1mb"}
+    if refusal == "renamed":
+        config["rename-command"] = 'CONFIG ""'
+    with RedisServer(extra_config=config) as server:
+        url = server.url
+        if refusal == "acl":
+            with server.client() as client:
+                client.execute_command(
+                    "ACL", "SETUSER", "app", "on", ">app-pw", "~*", "+@all", "-config"
+                )
+            url = f"redis://app:app-pw@127.0.0.1:{server.port}"
+
+        async def scenario() -> None:
+            backend = await kvplug.open_backend(url, max_value_size="1MiB")
+            big, small = obj_of_mib(2), make_obj(33)
+            keys = keys_of(new_model(), 3)
+            try:
+                await backend.put(keys[0], small)
+                await backend.batched_put(keys[1:2], [small])
+                with pytest.raises(CapacityExceeded, match="max_value_size"):
+                    await backend.put(keys[2], big)
+                assert await backend.batched_contains(keys) == 2
+            finally:
+                big.release()
+                small.release()
+                await backend.close()
+
+        with caplog.at_level(logging.INFO, logger="kvplug.redis"):
+            run(scenario())
+    unread = [r for r in caplog.records if "proto-max-bulk-len cannot be read" in r.message]
+    assert len(unread) == 1, caplog.text
+    assert "app-pw" not in caplog.text
+
+
+def test_the_servers_refusal_of_a_long_value_is_capacity_exceeded() -> None:
+    """Where the limit could not be read, a value over it is sent, and the server answers
+    with a protocol error (when the answer arrives before it drops the connection)."""
+    backend = kvplug.create_backend("redis://h1")
+    assert isinstance(backend, RedisBackend)
+    refusal = redis.exceptions.ResponseError("Protocol error: invalid bulk length")
+    error = backend._translate(refusal, "put")
+    assert isinstance(error, CapacityExceeded), error
+    assert "proto-max-bulk-len" in str(error) and "max_value_size" in str(error)
+
+
+def test_an_oversize_value_leaves_the_tier_in_a_store(small_bulk_server: RedisServer) -> None:
+    """Through a Store, a value over the server's proto-max-bulk-len is a dropped put, not a
+    failing tier: the tier stays healthy and serves puts and gets of other keys at once."""
+
+    async def scenario() -> None:
+        tier = await kvplug.open_backend(small_bulk_server.url)
+        allocator = FreeListAllocator(8 << 20, pin=False)
+        store = Store(tiers=[tier], allocator=allocator, backoff=60.0)
+        name = store.tier_names[0]
+        big_key, key = keys_of(new_model(), 2)
+        big, small = obj_of_mib(64), make_obj(31)
+        try:
+            with pytest.raises(CapacityExceeded, match="proto-max-bulk-len"):
+                await store.put(big_key, big)
+            health = store.health()[0]
+            assert health.healthy, health.last_error
+            assert store.stats()["tiers"][name]["dropped_by_reason"]["full"] == 1
+            assert "proto-max-bulk-len" in (health.last_dropped or "")
+            await store.put(key, small)
+            got = await store.get(key)
+            try:
+                assert same(small, got)
+            finally:
+                if got is not None:
+                    got.release()
+            assert await store.get(big_key) is None
+            assert store.stats()["tiers"][name]["errors"] == 0
+        finally:
+            big.release()
+            small.release()
+            await store.close()
+
+    run(scenario())
+
+
+# -- Sentinel ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sentinel_group() -> Iterator[SentinelGroup]:
+    with SentinelGroup(password=PASSWORD) as group:
+        yield group
+
+
+def test_sentinel_with_a_password_reads_from_replicas_when_asked(
+    sentinel_group: SentinelGroup,
+) -> None:
+    model = new_model()
+    key = keys_of(model, 1)[0]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(sentinel_group.url, read_from_replicas=True)
+        obj = make_obj(11)
+        try:
+            await backend.put(key, obj)
+            for _ in range(100):  # the replica lags the master by a little
+                got = await backend.get(key)
+                if got is not None:
+                    break
+                await asyncio.sleep(0.02)
+            try:
+                assert same(obj, got)
+            finally:
+                if got is not None:
+                    got.release()
+        finally:
+            obj.release()
+            await backend.close()
+
+    with sentinel_group.replica.client() as client:
+        before = client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    run(scenario())
+    with sentinel_group.replica.client() as client:
+        after = client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    assert after > before
+
+
+@pytest.fixture(scope="module")
+def tls_sentinel_group() -> Iterator[SentinelGroup]:
+    """Master, replica and sentinels on TLS only, each asking for a client certificate."""
+    with SentinelGroup(password=PASSWORD, tls=True) as group:
+        yield group
+
+
+def test_tls_sentinel_reaches_master_and_replica_over_tls(
+    tls_sentinel_group: SentinelGroup,
+) -> None:
+    group = tls_sentinel_group
+    assert group.url.startswith("rediss+sentinel://") and "ssl_certfile=" in group.url
+    assert _password_round_trip(group.url)
+    key = keys_of(new_model(), 1)[0]
+
+    async def read_from_the_replica() -> None:
+        backend = await kvplug.open_backend(group.url, read_from_replicas=True)
+        obj = make_obj(13)
+        try:
+            await backend.put(key, obj)
+            for _ in range(100):  # the replica lags the master by a little
+                if await backend.contains(key):
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("the replica never saw the put")
+        finally:
+            obj.release()
+            await backend.close()
+
+    with group.replica.client() as client:
+        before = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    run(read_from_the_replica())
+    with group.replica.client() as client:
+        after = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    assert after > before
+
+
+def test_a_plain_or_certificate_less_client_cannot_use_tls_sentinels(
+    tls_sentinel_group: SentinelGroup,
+) -> None:
+    url = tls_sentinel_group.url
+    plain = url.split("?")[0].replace("rediss+sentinel://", "redis+sentinel://", 1)
+    with pytest.raises(BackendUnavailable, match=r"listen on TLS only: then use rediss\+sentinel"):
+        run(_fails_once_open(plain))
+    without_certificate = url.split("&")[0]
+    with pytest.raises(BackendUnavailable, match="ssl_certfile and ssl_keyfile"):
+        run(_fails_once_open(without_certificate))
+
+
+def test_lmcache_sentinel_url_without_a_service_reaches_the_default_master(
+    sentinel_group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REDIS_SERVICE_NAME", raising=False)
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in sentinel_group.sentinels)
+    url = f"redis-sentinel://:{PASSWORD.replace('@', '%40')}@{hosts}"  # LMCache's form
+    assert _password_round_trip(url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_sentinel_failover_under_load(
+    tls: bool, record_property: Callable[[str, object], None]
+) -> None:
+    """Kill the master during a steady load of puts and gets: operations fail with
+    BackendUnavailable/BackendTimeout within the deadline (none hangs), the backend follows
+    the promoted replica without a reopen, and no read returns wrong bytes. With TLS the
+    sentinels, the replication and the client all speak TLS (rediss+sentinel://)."""
+    deadline = 3.0
+    with SentinelGroup(tls=tls) as group:
+        assert group.url.startswith("rediss+sentinel://" if tls else "redis+sentinel://")
+        result = run(_failover_under_load(group, deadline))
+    record_property("failover_outage_s", round(result["outage"], 2))
+    print(
+        f"\nsentinel failover{' over TLS' if tls else ''}: outage {result['outage']:.2f} s "
+        "(kill to first successful put), "
+        f"{int(result['failures'])} failed operations, slowest operation "
+        f"{result['slowest']:.2f} s, {int(result['ops'])} operations"
+    )
+    assert result["slowest"] < deadline + 1.0
+    assert result["outage"] < 15.0
+
+
+async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[str, float]:
+    backend = await kvplug.open_backend(group.url, timeout=deadline)
+    model = new_model()
+    objs = {n: make_obj(1000 + n) for n in range(20)}
+    for n, obj in objs.items():
+        await backend.put(keys_of(model, 1, start=n)[0], obj)
+    with group.master.client() as client:
+        assert client.execute_command("WAIT", 1, 2000) >= 1  # on the replica too
+    replicated = set(objs)
+    written = dict(objs)
+    problems: list[str] = []
+    stats = {"failures": 0.0, "slowest": 0.0, "ops": 0.0}
+    next_key = iter(range(1000, 10**6))
+    killed_at: float | None = None
+    recovered_at: float | None = None
+    begin = time.monotonic()
+
+    async def timed(operation: Coroutine[Any, Any, T]) -> tuple[bool, T | None]:
+        started = time.monotonic()
+        try:
+            result = await operation
+            return True, result
+        except BackendUnavailable:
+            stats["failures"] += 1
+            return False, None
+        finally:
+            stats["ops"] += 1
+            stats["slowest"] = max(stats["slowest"], time.monotonic() - started)
+
+    async def worker(seed: int) -> None:
+        nonlocal recovered_at
+        rng = random.Random(seed)
+        while time.monotonic() - begin < 20.0:
+            if recovered_at is not None and time.monotonic() - recovered_at > 1.5:
+                return
+            n = next(next_key)
+            obj = make_obj(n)
+            ok, _ = await timed(backend.put(keys_of(model, 1, start=n)[0], obj))
+            if ok:
+                written[n] = obj
+                if killed_at is not None and recovered_at is None:
+                    recovered_at = time.monotonic()
+            else:
+                obj.release()
+                await asyncio.sleep(0.05)
+            m = rng.choice(list(written))
+            ok, got = await timed(backend.get(keys_of(model, 1, start=m)[0]))
+            if not ok:
+                continue
+            if got is None:
+                if m in replicated:
+                    problems.append(f"key {m}, replicated before the kill, read as a miss")
+                continue
+            if not same(written[m], got):
+                problems.append(f"key {m} read back other bytes")
+            got.release()
+
+    workers = [asyncio.ensure_future(worker(seed)) for seed in range(4)]
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(group.kill_master)
+    killed_at = time.monotonic()
+    await asyncio.gather(*workers)
+    try:
+        assert not problems, problems[:5]
+        assert recovered_at is not None, "no put succeeded after the master was killed"
+        await backend.ping()  # type: ignore[attr-defined]
+    finally:
+        await backend.close()
+        for obj in written.values():
+            obj.release()
+    return {**stats, "outage": recovered_at - killed_at}
+
+
+# -- Cluster ---------------------------------------------------------------------------------------
+
+
+def test_cluster_batches_span_every_node() -> None:
+    with RedisCluster() as cluster:
+        model = new_model()
+        keys = keys_of(model, 64)
+
+        async def scenario() -> set[CacheKey]:
+            backend = await kvplug.open_backend(cluster.url)
+            objs = [make_obj(2000 + n) for n in range(len(keys))]
+            try:
+                await backend.batched_put(keys, objs)
+                got = await backend.batched_get(keys)
+                assert all(same(o, g) for o, g in zip(objs, got, strict=True))
+                for g in got:
+                    if g is not None:
+                        g.release()
+                assert await backend.batched_contains(keys) == len(keys)
+                await backend.remove(keys[10])
+                assert await backend.batched_contains(keys) == 10
+                return {key async for key in backend.list_keys()}
+            finally:
+                for obj in objs:
+                    obj.release()
+                await backend.close()
+
+        listed = run(scenario())
+        assert listed == set(keys) - {keys[10]}
+        for node in cluster.nodes:
+            with node.client() as client:
+                assert client.dbsize() > 0  # every master holds some of the batch
+
+
+def test_sentinel_discovery_skips_a_dead_sentinel_quickly(sentinel_group: SentinelGroup) -> None:
+    first = sentinel_group.sentinels[0]
+    first.stop()
+    try:
+
+        async def scenario() -> float:
+            started = time.monotonic()
+            backend = await kvplug.open_backend(sentinel_group.url, timeout=5.0)
+            key = keys_of(new_model(), 1)[0]
+            obj = make_obj(12)
+            try:
+                await backend.put(key, obj)
+                got = await backend.get(key)
+                assert same(obj, got)
+                if got is not None:
+                    got.release()
+            finally:
+                obj.release()
+                await backend.close()
+            return time.monotonic() - started
+
+        assert run(scenario()) < 1.0
+    finally:
+        first.start()
