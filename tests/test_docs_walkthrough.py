@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from kvplug_testing import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-backend.md"
 FILE_BLOCK = re.compile(r"^```[\w-]+ title=(\S+)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -74,9 +76,7 @@ class Memcached:
 
     def __enter__(self) -> Memcached:
         assert MEMCACHED is not None
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         user = ["-u", "nobody"] if os.geteuid() == 0 else []  # memcached refuses root
         argv = [MEMCACHED, *user, "-l", "127.0.0.1", "-p", str(self.port), "-U", "0"]
         self.process = subprocess.Popen(

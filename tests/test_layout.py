@@ -255,6 +255,9 @@ def _layout_rows() -> dict[str, str]:
     return rows
 
 
+CONTAINERS = {"plugins", "integrations", "examples"}
+
+
 def _tracked_folders() -> set[str]:
     """The repository's folders, as README names them: top-level ones, and each one inside
     plugins/, integrations/ and examples/ (the distributions)."""
@@ -278,9 +281,6 @@ def _tracked_folders() -> set[str]:
         else:
             folders.add(parts[0])
     return folders
-
-
-CONTAINERS = {"plugins", "integrations", "examples"}
 
 
 def test_the_layout_table_lists_every_folder_of_the_repository() -> None:

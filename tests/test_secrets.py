@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import secrets as stdlib_secrets
-import socket
 import subprocess
 import sys
 import warnings
@@ -46,6 +45,7 @@ from kvplug.store import open_store
 from kvplug.sync import SyncClient
 from kvplug.url import BackendURL
 from kvplug_cpu.backend import CpuBackend, CpuOptions
+from kvplug_testing import free_port
 
 ROOT = Path(__file__).parents[1]
 CONTRACT_URL_ENV = "KVPLUG_CONTRACT_URL"
@@ -54,13 +54,6 @@ CONTRACT_URL_ENV = "KVPLUG_CONTRACT_URL"
 def new_secret(tag: str = "") -> str:
     """A value that cannot occur by chance in any output."""
     return f"Zq{tag}{stdlib_secrets.token_hex(8)}"
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -138,7 +131,7 @@ def test_tier_and_config_reprs_mask_secret_named_options_of_any_type() -> None:
 @pytest.mark.parametrize("value", [829371645, 8293716.45, ["Zq1x9w"], {"p": "Zq1x9w"}])
 def test_invalid_password_option_value_is_not_echoed(value: object) -> None:
     with pytest.raises(UnknownOption) as info:
-        create_backend(f"redis://127.0.0.1:{closed_port()}", password=value)
+        create_backend(f"redis://127.0.0.1:{free_port()}", password=value)
     message = str(info.value) + repr(info.value)
     assert "829371645" not in message and "8293716" not in message and "Zq1x9w" not in message
     assert "password=***" in message
@@ -149,7 +142,7 @@ def test_invalid_secret_option_from_config_is_not_echoed_by_store_or_check(
 ) -> None:
     config = tmp_path / "kvplug.yaml"
     config.write_text(
-        f"tiers:\n  - url: redis://127.0.0.1:{closed_port()}\n    sentinel_password: 829371645\n"
+        f"tiers:\n  - url: redis://127.0.0.1:{free_port()}\n    sentinel_password: 829371645\n"
     )
     with pytest.raises(UnknownOption) as info:
         asyncio.run(open_store(load_config(config)))
@@ -176,7 +169,7 @@ def _kvplug_contract(*args: str) -> str:
 
 def test_kvplug_contract_never_prints_the_url_password_or_secret_options() -> None:
     password, option = new_secret("e"), new_secret("f")
-    url = f"redis://app:{password}@127.0.0.1:{closed_port()}"
+    url = f"redis://app:{password}@127.0.0.1:{free_port()}"
     # db=x fails inside tests that take kvplug_url and kvplug_options as arguments, so pytest
     # prints their values in the failure's traceback.
     output = _kvplug_contract(
@@ -333,7 +326,7 @@ def test_vendor_run_of_the_suite_with_long_tracebacks_and_locals_hides_secrets(
             "-p",
             "no:cacheprovider",
             "--kvplug-url",
-            f"redis://app:{password}@127.0.0.1:{closed_port()}",
+            f"redis://app:{password}@127.0.0.1:{free_port()}",
             "--kvplug-option",
             "db=x",
             "--kvplug-option",
@@ -570,7 +563,7 @@ class Collected:
 def _malformed(secret: str) -> list[str]:
     left, right = secret[:12], secret[12:]
     return [
-        f"redis://app:{left}{special}{right}@127.0.0.1:{closed_port()}"
+        f"redis://app:{left}{special}{right}@127.0.0.1:{free_port()}"
         for special in ("/", "?", "#", "/?#", "::", "://", "@")
     ] + [f"redis//app:{secret}@127.0.0.1:1", f"redis:app:{secret}@h:1", f"REDIS://app:{secret}@h"]
 
@@ -585,7 +578,7 @@ def guarded_server() -> Iterator[Any]:
 
 def _cli_scenarios(out: Collected, tmp_path: Path, server: Any) -> None:
     good = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{server.port}"
-    unreachable = f"redis://app:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=2"
+    unreachable = f"redis://app:{WRONG_PASSWORD}@127.0.0.1:{free_port()}?timeout=2"
     small = ["--shape", "2,2,16,64"]
     env = {
         "KVPLUG_TIERS": f"cpu://?max_size=64MiB;{good}",
@@ -605,7 +598,7 @@ def _cli_scenarios(out: Collected, tmp_path: Path, server: Any) -> None:
     )
     sentinel = tmp_path / "sentinel.yaml"
     sentinel.write_text(
-        f"tiers:\n  - url: redis+sentinel://127.0.0.1:{closed_port()}/mymaster?timeout=1\n"
+        f"tiers:\n  - url: redis+sentinel://127.0.0.1:{free_port()}/mymaster?timeout=1\n"
         f"    sentinel_password: {NUMBER}\n"
     )
     numeric = tmp_path / "numeric.yaml"
@@ -706,16 +699,14 @@ def _contract_scenarios(out: Collected, server: Any) -> None:
     )
     out.add(
         "contract unreachable",
-        _kvplug_contract(
-            f"redis://:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=1", *selected
-        ),
+        _kvplug_contract(f"redis://:{WRONG_PASSWORD}@127.0.0.1:{free_port()}?timeout=1", *selected),
     )
     out.add("contract malformed", _kvplug_contract(_malformed(TOKEN)[0], *selected))
 
 
 def _python_scenarios(out: Collected, server: Any) -> None:
     good = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{server.port}"
-    unreachable = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{closed_port()}?timeout=1"
+    unreachable = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{free_port()}?timeout=1"
     for url in _malformed(TOKEN):
         out.raised("parse", lambda url=url: BackendURL.parse(url))
         out.raised("config", lambda url=url: Config.from_dict({"tiers": [url]}))

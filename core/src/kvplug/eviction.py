@@ -182,6 +182,8 @@ POLICIES: dict[str, type[EvictionPolicy[Any]]] = {
 """Policies by their (lower-case) name."""
 
 DEFAULT_POLICY = "lru"
+DEFAULT_PIN_TTL = 300.0
+"""Seconds a pin lasts when neither the tier nor the call says otherwise."""
 
 
 def check_policy_name(name: str) -> str:
@@ -262,6 +264,7 @@ class PinTable(Generic[K]):
 
 
 __all__ = [
+    "DEFAULT_PIN_TTL",
     "DEFAULT_POLICY",
     "POLICIES",
     "EvictionPolicy",

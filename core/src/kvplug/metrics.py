@@ -62,17 +62,26 @@ class _Samples:
         return self.values.get(key)
 
 
-class _Child:
-    """One labelled series of a plain metric: the subset of prometheus-client's API the Store
-    uses (``inc``, ``set``, ``set_function``, ``observe``)."""
+class _Series:
+    """A plain metric, or one labelled series of it (:meth:`labels`): the subset of
+    prometheus-client's API the Store uses (``labels``, ``inc``, ``set``, ``set_function``,
+    ``observe``)."""
 
     def __init__(
-        self, samples: _Samples, name: str, kind: str, labels: tuple[tuple[str, str], ...]
-    ):
+        self,
+        samples: _Samples,
+        name: str,
+        labelnames: Sequence[str],
+        labels: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self._samples = samples
         self._name = name
-        self._kind = kind
+        self._labelnames = tuple(labelnames)
         self._labels = labels
+
+    def labels(self, *values: str) -> _Series:
+        labels = tuple(sorted(zip(self._labelnames, values, strict=True)))
+        return _Series(self._samples, self._name, (), labels)
 
     def inc(self, amount: float = 1.0) -> None:
         self._samples.add(self._name + "_total", self._labels, amount)
@@ -86,20 +95,6 @@ class _Child:
     def observe(self, value: float) -> None:
         self._samples.add(self._name + "_count", self._labels, 1.0)
         self._samples.add(self._name + "_sum", self._labels, value)
-
-
-class _PlainMetric(_Child):
-    def __init__(self, samples: _Samples, name: str, kind: str, labelnames: Sequence[str]):
-        super().__init__(samples, name, kind, ())
-        self._labelnames = tuple(labelnames)
-
-    def labels(self, *values: str) -> _Child:
-        return _Child(
-            self._samples,
-            self._name,
-            self._kind,
-            tuple(sorted(zip(self._labelnames, values, strict=True))),
-        )
 
 
 class StoreMetrics:
@@ -155,7 +150,7 @@ class StoreMetrics:
 
     def _make(self, kind: str, name: str, documentation: str, labels: Sequence[str]) -> Any:
         if self.prometheus is None:
-            return _PlainMetric(self.registry, name, kind, labels)
+            return _Series(self.registry, name, labels)
         cls = getattr(self.prometheus, kind)
         extra = {"buckets": LATENCY_BUCKETS} if kind == "Histogram" else {}
         return cls(name, documentation, list(labels), registry=self.registry, **extra)

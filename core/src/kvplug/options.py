@@ -15,7 +15,10 @@ Example::
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvplug.errors import ConfigError
+from kvplug.eviction import DEFAULT_PIN_TTL, DEFAULT_POLICY, check_policy_name
 
 
 class BackendOptions(BaseModel):
@@ -37,4 +40,21 @@ class BytesBackendOptions(BackendOptions):
     key_prefix: str = Field("", description="prepended to every stored key")
 
 
-__all__ = ["BackendOptions", "BytesBackendOptions"]
+class EvictionOptions(BackendOptions):
+    """Options of a tier that evicts by policy and takes pins (what
+    :class:`~kvplug.index.EvictableIndex` is built from); the tier adds its ``max_size``."""
+
+    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
+    pin_ttl: float = Field(
+        DEFAULT_PIN_TTL, gt=0, description="seconds a pin lasts before it expires"
+    )
+
+    @field_validator("eviction", mode="before")
+    @classmethod
+    def _check_eviction(cls, value: object) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
+        return check_policy_name(value)
+
+
+__all__ = ["BackendOptions", "BytesBackendOptions", "EvictionOptions"]

@@ -40,7 +40,6 @@ from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
-from kvplug.eviction import DEFAULT_POLICY, check_policy_name
 from kvplug.index import EvictableIndex
 from kvplug.keys import CacheKey
 from kvplug.memory import (
@@ -51,6 +50,7 @@ from kvplug.memory import (
     MemoryObj,
     nbytes_of,
 )
+from kvplug.options import EvictionOptions
 from kvplug.units import GiB, format_size, host_memory, parse_size
 from kvplug.url import BackendURL
 
@@ -58,14 +58,12 @@ DEFAULT_MAX_SIZE = 5 * GiB
 logger = logging.getLogger("kvplug.cpu")
 
 
-class CpuOptions(BackendOptions):
+class CpuOptions(EvictionOptions):
     """Options of ``cpu://``."""
 
     max_size: int = Field(
         DEFAULT_MAX_SIZE, description="bytes this tier may hold: an int or '512MiB', '5GiB'"
     )
-    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
-    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts before it expires")
 
     @field_validator("max_size", mode="before")
     @classmethod
@@ -77,13 +75,6 @@ class CpuOptions(BackendOptions):
                 "nothing would fit. Give a size such as '512MiB' or '5GiB'."
             )
         return size
-
-    @field_validator("eviction", mode="before")
-    @classmethod
-    def _check_eviction(cls, value: object) -> str:
-        if not isinstance(value, str):
-            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
-        return check_policy_name(value)
 
 
 def _only_ours(obj: MemoryObj) -> bool:

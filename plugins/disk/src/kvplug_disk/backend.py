@@ -99,6 +99,7 @@ from kvplug_disk.fileio.base import FileIO, Payload, synchronize
 from kvplug_disk.fileio.posix import PosixFileIO
 from kvplug_disk.fileops import (
     O_DIRECT,
+    Deleted,
     LiveWriters,
     NotAnObject,
     WriteRefused,
@@ -106,6 +107,7 @@ from kvplug_disk.fileops import (
     byte_view,
     classify_os_error,
     clear_the_way,
+    delete_object_file,
     fsync_dir,
     header_buffer,
     kind_of,
@@ -115,7 +117,7 @@ from kvplug_disk.fileops import (
     reason,
     unlink_quietly,
 )
-from kvplug_disk.index import IndexEntry, _delete_object_file, _Deleted
+from kvplug_disk.index import IndexEntry
 from kvplug_disk.layout import (
     BLOCK,
     FLAG_NO_PAYLOAD_CHECKSUM,
@@ -549,7 +551,7 @@ class DiskBackend(Backend):
         if not stripe.acquire(blocking=False):
             return False
         try:
-            deleted = _delete_object_file(entry.path)
+            deleted = delete_object_file(entry.path)
         except OSError as error:
             self._index.hold_off(key, RETRY_UNDELETABLE)
             self.eviction_failures += 1
@@ -557,7 +559,7 @@ class DiskBackend(Backend):
             return False
         finally:
             stripe.release()
-        if deleted is _Deleted.FOREIGN:
+        if deleted is Deleted.FOREIGN:
             self.foreign_files += 1
         else:
             self.evictions += 1
@@ -1282,7 +1284,7 @@ class DiskBackend(Backend):
             if entry is None:
                 return False
             try:
-                deleted = _delete_object_file(entry.path)
+                deleted = delete_object_file(entry.path)
             except OSError as error:
                 raise classify_os_error(
                     error,
@@ -1294,9 +1296,9 @@ class DiskBackend(Backend):
                 current = self._index.get(key)
                 if current is not None and current.gen == entry.gen:
                     self._index.remove(key)
-                if deleted is _Deleted.FOREIGN:
+                if deleted is Deleted.FOREIGN:
                     self.foreign_files += 1
-        return deleted is _Deleted.DONE
+        return deleted is Deleted.DONE
 
     # -- the contract's hooks -------------------------------------------------------------
     #

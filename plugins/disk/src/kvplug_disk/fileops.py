@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import logging
@@ -408,6 +409,31 @@ def header_buffer() -> mmap.mmap:
     return buffer
 
 
+class Deleted(enum.Enum):
+    """What deleting an object file did."""
+
+    DONE = "deleted"
+    ABSENT = "nothing was there"
+    FOREIGN = "a directory is there, not an object file; left alone"
+
+
+def delete_object_file(path: str) -> Deleted:
+    """Delete the object file ``path``; raises the OSError when the file stays."""
+    try:
+        os.unlink(path)
+        return Deleted.DONE
+    except (FileNotFoundError, NotADirectoryError):
+        return Deleted.ABSENT
+    except (IsADirectoryError, PermissionError):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return Deleted.ABSENT
+        if stat.S_ISDIR(mode):
+            return Deleted.FOREIGN
+        raise
+
+
 def unlink_quietly(path: str) -> None:
     """Remove ``path``; a missing file is fine, any other failure is logged."""
     try:
@@ -429,6 +455,7 @@ def fsync_dir(path: str) -> None:
 
 __all__ = [
     "O_DIRECT",
+    "Deleted",
     "LiveWriters",
     "NotAnObject",
     "WriteRefused",
@@ -436,6 +463,7 @@ __all__ = [
     "byte_view",
     "classify_os_error",
     "clear_the_way",
+    "delete_object_file",
     "fsync_dir",
     "header_buffer",
     "kind_of",

@@ -1,14 +1,7 @@
-"""What the disk engine's index holds about one stored object, and deleting an object file
-(internal)."""
-
-# File descriptors and str paths on the I/O path, as in kvplug_disk.backend.
-# ruff: noqa: PTH108
+"""What the disk engine's index holds about one stored object (internal)."""
 
 from __future__ import annotations
 
-import enum
-import os
-import stat
 from dataclasses import dataclass
 
 import torch
@@ -40,31 +33,6 @@ class IndexEntry:
             self.fmt,
             self.payload_len,
         )
-
-
-class _Deleted(enum.Enum):
-    """What deleting an object file did."""
-
-    DONE = "deleted"
-    ABSENT = "nothing was there"
-    FOREIGN = "a directory is there, not an object file; left alone"
-
-
-def _delete_object_file(path: str) -> _Deleted:
-    """Delete the object file ``path``; raises the OSError when the file stays."""
-    try:
-        os.unlink(path)
-        return _Deleted.DONE
-    except (FileNotFoundError, NotADirectoryError):
-        return _Deleted.ABSENT
-    except (IsADirectoryError, PermissionError):
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            return _Deleted.ABSENT
-        if stat.S_ISDIR(mode):
-            return _Deleted.FOREIGN
-        raise
 
 
 __all__ = ["IndexEntry"]

@@ -8,8 +8,7 @@ import os
 from pydantic import Field, field_validator
 
 from kvplug.errors import ConfigError
-from kvplug.eviction import DEFAULT_POLICY, check_policy_name
-from kvplug.options import BackendOptions
+from kvplug.options import EvictionOptions
 from kvplug.units import GiB, parse_size
 from kvplug_disk.layout import BLOCK
 
@@ -18,7 +17,7 @@ DEFAULT_WORKERS = 4
 DEFAULT_QUEUE_DEPTH = 64
 
 
-class DiskOptions(BackendOptions):
+class DiskOptions(EvictionOptions):
     """Options of ``file://``."""
 
     paths: tuple[str, ...] = Field(
@@ -27,8 +26,6 @@ class DiskOptions(BackendOptions):
     max_size: int = Field(
         DEFAULT_MAX_SIZE, description="bytes of object files the tier holds: '100GiB'"
     )
-    eviction: str = Field(DEFAULT_POLICY, description="eviction policy: lru, lfu or fifo")
-    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts before it expires")
     o_direct: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
     fsync: bool = Field(False, description="fsync files and directories before put returns")
     workers: int = Field(DEFAULT_WORKERS, ge=1, le=256, description="file I/O threads")
@@ -63,13 +60,6 @@ class DiskOptions(BackendOptions):
                 "Give a size such as '10GiB'."
             )
         return size
-
-    @field_validator("eviction", mode="before")
-    @classmethod
-    def _check_eviction(cls, value: object) -> str:
-        if not isinstance(value, str):
-            raise ConfigError(f"eviction must be a policy name such as 'lru', got {value!r}.")
-        return check_policy_name(value)
 
 
 __all__ = ["DEFAULT_MAX_SIZE", "DEFAULT_QUEUE_DEPTH", "DEFAULT_WORKERS", "DiskOptions"]

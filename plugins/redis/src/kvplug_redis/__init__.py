@@ -14,7 +14,8 @@ separate distribution kvplug-testing (:mod:`kvplug_testing`).
 The names below are the public API, the one other distributions may use (kvplug-valkey builds
 on it): :class:`RedisBackend` to subclass, :class:`ClientLibrary` and :class:`ClientVersions`
 to hand it another client library (as :func:`redis_py` does for redis-py),
-:class:`Mode` to map schemes to, and :class:`RedisOptions`, :class:`Target`,
+:func:`load_client_library` to build one from a redis-py-shaped package, :class:`Mode` to map
+schemes to, and :class:`RedisOptions`, :class:`Target`,
 :class:`UrlForms`, :func:`escape_glob` and :data:`REDIS_PY_VERSIONS`. They are imported on first
 use, so the plugin entry point stays light.
 """
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         REDIS_PY_VERSIONS,
         ClientLibrary,
         ClientVersions,
+        load_client_library,
         redis_py,
     )
     from kvplug_redis.options import RedisOptions
@@ -43,6 +45,7 @@ _HOMES = {
     "REDIS_PY_VERSIONS": "kvplug_redis.client_library",
     "ClientLibrary": "kvplug_redis.client_library",
     "ClientVersions": "kvplug_redis.client_library",
+    "load_client_library": "kvplug_redis.client_library",
     "redis_py": "kvplug_redis.client_library",
     "RedisOptions": "kvplug_redis.options",
     "Mode": "kvplug_redis.urls",
@@ -70,5 +73,6 @@ __all__ = [
     "UrlForms",
     "__version__",
     "escape_glob",
+    "load_client_library",
     "redis_py",
 ]

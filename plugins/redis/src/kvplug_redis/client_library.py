@@ -11,6 +11,7 @@ through :meth:`~kvplug_redis.backend.RedisBackend.client_library`.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -128,36 +129,52 @@ class ClientLibrary:
         )
 
 
-def redis_py() -> ClientLibrary:
-    """redis-py's asyncio client (hiredis parses replies when it is installed)."""
-    import redis.asyncio
-    import redis.asyncio.cluster
-    import redis.asyncio.retry
-    import redis.asyncio.sentinel
-    import redis.backoff
-    import redis.exceptions
-
+def load_client_library(
+    name: str, package: str, brand: str, versions: ClientVersions
+) -> ClientLibrary:
+    """The :class:`ClientLibrary` of a redis-py-shaped package: ``package`` (``"redis"``,
+    ``"valkey"``) whose asyncio client, cluster client and errors are named after ``brand``
+    (``Redis``/``RedisCluster``/``RedisError``, ``Valkey``/...). ``name`` is how messages call
+    it; ``versions`` are the releases it is tested with."""
+    top = importlib.import_module(package)
+    aio = importlib.import_module(f"{package}.asyncio")
+    cluster = importlib.import_module(f"{package}.asyncio.cluster")
+    sentinel = importlib.import_module(f"{package}.asyncio.sentinel")
+    retry = importlib.import_module(f"{package}.asyncio.retry")
+    backoff = importlib.import_module(f"{package}.backoff")
+    exceptions = importlib.import_module(f"{package}.exceptions")
     return ClientLibrary(
-        name="redis-py",
-        client=redis.asyncio.Redis,
-        connection_pool=redis.asyncio.ConnectionPool,
-        ssl_connection=redis.asyncio.SSLConnection,
-        unix_connection=redis.asyncio.UnixDomainSocketConnection,
-        connection=redis.asyncio.Connection,
-        sentinel=redis.asyncio.sentinel.Sentinel,
-        sentinel_connection=redis.asyncio.sentinel.SentinelManagedConnection,
-        sentinel_ssl_connection=redis.asyncio.sentinel.SentinelManagedSSLConnection,
-        master_not_found=redis.asyncio.sentinel.MasterNotFoundError,
-        cluster=redis.asyncio.cluster.RedisCluster,
-        cluster_node=redis.asyncio.cluster.ClusterNode,
-        retry=redis.asyncio.retry.Retry,
-        backoff=redis.backoff.ExponentialBackoff,
-        exceptions=redis.exceptions,
-        base_error=redis.exceptions.RedisError,
-        cluster_exception=redis.exceptions.RedisClusterException,
-        version=redis.__version__,
-        versions=REDIS_PY_VERSIONS,
+        name=name,
+        client=getattr(aio, brand),
+        connection_pool=aio.ConnectionPool,
+        ssl_connection=aio.SSLConnection,
+        unix_connection=aio.UnixDomainSocketConnection,
+        connection=aio.Connection,
+        sentinel=sentinel.Sentinel,
+        sentinel_connection=sentinel.SentinelManagedConnection,
+        sentinel_ssl_connection=sentinel.SentinelManagedSSLConnection,
+        master_not_found=sentinel.MasterNotFoundError,
+        cluster=getattr(cluster, f"{brand}Cluster"),
+        cluster_node=cluster.ClusterNode,
+        retry=retry.Retry,
+        backoff=backoff.ExponentialBackoff,
+        exceptions=exceptions,
+        base_error=getattr(exceptions, f"{brand}Error"),
+        cluster_exception=getattr(exceptions, f"{brand}ClusterException"),
+        version=top.__version__,
+        versions=versions,
     )
 
 
-__all__ = ["REDIS_PY_VERSIONS", "ClientLibrary", "ClientVersions", "redis_py"]
+def redis_py() -> ClientLibrary:
+    """redis-py's asyncio client (hiredis parses replies when it is installed)."""
+    return load_client_library("redis-py", "redis", "Redis", REDIS_PY_VERSIONS)
+
+
+__all__ = [
+    "REDIS_PY_VERSIONS",
+    "ClientLibrary",
+    "ClientVersions",
+    "load_client_library",
+    "redis_py",
+]

@@ -33,7 +33,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from kvplug_redis import ClientLibrary, ClientVersions, Mode, RedisBackend
+from kvplug_redis import (
+    ClientLibrary,
+    ClientVersions,
+    Mode,
+    RedisBackend,
+    load_client_library,
+)
 
 VALKEY_PY_VERSIONS = ClientVersions(
     plugin="kvplug-valkey", distribution="valkey", lowest=(6,), below=7
@@ -46,34 +52,7 @@ redis-py."""
 def valkey_py() -> ClientLibrary:
     """valkey-py's asyncio client (libvalkey parses replies when it is installed:
     ``pip install "kvplug-valkey[fast]"``)."""
-    import valkey.asyncio
-    import valkey.asyncio.cluster
-    import valkey.asyncio.retry
-    import valkey.asyncio.sentinel
-    import valkey.backoff
-    import valkey.exceptions
-
-    return ClientLibrary(
-        name="valkey-py",
-        client=valkey.asyncio.Valkey,
-        connection_pool=valkey.asyncio.ConnectionPool,
-        ssl_connection=valkey.asyncio.SSLConnection,
-        unix_connection=valkey.asyncio.UnixDomainSocketConnection,
-        connection=valkey.asyncio.Connection,
-        sentinel=valkey.asyncio.sentinel.Sentinel,
-        sentinel_connection=valkey.asyncio.sentinel.SentinelManagedConnection,
-        sentinel_ssl_connection=valkey.asyncio.sentinel.SentinelManagedSSLConnection,
-        master_not_found=valkey.asyncio.sentinel.MasterNotFoundError,
-        cluster=valkey.asyncio.cluster.ValkeyCluster,
-        cluster_node=valkey.asyncio.cluster.ClusterNode,
-        retry=valkey.asyncio.retry.Retry,
-        backoff=valkey.backoff.ExponentialBackoff,
-        exceptions=valkey.exceptions,
-        base_error=valkey.exceptions.ValkeyError,
-        cluster_exception=valkey.exceptions.ValkeyClusterException,
-        version=valkey.__version__,
-        versions=VALKEY_PY_VERSIONS,
-    )
+    return load_client_library("valkey-py", "valkey", "Valkey", VALKEY_PY_VERSIONS)
 
 
 class ValkeyBackend(RedisBackend):
