@@ -100,16 +100,23 @@ build_engine_venv() {
   local inputs=(scripts/constraints.txt "integrations/$engine/pyproject.toml")
   local requirements="integrations/$engine/requirements-cpu.txt"
   [ ! -f "$requirements" ] || inputs+=("$requirements")
-  local stamp
+  local stamp dists
   stamp="$engine==$version $(cat "${inputs[@]}" | cksum)"
+  dists="$(printf '%s\n' "${editable[@]}" | cksum)"
+  ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
+    -c scripts/constraints.txt)
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
+    # The engine is in place; a distribution added since is installed beside it.
+    if [ "$(cat "$engine_venv/.kvplug-dists" 2>/dev/null)" != "$dists" ]; then
+      "$engine_venv/bin/python" -m pip uninstall --quiet --yes kvplug-gds 2>/dev/null || true
+      "${ENGINE_PIP[@]}" "${editable[@]}"
+      echo "$dists" >"$engine_venv/.kvplug-dists"
+    fi
     return
   fi
   echo "setup: building $engine_venv ($engine==$version)"
   rm -rf "$engine_venv"
   "$PYTHON" -m venv "$engine_venv"
-  ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
-    -c scripts/constraints.txt)
   "${ENGINE_PIP[@]}" --upgrade pip
   "$install" "$engine_venv" "$version"
   "${ENGINE_PIP[@]}" "${editable[@]}"
@@ -118,6 +125,7 @@ build_engine_venv() {
   "${ENGINE_PIP[@]}" --no-deps -e "integrations/$engine"
   check_cpu_torch "$engine_venv"
   echo "$stamp" >"$engine_venv/.kvplug-stamp"
+  echo "$dists" >"$engine_venv/.kvplug-dists"
 }
 
 # LMCache installs with its own dependencies (about a minute and 2 GB).

@@ -26,11 +26,21 @@ for engine in lmcache sglang vllm; do
   done
 done
 
+echo "== a short fuzz run of the lm:// frame parsers and server (scripts/fuzz_lm.py)"
+# libFuzzer's progress goes to the log, shown only when a target crashed.
+fuzz_log=$(mktemp)
+"$PY" scripts/fuzz_lm.py --seconds 15 </dev/null 2>"$fuzz_log" || { tail -60 "$fuzz_log"; exit 1; }
+rm -f "$fuzz_log"
+
+echo "== kvplug-lm against LMCache 0.5.6's own lm:// client and lmcache_server, in its venv"
+".venv-lmcache-0.5.6/bin/python" -m pytest -p no:cacheprovider -m lmcache plugins/lm/tests </dev/null
+
 echo "== the contract suite through the CLI, against every built-in backend and the example"
 acme_dir=$(mktemp -d)
 redis_pid=
 valkey_pid=
-trap 'rm -rf "$acme_dir"; kill -9 $redis_pid $valkey_pid 2>/dev/null || true' EXIT
+lm_pid=
+trap 'rm -rf "$acme_dir"; kill -9 $redis_pid $valkey_pid $lm_pid 2>/dev/null || true' EXIT
 "$VENV/bin/kvplug" contract cpu://
 "$VENV/bin/kvplug" contract audit::cpu://
 "$VENV/bin/kvplug" contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
@@ -65,3 +75,12 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 "$VENV/bin/kvplug" contract --proxy "valkey://127.0.0.1:$valkey_port"
+# And kvplug's own lm:// server (plugins/lm), the same way.
+lm_port=$("$PY" -c 'from kvplug_testing import free_port; print(free_port())')
+"$VENV/bin/kvplug" lm-server --port "$lm_port" --max-memory 1GiB >"$acme_dir/lm.log" 2>&1 &
+lm_pid=$!
+for _ in $(seq 100); do
+  "$PY" -c "import sys; from kvplug_testing.lm import health; sys.exit(not health($lm_port))" && break
+  sleep 0.1
+done
+"$VENV/bin/kvplug" contract --proxy "lm://127.0.0.1:$lm_port"

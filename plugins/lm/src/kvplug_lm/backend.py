@@ -1,0 +1,886 @@
+"""The ``lm://host:port`` backend: kvplug's client of LMCache's ``lm://`` server protocol.
+
+It talks to ``kvplug lm-server`` and to LMCache 0.5.6's ``lmcache_server`` alike. Objects
+travel as their raw bytes with LMCache's metadata (format, dtype code, shape) under LMCache
+0.5.x's key string (:meth:`kvplug.CacheKey.to_string`), so kvplug and LMCache clients of one
+server share its objects.
+
+**Modes.** Every new connection opens with the hello (:data:`kvplug_lm.wire.HELLO_KEY`,
+``mode=auto``). A kvplug server answers it, and the connection uses the *extended* mode:
+acknowledged, checksummed puts, delete, listing, batched existence checks, pipelined batches,
+keys up to the server's limit and optional authentication. LMCache's server answers an
+ordinary HEALTH, and the connection uses the *plain* mode, LMCache's own protocol.
+
+**Plain mode, and what kvplug does where LMCache's protocol is silent:**
+
+* A PUT has no reply, so a put could return before the server stored the object (and a get
+  on another connection of the pool would then miss). kvplug follows every PUT, on the same
+  connection, with an EXIST of the same key, and returns only after its 200: the server
+  handles one connection's requests in order, so the object is stored (read-your-writes
+  across the pool). A 400 means the server dropped the object (a kvplug server does when it
+  is full or the object is over its limit), and put raises
+  :class:`~kvplug.errors.CapacityExceeded`.
+* LMCache's server cannot delete or list: ``remove`` and ``list_keys`` raise
+  :class:`~kvplug.errors.NotSupported` (the instance's capabilities say so once open).
+* Keys longer than 150 bytes, shapes of more than four dims and dtypes without an LMCache
+  code (int8 to int64) raise :class:`~kvplug.errors.NotSupported`; a kvplug server (the
+  extended mode) stores them.
+* Nothing is checksummed: damaged data cannot be detected (clause 6 does not apply).
+* A reply's dtype code 0 (LMCache's byte buffers) reads as uint8; shapes come back without
+  their zero padding.
+
+**Keys.** The key on the wire is ``key_prefix`` and LMCache's key string, as it is. In the
+extended mode a key the server's rules refuse (whitespace, control or invisible characters)
+travels escaped (:func:`encode_key`); LMCache clients never make such keys, so every key they
+can share travels unchanged.
+
+**Both modes:** when the allocator cannot hold an object a get read, its payload is drained
+(the connection stays in step) and the get is a miss. Objects stored in a memory format
+kvplug does not know (7 and 8, from newer LMCache) are misses too, with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import xxhash
+from pydantic import Field, field_validator
+
+from kvplug.backend import Backend, Capabilities, fill_into
+from kvplug.errors import (
+    BackendError,
+    BackendUnavailable,
+    CapacityExceeded,
+    ConfigError,
+    KvplugError,
+    NotSupported,
+)
+from kvplug.keys import CacheKey
+from kvplug.options import BackendOptions
+from kvplug.url import BackendURL
+from kvplug_lm import wire
+from kvplug_lm.connection import Connection, Hasher, Pool, ReplyError
+
+if TYPE_CHECKING:
+    from kvplug.memory import Allocator, MemoryObj
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 65432
+"""The port of an ``lm://host`` URL without one (LMCache's examples use it)."""
+
+HEALTH_KEY = "kvplug-health@1@0@0@half"
+"""The key of a plain HEALTH (not the hello's: a kvplug server answers that one with more)."""
+
+Mode = Literal["auto", "plain", "extended"]
+
+
+class LMOptions(BackendOptions):
+    """Options of ``lm://host:port?name=value&...``.
+
+    * ``timeout`` (seconds, default 10): the deadline of one operation; past it,
+      :class:`~kvplug.errors.BackendTimeout`, and the connection it used is closed.
+    * ``connections`` (default 8): the most connections the pool keeps to the server; a
+      batch spreads over the idle ones.
+    * ``connect_timeout`` (seconds, default 5): the limit of one connect and its hello.
+    * ``mode`` (``auto``, ``plain`` or ``extended``; default ``auto``): ``auto`` sends the
+      hello and uses the extended mode with a kvplug server, the plain mode with LMCache's;
+      ``plain`` never sends it (LMCache's protocol only, also against a kvplug server);
+      ``extended`` requires a kvplug server and fails at open against another.
+    * ``secret``: the shared secret of a kvplug server started with one (extended mode).
+      Only a proof of it travels (HMAC of the server's nonce); it is masked in every log,
+      error and repr.
+    * ``checksums`` (default true): the extended mode sends xxh3-64 of every payload (the
+      server refuses a damaged one) and verifies the checksum of every payload read; a
+      mismatch is a miss, counted in ``corrupt_objects``, and the key is deleted.
+    * ``reconnect_delay`` (seconds, default 0.05) and ``reconnect_max_delay`` (default 2):
+      after a failed connect, operations fail at once for this long (with jitter), doubling
+      up to the maximum until the server answers again.
+    * ``key_prefix`` (default empty): prepended to every key string on the wire, so several
+      users of one server keep apart. In the plain mode it must keep the key LMCache's form
+      (no ``@``, no whitespace), or LMCache's server drops the connection.
+    * ``serde`` (``naive`` only): accepted so that LMCache configs (``remote_serde: naive``)
+      open unchanged; objects travel as raw tensors, as LMCache's own client sends them.
+    """
+
+    connections: int = Field(8, ge=1, le=1024, description="the most pooled connections")
+    connect_timeout: float = Field(5.0, gt=0, description="seconds of one connect and hello")
+    mode: Mode = Field("auto", description="auto, plain or extended")
+    secret: str | None = Field(None, repr=False, description="shared secret (extended mode)")
+    checksums: bool = Field(True, description="xxh3 of every payload (extended mode)")
+    reconnect_delay: float = Field(0.05, gt=0, description="first back-off after a failure")
+    reconnect_max_delay: float = Field(2.0, gt=0, description="longest back-off")
+    key_prefix: str = Field("", description="prepended to every key on the wire")
+    serde: str = Field("naive", description="naive only: objects travel as raw tensors")
+
+    @field_validator("serde")
+    @classmethod
+    def _only_naive(cls, value: str) -> str:
+        if value != "naive":
+            raise ValueError(
+                f"lm:// moves objects as raw tensors with LMCache's metadata, so LMCache "
+                f"clients of the same server can read them; serde {value!r} would store bytes "
+                "they cannot. Use remote_serde: naive (or leave serde out)"
+            )
+        return value
+
+
+_EXTENDED_CAPABILITIES = Capabilities(
+    remove=True, list_keys=True, native_batching=True, shared_across_processes=True
+)
+_PLAIN_CAPABILITIES = Capabilities(shared_across_processes=True)
+
+
+class LMBackend(Backend):
+    """``lm://host:port``: objects on a ``kvplug lm-server`` or LMCache 0.5.6
+    ``lmcache_server`` (see the module for the modes and :class:`LMOptions`).
+
+    The capabilities are the extended mode's until :meth:`open` finds a plain server; then
+    they are the plain mode's (no remove, list or native batching)."""
+
+    Options: ClassVar[type[BackendOptions]] = LMOptions
+    options: LMOptions
+    capabilities = _EXTENDED_CAPABILITIES
+    loop_bound: ClassVar[bool] = True
+
+    def __init__(
+        self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
+    ) -> None:
+        super().__init__(url, allocator=allocator, **options)
+        host = self.url.host or "127.0.0.1"
+        port = self.url.port or DEFAULT_PORT
+        self.corrupt_objects = 0
+        """Payloads read whose checksum did not match (misses, deleted; clause 6)."""
+        self.mode: Literal["plain", "extended"] | None = (
+            None if self.options.mode == "auto" else self.options.mode
+        )
+        self.hello: wire.Hello | None = None
+        self._max_key_bytes = wire.PLAIN_KEY_BYTES
+        self._pool = Pool(
+            host,
+            port,
+            size=self.options.connections,
+            connect_timeout=self.options.connect_timeout,
+            initial_delay=self.options.reconnect_delay,
+            max_delay=max(self.options.reconnect_delay, self.options.reconnect_max_delay),
+            handshake=self._handshake,
+        )
+
+    @property
+    def address(self) -> str:
+        return self._pool.address
+
+    def describe(self) -> dict[str, str]:
+        if self.mode == "extended":
+            server = f"kvplug lm-server (protocol {wire.PROTOCOL_VERSION})"
+            if self.hello is not None:
+                server += (
+                    f", keys up to {self.hello.max_key_bytes} bytes, objects up to "
+                    f"{self.hello.max_object_bytes} bytes"
+                    + (", authenticated" if self.hello.auth_required else "")
+                )
+        elif self.options.mode == "plain":
+            server = "plain protocol forced (mode=plain); LMCache's lmcache_server or kvplug's"
+        else:
+            server = "LMCache lmcache_server (plain protocol)"
+        return {"mode": self.mode or "unknown", "server": server}
+
+    # -- connections ------------------------------------------------------------------------
+
+    async def _handshake(self, connection: Connection) -> None:
+        if self.options.mode == "plain":
+            return
+        await connection.send(wire.pack_plain_request(wire.Command.HEALTH, wire.HELLO_KEY))
+        reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
+        if not wire.is_kvplug_hello(reply):
+            self._found_mode("plain")
+            return
+        hello = wire.unpack_hello_body(await connection.recv_exact(wire.HELLO_BODY.size))
+        self._found_mode("extended")
+        self.hello = hello
+        self._max_key_bytes = hello.max_key_bytes
+        if hello.auth_required:
+            if not self.options.secret:
+                raise ConfigError(
+                    f"the kvplug lm-server at {self.address} requires authentication; set the "
+                    "'secret' option (lm://host:port?secret=...) to its shared secret."
+                )
+            proof = wire.auth_proof(self.options.secret, hello.nonce)
+            request_id = connection.next_request_id()
+            await connection.send(
+                wire.pack_ext_request(wire.Op.AUTH, request_id=request_id, payload_len=len(proof)),
+                proof,
+            )
+            header, _ = await self._ext_reply(connection, request_id)
+            if header.status != wire.Status.OK:
+                raise ConfigError(
+                    f"the kvplug lm-server at {self.address} refused the secret "
+                    f"({_status_name(header.status)}); set 'secret' to the server's shared "
+                    "secret."
+                )
+
+    def _found_mode(self, found: Literal["plain", "extended"]) -> None:
+        if found == "plain":
+            if self.options.mode == "extended":
+                raise ConfigError(
+                    f"lm://{self.address} is not a kvplug lm-server (it answered the hello as "
+                    "LMCache's lmcache_server does), but mode=extended requires one. Use "
+                    "mode=auto or mode=plain, or point the URL at a kvplug lm-server."
+                )
+            if self.options.secret:
+                raise ConfigError(
+                    f"lm://{self.address} speaks LMCache's plain protocol, which has no "
+                    "authentication, but the 'secret' option is set. Point the URL at a "
+                    "kvplug lm-server that requires the secret, or drop the option."
+                )
+        if self.mode is None:
+            self.mode = found
+            self.capabilities = (
+                _EXTENDED_CAPABILITIES if found == "extended" else _PLAIN_CAPABILITIES
+            )
+        elif self.mode != found:
+            raise BackendUnavailable(
+                f"the server at lm://{self.address} changed kind: it was opened in the "
+                f"{self.mode} mode and now answers as a {found}-mode server. Reopen the backend."
+            )
+
+    async def _open(self) -> None:
+        if self.options.mode == "plain":
+            self.capabilities = _PLAIN_CAPABILITIES
+        await self._pool.run(self._ping)
+
+    async def _ping(self, connection: Connection) -> None:
+        if self.mode != "plain":
+            return  # the handshake of a new connection was the round trip
+        await connection.send(wire.pack_plain_request(wire.Command.HEALTH, HEALTH_KEY))
+        reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
+        if reply.code != wire.Code.SUCCESS:
+            raise BackendUnavailable(
+                f"lm://{self.address} answered HEALTH with {reply.code}; check the server."
+            )
+
+    async def _close(self) -> None:
+        self._pool.close()
+
+    # -- keys and metadata ------------------------------------------------------------------
+
+    def wire_key(self, key: CacheKey) -> bytes:
+        """The key string on the wire: ``key_prefix`` and LMCache's string form, as it is
+        when the server can take it (so LMCache clients share the object), else (extended
+        mode) :func:`encode_key`'s escaped form."""
+        text = self.options.key_prefix + key.to_string()
+        raw = text.encode()
+        if self.mode == "plain":
+            if not _travels_plain(raw):
+                raise NotSupported(
+                    f"key {key} cannot travel in LMCache's plain protocol: it is {len(raw)} "
+                    f"bytes (at most {wire.PLAIN_KEY_BYTES}) or holds whitespace or control "
+                    "characters. Use a kvplug lm-server (the extended mode carries any key), "
+                    "or a shorter model name or key_prefix."
+                )
+            return raw
+        raw = encode_key(text)
+        if len(raw) > self._max_key_bytes:
+            raise NotSupported(
+                f"key {key} is {len(raw)} bytes on the wire; the server at {self.address} "
+                f"accepts at most {self._max_key_bytes}. Shorten the model name or key_prefix, "
+                "or raise the server's --max-key-bytes."
+            )
+        return raw
+
+    def _plain_meta(self, obj: MemoryObj) -> tuple[int, tuple[int, int, int, int]]:
+        from kvplug.memory import DTYPE_CODES
+
+        code = DTYPE_CODES.get(obj.dtype)
+        if code is None or code not in range(2, 9):
+            raise NotSupported(
+                f"dtype {obj.dtype} has no LMCache wire code, so LMCache's plain protocol "
+                "cannot carry it. Use a kvplug lm-server (the extended mode stores it) or "
+                "convert the tensor to float16, bfloat16, float32, float64, uint8 or float8."
+            )
+        if len(obj.shape) > 4:
+            raise NotSupported(
+                f"shape {obj.shape} has {len(obj.shape)} dims; LMCache's plain protocol "
+                "carries at most 4. Use a kvplug lm-server (the extended mode stores any rank) "
+                "or reshape the object."
+            )
+        if obj.nbytes > wire.INT32_MAX:
+            raise NotSupported(
+                f"an object of {obj.nbytes} bytes does not fit LMCache's plain header (at most "
+                f"{wire.INT32_MAX} bytes). Use a kvplug lm-server or smaller chunks."
+            )
+        return code, wire.pad_shape(obj.shape)
+
+    def _allocate(
+        self, shape: Sequence[int], dtype_code: int, fmt: int, length: int
+    ) -> MemoryObj | str:
+        """An object for a reply's payload, or a reason string why it cannot be read."""
+        import torch
+
+        from kvplug.memory import DTYPES_BY_CODE, MemoryFormat, nbytes_of
+
+        dtype = torch.uint8 if dtype_code == 0 else DTYPES_BY_CODE.get(dtype_code)
+        if dtype is None:
+            return f"unknown dtype code {dtype_code}"
+        try:
+            memory_format = MemoryFormat(fmt)
+        except ValueError:
+            return f"memory format {fmt}, which kvplug does not know"
+        if nbytes_of(shape, dtype) != length:
+            return f"a payload of {length} bytes that does not match shape {tuple(shape)} {dtype}"
+        obj = self.allocator.allocate(shape, dtype, memory_format)
+        if obj is None:
+            return "no room in the allocator"
+        return obj
+
+    # -- plain mode -------------------------------------------------------------------------
+
+    async def _plain_put(self, connection: Connection, key: bytes, obj: MemoryObj) -> None:
+        code, shape = self._plain_meta(obj)
+        header = wire.pack_plain_request(
+            wire.Command.PUT, key, length=obj.nbytes, fmt=int(obj.fmt), dtype=code, shape=shape
+        )
+        check = wire.pack_plain_request(wire.Command.EXIST, key)
+        await connection.send(header, obj.memoryview(), check)
+        reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
+        if reply.code != wire.Code.SUCCESS:
+            raise CapacityExceeded(
+                f"lm://{self.address} did not keep {key.decode()}: EXIST right after its PUT "
+                f"answered {reply.code}, so the server dropped the object of {obj.nbytes} "
+                "bytes (a kvplug lm-server does so when it is full or the object exceeds its "
+                "limit). Raise the server's --max-memory, or check its log."
+            )
+
+    async def _plain_get(
+        self, connection: Connection, key: bytes, dest: MemoryObj | None
+    ) -> MemoryObj | None:
+        await connection.send(wire.pack_plain_request(wire.Command.GET, key))
+        reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
+        if reply.code != wire.Code.SUCCESS:
+            await connection.drain(max(reply.length, 0))
+            return None
+        shape = wire.strip_shape(reply.shape)
+        return await self._receive(
+            connection, key, reply.length, shape, reply.dtype, reply.fmt, dest
+        )
+
+    async def _receive(
+        self,
+        connection: Connection,
+        key: bytes,
+        length: int,
+        shape: Sequence[int],
+        dtype_code: int,
+        fmt: int,
+        dest: MemoryObj | None,
+        hasher: Hasher | None = None,
+    ) -> MemoryObj | None:
+        """Read a payload of ``length`` bytes into ``dest`` (when its size matches) or a new
+        object, feeding ``hasher`` as it arrives; drain it and return None when neither can
+        take it."""
+        if dest is not None:
+            if dest.nbytes != length:
+                await connection.drain(length)
+                return None
+            await connection.recv_into(dest.memoryview(), hasher)
+            return dest
+        target = self._allocate(shape, dtype_code, fmt, length)
+        if isinstance(target, str):
+            logger.warning("get of %s from %s is a miss: %s", key.decode(), self.url, target)
+            await connection.drain(length)
+            return None
+        try:
+            await connection.recv_into(target.memoryview(), hasher)
+        except BaseException:
+            target.release()
+            raise
+        return target
+
+    async def _plain_contains(self, connection: Connection, key: bytes) -> bool:
+        await connection.send(wire.pack_plain_request(wire.Command.EXIST, key))
+        reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
+        return reply.code == wire.Code.SUCCESS
+
+    # -- extended mode ----------------------------------------------------------------------
+
+    async def _ext_reply(
+        self, connection: Connection, request_id: int
+    ) -> tuple[wire.ExtReply, bytearray]:
+        """The next reply's header and meta; its payload is still to be read."""
+        try:
+            header = wire.unpack_ext_reply(await connection.recv_exact(wire.EXT_REPLY.size))
+        except wire.WireError as error:
+            raise KvplugError(
+                f"lm://{self.address} sent a reply kvplug cannot parse ({error}); the "
+                "connection was closed."
+            ) from None
+        if header.request_id != request_id:
+            raise KvplugError(
+                f"lm://{self.address} answered request {header.request_id} where {request_id} "
+                "was expected; the connection was closed."
+            )
+        meta = await connection.recv_exact(header.meta_len)
+        return header, meta
+
+    async def _refusal(self, connection: Connection, header: wire.ExtReply, what: str) -> Exception:
+        """What to raise for a reply that is neither OK nor NOT_FOUND (its payload is read):
+        a :class:`ReplyError` keeps the connection, except after BAD_REQUEST (the server
+        closes the connection after it)."""
+        error = await self._ext_error(connection, header, what)
+        return error if header.status == wire.Status.BAD_REQUEST else ReplyError(error)
+
+    async def _ext_error(
+        self, connection: Connection, header: wire.ExtReply, what: str
+    ) -> Exception:
+        """The error of a reply that is neither OK nor NOT_FOUND (its payload is read)."""
+        reason = (await connection.recv_exact(header.payload_len)).decode("utf-8", "replace")
+        status = header.status
+        name = _status_name(status)
+        detail = f": {reason}" if reason else ""
+        if status in (wire.Status.TOO_LARGE, wire.Status.NO_SPACE):
+            return CapacityExceeded(
+                f"{what} on lm://{self.address} was refused ({name}{detail}); the server is "
+                "full or the object exceeds its limit. Raise --max-memory or the object limit."
+            )
+        if status in (wire.Status.AUTH_REQUIRED, wire.Status.AUTH_FAILED):
+            return ConfigError(
+                f"{what} on lm://{self.address} was refused ({name}); set 'secret' to the "
+                "server's shared secret."
+            )
+        if status in (wire.Status.SHUTTING_DOWN, wire.Status.INTERNAL):
+            return BackendUnavailable(
+                f"{what} on lm://{self.address} failed ({name}{detail}); the server is "
+                "shutting down or failed. Retry once it is back."
+            )
+        if status == wire.Status.UNSUPPORTED:
+            return NotSupported(f"{what}: lm://{self.address} does not support it{detail}.")
+        if status == wire.Status.BAD_CHECKSUM:
+            return BackendError(
+                f"{what} on lm://{self.address} was refused: the payload arrived damaged (its "
+                "checksum did not match), so nothing was stored. Retry; if it persists, check "
+                "the network path and the client's memory."
+            )
+        return KvplugError(
+            f"{what} on lm://{self.address} failed ({name}{detail}). This is a bug in kvplug's "
+            "client or server; report it with the server's log."
+        )
+
+    async def _ext_simple(self, connection: Connection, op: wire.Op, key: bytes, what: str) -> bool:
+        """A request without payload in either direction: True for OK, False for NOT_FOUND."""
+        request_id = await self._send_simple(connection, op, key)
+        return await self._read_simple(connection, request_id, what)
+
+    async def _send_simple(self, connection: Connection, op: wire.Op, key: bytes) -> int:
+        request_id = connection.next_request_id()
+        await connection.send(wire.pack_ext_request(op, request_id=request_id, key=key))
+        return request_id
+
+    async def _read_simple(self, connection: Connection, request_id: int, what: str) -> bool:
+        header, _ = await self._ext_reply(connection, request_id)
+        if header.status == wire.Status.OK:
+            await connection.drain(header.payload_len)
+            return True
+        if header.status == wire.Status.NOT_FOUND:
+            await connection.drain(header.payload_len)
+            return False
+        raise await self._refusal(connection, header, what)
+
+    async def _send_put(self, connection: Connection, key: bytes, obj: MemoryObj) -> int:
+        from kvplug.memory import DTYPE_CODES
+
+        code = DTYPE_CODES.get(obj.dtype)
+        if code is None or len(obj.shape) > wire.MAX_RANK:
+            raise NotSupported(
+                f"an object of {obj.dtype} and shape {obj.shape} cannot travel: the extended "
+                f"mode carries kvplug's dtypes ({', '.join(map(str, DTYPE_CODES))}) and at "
+                f"most {wire.MAX_RANK} dims. Convert or reshape the object."
+            )
+        if self.hello is not None and obj.nbytes > self.hello.max_object_bytes:
+            raise CapacityExceeded(
+                f"an object of {obj.nbytes} bytes exceeds the largest the server at "
+                f"{self.address} accepts ({self.hello.max_object_bytes} bytes). Raise its "
+                "--max-object-bytes or --max-memory, or store smaller chunks."
+            )
+        payload = obj.memoryview()
+        meta = wire.pack_meta(wire.Meta(int(obj.fmt), code, obj.shape))
+        request_id = connection.next_request_id()
+        header = wire.pack_ext_request(
+            wire.Op.PUT,
+            request_id=request_id,
+            key=key,
+            meta=meta,
+            payload_len=obj.nbytes,
+            checksum=wire.checksum(payload) if self.options.checksums else None,
+        )
+        await connection.send(header, payload)
+        return request_id
+
+    async def _read_put(self, connection: Connection, request_id: int, key: bytes) -> None:
+        header, _ = await self._ext_reply(connection, request_id)
+        if header.status != wire.Status.OK:
+            raise await self._refusal(connection, header, f"put of {key.decode()}")
+        await connection.drain(header.payload_len)
+
+    async def _read_get(
+        self, connection: Connection, request_id: int, key: bytes, dest: MemoryObj | None
+    ) -> tuple[MemoryObj | None, bool]:
+        """The object of a GET reply (or ``dest`` filled) and whether its checksum failed."""
+        header, raw_meta = await self._ext_reply(connection, request_id)
+        if header.status == wire.Status.NOT_FOUND:
+            await connection.drain(header.payload_len)
+            return None, False
+        if header.status != wire.Status.OK:
+            raise await self._refusal(connection, header, f"get of {key.decode()}")
+        try:
+            meta = wire.unpack_meta(raw_meta)
+        except wire.WireError as error:
+            logger.warning("get of %s from %s is a miss: %s", key.decode(), self.url, error)
+            await connection.drain(header.payload_len)
+            return None, False
+        verify = self.options.checksums and header.flags & wire.FLAG_CHECKSUM
+        hasher = xxhash.xxh3_64() if verify else None
+        got = await self._receive(
+            connection, key, header.payload_len, meta.shape, meta.dtype, meta.fmt, dest, hasher
+        )
+        if got is None or hasher is None:
+            return got, False
+        if hasher.intdigest() == header.checksum:
+            return got, False
+        if got is not dest:
+            got.release()
+        return None, True
+
+    async def _drop_damaged(self, keys: Sequence[bytes]) -> None:
+        """Count payloads whose checksum failed and delete them (clause 6)."""
+        self.corrupt_objects += len(keys)
+        for key in keys:
+            logger.warning(
+                "%s: the payload of %s did not match its checksum; read as a miss and deleted",
+                self.url,
+                key.decode(),
+            )
+            try:
+                await self._pool.run(self._deleter(key))
+            except KvplugError as error:
+                logger.warning("could not delete the damaged %s: %s", key.decode(), error)
+
+    def _deleter(self, key: bytes) -> Callable[[Connection], Awaitable[bool]]:
+        def delete(connection: Connection) -> Awaitable[bool]:
+            return self._ext_simple(connection, wire.Op.DELETE, key, f"delete of {key.decode()}")
+
+        return delete
+
+    async def _ext_get(self, key: bytes, dest: MemoryObj | None) -> MemoryObj | None:
+        async def request(connection: Connection) -> tuple[MemoryObj | None, bool]:
+            request_id = await self._send_simple(connection, wire.Op.GET, key)
+            return await self._read_get(connection, request_id, key, dest)
+
+        got, damaged = await self._pool.run(request)
+        if damaged:
+            await self._drop_damaged([key])
+        return got
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _is_plain(self) -> bool:
+        return self.mode == "plain"
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        name = self.wire_key(key)
+        if self._is_plain():
+            return await self._pool.run(lambda c: self._plain_get(c, name, None))
+        return await self._ext_get(name, None)
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        if dest.device.type != "cpu":
+            return fill_into([await self._get(key)], [dest])[0]
+        name = self.wire_key(key)
+        if self._is_plain():
+            got = await self._pool.run(lambda c: self._plain_get(c, name, dest))
+        else:
+            got = await self._ext_get(name, dest)
+        return got is not None
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        name = self.wire_key(key)
+        if self._is_plain():
+            await self._pool.run(lambda c: self._plain_put(c, name, obj))
+            return
+
+        async def request(connection: Connection) -> None:
+            await self._read_put(connection, await self._send_put(connection, name, obj), name)
+
+        await self._pool.run(request)
+
+    async def _contains(self, key: CacheKey) -> bool:
+        name = self.wire_key(key)
+        if self._is_plain():
+            return await self._pool.run(lambda c: self._plain_contains(c, name))
+        return await self._pool.run(
+            lambda c: self._ext_simple(c, wire.Op.EXISTS, name, f"contains of {key}")
+        )
+
+    async def _remove(self, key: CacheKey) -> bool:
+        name = self.wire_key(key)
+        return await self._pool.run(
+            lambda c: self._ext_simple(c, wire.Op.DELETE, name, f"remove of {key}")
+        )
+
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        if self._is_plain():
+            return await super()._batched_contains(keys)
+        names = [self.wire_key(key) for key in keys]
+        payload = wire.pack_keys(names)
+
+        async def request(connection: Connection) -> int:
+            request_id = connection.next_request_id()
+            await connection.send(
+                wire.pack_ext_request(
+                    wire.Op.EXISTS_MANY, request_id=request_id, payload_len=len(payload)
+                ),
+                payload,
+            )
+            header, _ = await self._ext_reply(connection, request_id)
+            if header.status != wire.Status.OK:
+                raise await self._refusal(connection, header, "batched_contains")
+            found = await connection.recv_exact(header.payload_len)
+            if len(found) != len(names):
+                raise KvplugError(
+                    f"lm://{self.address} answered EXISTS_MANY of {len(names)} keys with "
+                    f"{len(found)} flags; the connection was closed."
+                )
+            return next((i for i, flag in enumerate(found) if not flag), len(found))
+
+        return await self._pool.run(request)
+
+    async def _pipelined(
+        self,
+        names: Sequence[bytes],
+        send: Any,
+        read: Any,
+        keep: Sequence[object | None] = (),
+    ) -> list[Any]:
+        """Spread ``names`` over the pool's free connections (at least one); on each, write
+        every request (``send(connection, index)`` returns a request id) while reading the
+        replies in order (``read(connection, request_id, index)``). Results are aligned; when
+        it fails, every object read is released but those in ``keep`` (the caller's)."""
+        results: list[Any] = [None] * len(names)
+        keep = list(keep) or [None] * len(names)
+
+        async def on(connection: Connection, indexes: Sequence[int]) -> None:
+            ids: asyncio.Queue[int | Exception] = asyncio.Queue()
+
+            async def writer() -> None:
+                try:
+                    for index in indexes:
+                        ids.put_nowait(await send(connection, index))
+                except Exception as error:
+                    ids.put_nowait(error)  # the reader stops there, instead of waiting on
+
+            async def reader() -> None:
+                refused: ReplyError | None = None
+                for index in indexes:
+                    request_id = await ids.get()
+                    if isinstance(request_id, Exception):
+                        raise request_id
+                    try:
+                        results[index] = await read(connection, request_id, index)
+                    except ReplyError as error:
+                        refused = refused or error  # the later replies still come: read them
+                if refused is not None:
+                    raise refused
+
+            writing = asyncio.ensure_future(writer())
+            try:
+                await reader()
+                await writing
+            except BaseException:
+                release_read(indexes)
+                raise
+            finally:
+                if not writing.done():
+                    writing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await writing
+
+        def release_read(indexes: Sequence[int]) -> None:
+            from kvplug.memory import MemoryObj
+
+            for index in indexes:
+                result, results[index] = results[index], None
+                if isinstance(result, MemoryObj) and result is not keep[index]:
+                    result.release()
+
+        async def first(indexes: Sequence[int]) -> None:
+            await self._pool.run(lambda c: on(c, indexes))
+
+        async def extra(indexes: Sequence[int]) -> bool:
+            try:
+                async with self._pool.lease(wait=False) as connection:
+                    if connection is None:
+                        return False
+                    await on(connection, indexes)
+                    return True
+            except ReplyError as refused:
+                raise refused.error from None
+            except OSError as error:
+                raise self._pool.lost(error) from None
+
+        spread = min(len(names), self._pool.size)
+        groups = [list(range(start, len(names), spread)) for start in range(spread)]
+        outcomes = await asyncio.gather(
+            first(groups[0]), *(extra(group) for group in groups[1:]), return_exceptions=True
+        )
+        leftover = [
+            index
+            for group, outcome in zip(groups[1:], outcomes[1:], strict=True)
+            if outcome is False
+            for index in group
+        ]
+        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if error is None and leftover:
+            try:
+                await first(leftover)
+            except BaseException as late:
+                error = late
+        if error is not None:
+            release_read(range(len(results)))
+            raise error
+        return results
+
+    async def _ext_batched_read(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj | None]
+    ) -> list[MemoryObj | None]:
+        names = [self.wire_key(key) for key in keys]
+        damaged: list[bytes] = []
+
+        async def send(connection: Connection, index: int) -> int:
+            return await self._send_simple(connection, wire.Op.GET, names[index])
+
+        async def read(connection: Connection, request_id: int, index: int) -> MemoryObj | None:
+            got, bad = await self._read_get(connection, request_id, names[index], dests[index])
+            if bad:
+                damaged.append(names[index])
+            return got
+
+        results = await self._pipelined(names, send, read, dests)
+        if damaged:
+            await self._drop_damaged(damaged)
+        return results
+
+    async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        if self._is_plain():
+            return await super()._batched_get(keys)
+        return await self._ext_batched_read(keys, [None] * len(keys))
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        if self._is_plain() or any(dest.device.type != "cpu" for dest in dests):
+            return await super()._batched_get_into(keys, dests)
+        got = await self._ext_batched_read(keys, dests)
+        return [obj is not None for obj in got]
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        if self._is_plain():
+            await super()._batched_put(keys, objs)
+            return
+        names = [self.wire_key(key) for key in keys]
+
+        async def send(connection: Connection, index: int) -> int:
+            return await self._send_put(connection, names[index], objs[index])
+
+        async def read(connection: Connection, request_id: int, index: int) -> None:
+            await self._read_put(connection, request_id, names[index])
+
+        await self._pipelined(names, send, read)
+
+    async def _list_keys(self) -> AsyncIterator[CacheKey]:
+        async def request(connection: Connection) -> bytes:
+            request_id = connection.next_request_id()
+            await connection.send(wire.pack_ext_request(wire.Op.LIST, request_id=request_id))
+            header, _ = await self._ext_reply(connection, request_id)
+            if header.status != wire.Status.OK:
+                raise await self._refusal(connection, header, "list_keys")
+            return bytes(await connection.recv_exact(header.payload_len))
+
+        listing = await self._run_listing(request)
+        prefix = self.options.key_prefix
+        for line in listing.split(b"\n"):
+            text = decode_key(line)
+            if text is None or not text.startswith(prefix):
+                continue
+            try:
+                yield CacheKey.parse(text[len(prefix) :])
+            except KvplugError:
+                continue  # not a kvplug key (another client's, or another prefix's)
+
+    async def _run_listing(self, request: Callable[[Connection], Awaitable[bytes]]) -> bytes:
+        """The LIST round trip, on the backend's loop and under its deadline (counted apart
+        from ``list_keys``'s calls, which the template counts)."""
+        return await self._run_hook("list_keys_round_trip", self._pool.run, request)
+
+
+ESCAPED_KEY_MARK = "~kvplug-b64~"
+"""How an escaped key begins on the wire (:func:`encode_key`)."""
+
+
+def _clean(raw: bytes) -> bool:
+    try:
+        wire.check_key(raw, len(raw) or 1)
+    except wire.WireError:
+        return False
+    return True
+
+
+def _travels_plain(raw: bytes) -> bool:
+    return len(raw) <= wire.PLAIN_KEY_BYTES and _clean(raw)
+
+
+def encode_key(text: str) -> bytes:
+    """``text`` on the wire in the extended mode: as it is when the server's key rules allow
+    it (every key an LMCache client makes), else :data:`ESCAPED_KEY_MARK` and its UTF-8 in
+    URL-safe base64 (model names with spaces, control or invisible characters). A clean key
+    that itself begins with the mark is escaped too, so two keys never meet on the wire."""
+    raw = text.encode()
+    if _clean(raw) and not text.startswith(ESCAPED_KEY_MARK):
+        return raw
+    return (ESCAPED_KEY_MARK + base64.urlsafe_b64encode(raw).decode("ascii")).encode()
+
+
+def decode_key(raw: bytes) -> str | None:
+    """The key string :func:`encode_key` made ``raw`` from; None for bytes it cannot have
+    made."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return None
+    if not text.startswith(ESCAPED_KEY_MARK):
+        return text or None
+    try:
+        return base64.urlsafe_b64decode(text[len(ESCAPED_KEY_MARK) :]).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _status_name(status: int) -> str:
+    try:
+        return wire.Status(status).name
+    except ValueError:
+        return f"status {status}"
+
+
+__all__ = [
+    "DEFAULT_PORT",
+    "ESCAPED_KEY_MARK",
+    "HEALTH_KEY",
+    "LMBackend",
+    "LMOptions",
+    "decode_key",
+    "encode_key",
+]

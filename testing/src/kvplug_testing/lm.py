@@ -1,0 +1,227 @@
+"""lm:// servers for tests: :class:`LMServerProcess`, one ``kvplug lm-server`` (the default)
+or LMCache 0.5.6's ``lmcache_server`` (:meth:`LMServerProcess.lmcache`), started as a
+subprocess on 127.0.0.1 and a free port.
+
+It implements the contract suite's ``ServerControl`` (``pause``, ``resume``, ``stop``,
+``start``), so clause 10 runs against a real pause and a real restart on the same port.
+Readiness is a plain HEALTH request answered 200, which both servers speak.
+
+In a test module::
+
+    import pytest
+    from kvplug_testing.lm import LMServerProcess
+
+    @pytest.fixture(scope="module")
+    def lm_server():
+        with LMServerProcess(["--max-memory", "256MiB"]) as server:
+            yield server                   # server.url is lm://127.0.0.1:<port>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from kvplug_testing.ports import HOST, free_port
+from kvplug_testing.redis import _live
+
+# A plain HEALTH request (command 5, zeros, an LMCache key) and the size of its reply, written
+# out here so that this module needs neither kvplug_lm nor lmcache.
+_HEALTH = struct.pack("<9i150s", 5, 0, 1, 2, 0, 0, 0, 0, 0, b"health@1@0@0@half".ljust(150))
+_REPLY_BYTES = 36
+
+
+def health(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
+    """Whether an lm:// server on ``host:port`` answers a plain HEALTH with 200."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_HEALTH)
+            reply = b""
+            while len(reply) < _REPLY_BYTES:
+                chunk = sock.recv(_REPLY_BYTES - len(reply))
+                if not chunk:
+                    return False
+                reply += chunk
+    except OSError:
+        return False
+    code: int = struct.unpack_from("<i", reply)[0]
+    return code == 200
+
+
+class LMServerProcess:
+    """One lm:// server process on 127.0.0.1.
+
+    ``args``: extra arguments of ``python -m kvplug_lm.server`` (``--max-memory 64MiB``,
+    ``--spill file:///...``); ``python``: the interpreter that runs it (this one by default);
+    ``argv``: a whole command line instead, with ``{port}`` and ``{host}`` filled in (how
+    :meth:`lmcache` starts LMCache's server). Killed on :meth:`close`, also when a test fails,
+    and when the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        python: str | None = None,
+        argv: Sequence[str] | None = None,
+        port: int | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.host = HOST
+        self.startup_timeout = startup_timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvplug-lm-"))
+        self._argv = (
+            list(argv)
+            if argv is not None
+            else [
+                python or sys.executable,
+                "-m",
+                "kvplug_lm.server",
+                "--host",
+                "{host}",
+                "--port",
+                "{port}",
+                *args,
+            ]
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    @classmethod
+    def lmcache(cls, python: str, **kwargs: object) -> LMServerProcess:
+        """LMCache's own ``lmcache_server`` (``python -m lmcache.v1.server HOST PORT cpu``) run
+        by ``python``, the interpreter of a venv with lmcache 0.5.6."""
+        argv = [python, "-m", "lmcache.v1.server", "{host}", "{port}", "cpu"]
+        return cls(argv=argv, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def url(self) -> str:
+        return f"lm://{self.host}:{self.port}"
+
+    @property
+    def argv(self) -> list[str]:
+        return [part.format(host=self.host, port=self.port) for part in self._argv]
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        """Start the server and return once it answers HEALTH (ServerControl.start); it comes
+        back on the same port."""
+        if self.running:
+            return
+        with self.log_path.open("ab") as log:
+            process = subprocess.Popen(
+                self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
+        self.process = process
+        _live.add(process)
+        self.paused = False
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                break
+            if health(self.port, self.host):
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"{' '.join(self.argv)} did not answer on {self.host}:{self.port} within "
+            f"{self.startup_timeout} s; its log ends with:\n{self.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL, also when paused) (ServerControl.stop)."""
+        process, self.process = self.process, None
+        self.paused = False
+        if process is None:
+            return
+        with contextlib.suppress(OSError):
+            process.kill()
+        try:
+            process.wait(10)
+        finally:
+            _live.discard(process)
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (a graceful shutdown) and wait for the exit; the exit code."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout)
+        finally:
+            _live.discard(process)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its port and connections but answers nothing."""
+        if self.process is not None and self.running:
+            self.process.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT: undo :meth:`pause`."""
+        if self.process is not None and self.running:
+            self.process.send_signal(signal.SIGCONT)
+            self.paused = False
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LMServerProcess:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def lmcache_python() -> str | None:
+    """The interpreter of the LMCache 0.5.6 venv scripts/setup.sh builds
+    (``.venv-lmcache-0.5.6`` at the repository root, or ``KVPLUG_LMCACHE_PYTHON``), or None."""
+    import os
+
+    named = os.environ.get("KVPLUG_LMCACHE_PYTHON")
+    if named:
+        return named if Path(named).exists() else None
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / ".venv-lmcache-0.5.6" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+__all__ = ["LMServerProcess", "health", "lmcache_python"]
