@@ -305,6 +305,21 @@ def test_blackhole_swallows_everything_and_never_answers(
         assert hangs(before)
 
 
+def test_damage_reply_flips_one_bit_of_one_byte_the_server_sends_once(
+    proxy: FaultProxy,
+) -> None:
+    payload = bytes(range(256)) * 4
+    with connect(proxy) as sock:
+        assert echoes(sock, b"before")  # bytes before the arming are not counted
+        damaged = proxy.damage_reply(300)
+        sock.sendall(payload)
+        echoed = receive(sock, len(payload))
+        assert damaged.is_set()
+        assert [n for n in range(len(payload)) if echoed[n] != payload[n]] == [300]
+        assert echoed[300] == payload[300] ^ 0x10
+        assert echoes(sock, payload)  # once only
+
+
 def test_heal_also_listens_again(proxy: FaultProxy) -> None:
     proxy.stop()
     proxy.heal()

@@ -134,6 +134,8 @@ class FaultProxy:
       answered. A connection that lost bytes stays a black hole until it is closed (it would
       carry a stream with a gap otherwise); connections made after :meth:`heal` work.
     * :meth:`reset_connections`: reset every current connection, keep listening.
+    * :meth:`damage_reply`: flip one bit of one byte the server sends (a damaged network
+      path), to check that a client detects what a checksum must catch.
     * :meth:`heal` (alias :meth:`clear`): no fault at all: resumed, listening, no delay, no
       black hole.
 
@@ -159,6 +161,9 @@ class FaultProxy:
         self._resumed.set()
         self._blackholed = False
         self._delay = 0.0
+        self._damage_at: int | None = None
+        self._from_server = 0
+        self._damaged = threading.Event()
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -263,6 +268,19 @@ class FaultProxy:
         """Swallow every byte in both directions and never answer; new connections too."""
         self._apply(lambda: setattr(self, "_blackholed", True))
 
+    def damage_reply(self, offset: int) -> threading.Event:
+        """Flip one bit of the byte ``offset`` bytes into what the server sends from now on
+        (over all connections); the event is set once it happened."""
+        if offset < 0:
+            raise ValueError(f"an offset is >= 0, got {offset!r}")
+
+        def arm() -> None:
+            self._damage_at, self._from_server = offset, 0
+            self._damaged.clear()
+
+        self._apply(arm)
+        return self._damaged
+
     def reset_connections(self) -> None:
         """Reset every current connection (TCP RST); keep listening."""
         self._apply(self._reset_all)
@@ -273,6 +291,7 @@ class FaultProxy:
         async def heal() -> None:
             self._delay = 0.0
             self._blackholed = False
+            self._damage_at = None
             self._resumed.set()
             await self._listen()
 
@@ -412,8 +431,23 @@ class FaultProxy:
                 if target.can_write_eof() and not target.transport.is_closing():
                     target.write_eof()
                 return
+            if target is link.client and self._damage_at is not None:
+                data = self._damaged_copy(data)
             target.write(data)
             await target.drain()
+
+    def _damaged_copy(self, data: bytes) -> bytes:
+        """``data`` from the server, with the armed damage applied if it falls in it."""
+        assert self._damage_at is not None
+        position = self._damage_at - self._from_server
+        self._from_server += len(data)
+        if not 0 <= position < len(data):
+            return data
+        damaged = bytearray(data)
+        damaged[position] ^= 0x10
+        self._damage_at = None
+        self._damaged.set()
+        return bytes(damaged)
 
 
 __all__ = ["CHUNK", "HOST", "FaultProxy", "upstream_of"]

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from lm_client_helpers import DamagingProxy
 
 import kvplug
 from kvplug.errors import (
@@ -24,6 +23,7 @@ from kvplug.errors import (
     UnknownOption,
 )
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug_contracts.faultproxy import FaultProxy
 from kvplug_lm import wire
 from kvplug_lm.backend import (
     DEFAULT_PORT,
@@ -479,17 +479,17 @@ def test_a_damaged_reply_is_a_counted_miss_and_the_key_is_deleted(
     lm_server: LMServerProcess,
 ) -> None:
     async def check() -> None:
-        with DamagingProxy(lm_server.port) as proxy:
-            backend = await opened(proxy.url, connections=1)
+        with FaultProxy(("127.0.0.1", lm_server.port)) as proxy:
+            backend = await opened(proxy.url_for(lm_server.url), connections=1)
             direct = await opened(lm_server.url)
             obj = random_obj((64, 64), seed=11)
             name = key(1, "damaged")
             meta = wire.pack_meta(wire.Meta(int(obj.fmt), 2, obj.shape))
             try:
                 await backend.put(name, obj)
-                proxy.damage_at(wire.EXT_REPLY.size + len(meta) + obj.nbytes // 2)
+                damaged = proxy.damage_reply(wire.EXT_REPLY.size + len(meta) + obj.nbytes // 2)
                 assert await backend.get(name) is None
-                assert proxy.damaged.is_set()
+                assert damaged.is_set()
                 assert backend.corrupt_objects == 1
                 assert not await direct.contains(name)
                 # The connection stayed in step: the next put and get work on it.

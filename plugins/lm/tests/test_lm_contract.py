@@ -4,21 +4,30 @@
 Every class hands the suite the server's process as ``server_control``, so clause 10 runs
 against a real pause (SIGSTOP), stop (SIGKILL) and restart on the same port.
 
-Clause 6 (damaged data is a counted, deleted miss) does not apply to either mode, and each
-class says why in its ``damage_stored`` fixture; the client's checksum verification is
-tested in test_lm_client.py with a proxy that damages a reply on its way.
+Clause 6 (damaged data is a counted, deleted miss): no request can store damaged data on a
+kvplug server (it verifies every payload's checksum), so the subprocess classes say so in their
+``damage_stored`` fixture. Data can still go bad at rest in the server's memory:
+TestLMDamageAtRestConformance runs the suite against a server in this process and damages its
+stored bytes in place, and the client must read a counted miss and delete the key. The client's
+check of a reply damaged on its way is tested in test_lm_client.py through a proxy.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from kvplug.backend import Backend
+from kvplug.keys import CacheKey
 from kvplug_contracts import BackendContract
+from kvplug_contracts.faultproxy import FaultProxy
 from kvplug_contracts.suite import CapacityContract
 from kvplug_contracts.support import clause, not_applicable
+from kvplug_lm.backend import LMBackend
+from kvplug_lm.server import LMServer, ServerOptions, run_in_thread
 from kvplug_testing.lm import LMServerProcess
 
 # Room for the suite's 80 MiB objects, several at once.
@@ -39,6 +48,12 @@ PLAIN_NO_DAMAGE = (
 @pytest.fixture(scope="module")
 def lm_server() -> Iterator[LMServerProcess]:
     with LMServerProcess(["--max-memory", SERVER_MEMORY]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def in_process_server() -> Iterator[LMServer]:
+    with run_in_thread(ServerOptions(port=0, max_memory=1 << 30)) as server:
         yield server
 
 
@@ -68,8 +83,9 @@ def _full_store_elsewhere(self: object) -> None:
     not_applicable(SIZED_FOR_THE_SUITE)
 
 
-class TestLMExtendedConformance(BackendContract):
-    """The default: the client's hello finds a kvplug server, so the extended mode."""
+class _OnTheServerProcess(BackendContract):
+    """Against the module's ``kvplug lm-server`` subprocess, which is also the suite's
+    ``server_control`` (brought back after each test); clause 9 runs on a small server."""
 
     test_a_full_store_evicts_or_raises_capacity_exceeded = _full_store_elsewhere
     test_an_object_larger_than_the_whole_store_never_corrupts = _full_store_elsewhere
@@ -77,42 +93,33 @@ class TestLMExtendedConformance(BackendContract):
     @pytest.fixture
     def kvplug_url(self, lm_server: LMServerProcess) -> str:
         return lm_server.url
+
+    @pytest.fixture
+    def server_control(self, lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
+        yield lm_server
+        lm_server.resume()
+        lm_server.start()
+
+
+class TestLMExtendedConformance(_OnTheServerProcess):
+    """The default: the client's hello finds a kvplug server, so the extended mode."""
 
     @pytest.fixture
     def kvplug_options(self) -> dict[str, object]:
         return {"mode": "extended"}
 
     @pytest.fixture
-    def server_control(self, lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
-        yield lm_server
-        lm_server.resume()
-        lm_server.start()
-
-    @pytest.fixture
     def damage_stored(self) -> Callable[..., Any]:
         return _not_applicable(EXTENDED_NO_DAMAGE)
 
 
-class TestLMPlainConformance(BackendContract):
+class TestLMPlainConformance(_OnTheServerProcess):
     """mode=plain: LMCache's protocol (no hello, EXIST after PUT) against kvplug's server,
     the way LMCache's own client talks to it."""
-
-    test_a_full_store_evicts_or_raises_capacity_exceeded = _full_store_elsewhere
-    test_an_object_larger_than_the_whole_store_never_corrupts = _full_store_elsewhere
-
-    @pytest.fixture
-    def kvplug_url(self, lm_server: LMServerProcess) -> str:
-        return lm_server.url
 
     @pytest.fixture
     def kvplug_options(self) -> dict[str, object]:
         return {"mode": "plain"}
-
-    @pytest.fixture
-    def server_control(self, lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
-        yield lm_server
-        lm_server.resume()
-        lm_server.start()
 
     @pytest.fixture
     def damage_stored(self) -> Callable[..., Any]:
@@ -155,3 +162,72 @@ class TestFullLMServerPlainConformance(CapacityContract):
     @pytest.fixture
     def small_store_options(self) -> dict[str, object]:
         return {}
+
+
+TRUNCATE_AT_REST = (
+    "a payload in the server's memory cannot lose its end at rest; a record cut short can only "
+    "come from a spill file, which the server checks against its length and checksum on read "
+    "(test_lm_server.py)"
+)
+
+
+def damage_in_memory(server: LMServer) -> Callable[..., Any]:
+    """The suite's ``damage_stored`` for a server in this process: flip a bit of, or write
+    garbage over, the payload the server holds for ``key``, on the server's own loop."""
+
+    async def damage(backend: Backend, key: CacheKey, mode: str) -> bool:
+        if mode == "truncate":
+            not_applicable(TRUNCATE_AT_REST)
+        assert isinstance(backend, LMBackend), f"{backend!r} is not the lm:// client"
+        stored_key = backend.wire_key(key)
+
+        async def spoil() -> bool:
+            entry = server.store.lookup(stored_key) if server.store else None
+            if entry is None:
+                return False
+            payload = entry.payload
+            if mode == "flip":
+                payload[len(payload) // 2] ^= 0x10
+            else:
+                pattern = b"\x00garbage\xff"
+                for start in range(0, len(payload), len(pattern)):
+                    piece = pattern[: len(payload) - start]
+                    payload[start : start + len(piece)] = piece
+            return True
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(spoil(), server.loop))
+
+    return damage
+
+
+@pytest.fixture(scope="module")
+def in_process_proxy(in_process_server: LMServer) -> Iterator[FaultProxy]:
+    with FaultProxy(("127.0.0.1", in_process_server.port)) as proxy:
+        yield proxy
+
+
+class TestLMDamageAtRestConformance(BackendContract):
+    """The extended mode against a server in this process (``run_in_thread``), whose stored
+    bytes clause 6 damages in place: the checksum the server took on receipt no longer
+    matches, and the client reads a counted miss and deletes the key. A thread cannot be
+    paused or killed like a process, so clause 10 runs through the suite's fault proxy."""
+
+    test_a_full_store_evicts_or_raises_capacity_exceeded = _full_store_elsewhere
+    test_an_object_larger_than_the_whole_store_never_corrupts = _full_store_elsewhere
+
+    @pytest.fixture
+    def kvplug_url(self, in_process_server: LMServer, in_process_proxy: FaultProxy) -> str:
+        return in_process_proxy.url_for(f"lm://127.0.0.1:{in_process_server.port}")
+
+    @pytest.fixture
+    def server_control(self, in_process_proxy: FaultProxy) -> Iterator[FaultProxy]:
+        yield in_process_proxy
+        in_process_proxy.heal()
+
+    @pytest.fixture
+    def kvplug_options(self) -> dict[str, object]:
+        return {"mode": "extended"}
+
+    @pytest.fixture
+    def damage_stored(self, in_process_server: LMServer) -> Callable[..., Any]:
+        return damage_in_memory(in_process_server)

@@ -269,6 +269,33 @@ def test_spill_to_file_reads_evicted_objects_back_bit_exact(tmp_path: Path) -> N
         assert ext.get(key(0))[0].status == wire.Status.NOT_FOUND
 
 
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_spill_file_reads_as_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
+    from kvplug.backend import StoredFiles
+    from kvplug_lm.memstore import spill_key
+
+    spill = f"file://{tmp_path / 'spill'}"
+    with run_in_thread(options(max_memory=8 * MiB, spill=spill)) as server:
+        ext = ExtClient(server.port)
+        for n in range(4):
+            assert ext.put(key(n), payload(3 * MiB, n), wire.Meta(5, 6, (3 * MiB,))).status == 0
+        wait_for(lambda: server.stats()["spilled"] >= 2, "two objects to be spilled")
+        wait_for(lambda: not server.stats()["spilling"], "spill writes to end")
+        assert server.store is not None and isinstance(server.store.spill, StoredFiles)
+        files = [Path(p) for p in server.store.spill.stored_files(spill_key(key(0)))]
+        assert files and all(f.exists() for f in files), "key 0 (least recent) was not spilled"
+        for file in files:
+            data = bytearray(file.read_bytes())
+            if damage == "truncate":
+                del data[len(data) // 2 :]
+            else:
+                data[len(data) // 2] ^= 0x10
+            file.write_bytes(bytes(data))
+        assert ext.get(key(0))[0].status == wire.Status.NOT_FOUND
+        wait_for(lambda: not any(f.exists() for f in files), "the damaged spill file to go")
+        assert ext.get(key(1))[1:] == (wire.Meta(5, 6, (3 * MiB,)), payload(3 * MiB, 1))
+
+
 # -- auth ------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ exits; none depends on a service being already up.
 
 * :class:`RedisServer` (:mod:`kvplug_testing.redis`): one ``redis-server``, plain, TLS, unix
   socket, password, ``maxmemory``, replica or cluster node; :class:`ServerProcess` is the base
-  of every process here.
+  of the servers started from a config file, and
+  :class:`~kvplug_testing.process.ControlledProcess` (pause, resume, stop, terminate) of every
+  process here.
 * :class:`SentinelGroup` (:mod:`kvplug_testing.sentinel`): master, replica and three sentinels,
   plain or all TLS, with ``kill_master`` for failover tests.
 * :class:`RedisCluster` (:mod:`kvplug_testing.cluster`): three masters sharing the slots.

@@ -19,9 +19,7 @@ In a test module::
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -33,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kvplug_testing.ports import HOST, free_port
-from kvplug_testing.redis import _live
+from kvplug_testing.process import ControlledProcess
 
 # A plain HEALTH request (command 5, zeros, an LMCache key) and the size of its reply, written
 # out here so that this module needs neither kvplug_lm nor lmcache.
@@ -58,7 +56,7 @@ def health(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
     return code == 200
 
 
-class LMServerProcess:
+class LMServerProcess(ControlledProcess):
     """One lm:// server process on 127.0.0.1.
 
     ``args``: extra arguments of ``python -m kvplug_lm.server`` (``--max-memory 64MiB``,
@@ -95,8 +93,6 @@ class LMServerProcess:
                 *args,
             ]
         )
-        self.process: subprocess.Popen[bytes] | None = None
-        self.paused = False
 
     @classmethod
     def lmcache(cls, python: str, **kwargs: object) -> LMServerProcess:
@@ -123,22 +119,17 @@ class LMServerProcess:
         except OSError:
             return "(no log)"
 
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def start(self) -> None:
         """Start the server and return once it answers HEALTH (ServerControl.start); it comes
         back on the same port."""
         if self.running:
             return
         with self.log_path.open("ab") as log:
-            process = subprocess.Popen(
-                self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            process = self.launched(
+                subprocess.Popen(
+                    self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                )
             )
-        self.process = process
-        _live.add(process)
-        self.paused = False
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -151,42 +142,6 @@ class LMServerProcess:
             f"{' '.join(self.argv)} did not answer on {self.host}:{self.port} within "
             f"{self.startup_timeout} s; its log ends with:\n{self.log_tail()}"
         )
-
-    def stop(self) -> None:
-        """Kill the server (SIGKILL, also when paused) (ServerControl.stop)."""
-        process, self.process = self.process, None
-        self.paused = False
-        if process is None:
-            return
-        with contextlib.suppress(OSError):
-            process.kill()
-        try:
-            process.wait(10)
-        finally:
-            _live.discard(process)
-
-    def terminate(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (a graceful shutdown) and wait for the exit; the exit code."""
-        process, self.process = self.process, None
-        if process is None:
-            return None
-        process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(timeout)
-        finally:
-            _live.discard(process)
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its port and connections but answers nothing."""
-        if self.process is not None and self.running:
-            self.process.send_signal(signal.SIGSTOP)
-            self.paused = True
-
-    def resume(self) -> None:
-        """SIGCONT: undo :meth:`pause`."""
-        if self.process is not None and self.running:
-            self.process.send_signal(signal.SIGCONT)
-            self.paused = False
 
     def close(self) -> None:
         self.stop()

@@ -25,10 +25,8 @@ In a test module::
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -41,6 +39,7 @@ from urllib.parse import quote
 import redis
 
 from kvplug_testing.ports import HOST, free_port
+from kvplug_testing.process import ControlledProcess
 from kvplug_testing.tls import (
     TLSFiles,
     make_tls_files,
@@ -49,20 +48,8 @@ from kvplug_testing.tls import (
     tls_query,
 )
 
-_live: set[subprocess.Popen[bytes]] = set()
-"""Every process started and not yet stopped: killed when the interpreter exits."""
 
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for process in list(_live):
-        with contextlib.suppress(OSError):
-            process.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(5)
-
-
-class ServerProcess(abc.ABC):
+class ServerProcess(ControlledProcess, abc.ABC):
     """One server process with a config file in its own working directory. Subclasses write
     the config (:meth:`config_lines`) and say how to reach the process (:meth:`client`)."""
 
@@ -86,8 +73,6 @@ class ServerProcess(abc.ABC):
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self.startup_timeout = startup_timeout
-        self.process: subprocess.Popen[bytes] | None = None
-        self.paused = False
 
     # -- what subclasses say ---------------------------------------------------------------------
 
@@ -134,15 +119,15 @@ class ServerProcess(abc.ABC):
             config = self.workdir / "server.conf"
             self.write_config(config)
             with self.log_path.open("ab") as log:
-                self.process = subprocess.Popen(
-                    self.argv(config),
-                    cwd=self.workdir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
+                self.launched(
+                    subprocess.Popen(
+                        self.argv(config),
+                        cwd=self.workdir,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            _live.add(self.process)
-            self.paused = False
             if self._wait_ready():
                 return
             in_use = "Address already in use" in self.log_tail(5)
@@ -165,32 +150,6 @@ class ServerProcess(abc.ABC):
                     return True
             time.sleep(0.05)
         return False
-
-    def stop(self) -> None:
-        """Kill the process (SIGKILL, also when paused); the working directory stays, so
-        :meth:`start` brings it back on the same port (ServerControl.stop)."""
-        process, self.process = self.process, None
-        self.paused = False
-        if process is None:
-            return
-        with contextlib.suppress(OSError):
-            process.kill()
-        try:
-            process.wait(10)
-        finally:
-            _live.discard(process)
-
-    def pause(self) -> None:
-        """SIGSTOP: the process keeps its port and connections but answers nothing."""
-        if self.process is not None and self.running:
-            self.process.send_signal(signal.SIGSTOP)
-            self.paused = True
-
-    def resume(self) -> None:
-        """SIGCONT: undo :meth:`pause`."""
-        if self.process is not None and self.running:
-            self.process.send_signal(signal.SIGCONT)
-            self.paused = False
 
     def close(self) -> None:
         """Kill the process and remove the working directory if this object made it."""

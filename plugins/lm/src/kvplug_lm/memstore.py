@@ -203,6 +203,7 @@ class MemStore:
                     return None
                 if not await self.spill.get_into(ckey, block):
                     block.release()
+                    self.spilled_sizes.pop(key, None)  # gone, or damaged and removed
                     return None
             else:
                 block = await self.spill.get(ckey)
@@ -217,6 +218,7 @@ class MemStore:
         if entry is None:
             block.release()
             self.counters["spill_corrupt"] += 1
+            self._forget_spilled(key)  # a damaged record is a miss, and it goes
             return None
         if key in self:  # stored anew while the read was in flight: the newer one wins
             block.release()
@@ -323,7 +325,7 @@ class MemStore:
             self._spill_done.set()
 
     def _forget_spilled(self, key: bytes) -> None:
-        """A newer object of ``key`` is in memory: the spilled copy is stale."""
+        """The spilled copy of ``key`` is stale (a newer one is in memory) or damaged: drop it."""
         self.spilled_sizes.pop(key, None)
         spill = self.spill
         if spill is None:

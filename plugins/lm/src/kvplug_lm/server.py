@@ -308,6 +308,14 @@ class LMServer:
 
     # -- life cycle --------------------------------------------------------------------------
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs on (once :meth:`start` ran); its store is touched
+        only there."""
+        if self._loop is None:
+            raise RuntimeError("the server has not started; await start() first")
+        return self._loop
+
     async def start(self) -> None:
         """Open the spill tier, allocate the buffer, bind and listen (SO_REUSEADDR)."""
         options = self.options

@@ -1,0 +1,82 @@
+"""What every server process of :mod:`kvplug_testing` shares: the contract suite's
+``ServerControl`` over a subprocess (``pause``, ``resume``, ``stop``; ``start`` is the
+server's own) and the kill of every process still running when the interpreter exits."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import signal
+import subprocess
+
+_live: set[subprocess.Popen[bytes]] = set()
+"""Every process started and not yet stopped: killed when the interpreter exits."""
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for process in list(_live):
+        with contextlib.suppress(OSError):
+            process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5)
+
+
+class ControlledProcess:
+    """One subprocess at a time (:attr:`process`), started by the subclass's ``start`` through
+    :meth:`launched`, and paused, resumed or killed here."""
+
+    process: subprocess.Popen[bytes] | None = None
+    paused: bool = False
+
+    def launched(self, process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Adopt a process just started (killed at exit if nothing stops it first)."""
+        self.process = process
+        self.paused = False
+        _live.add(process)
+        return process
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        """Kill the process (SIGKILL, also when paused); :meth:`start` brings it back on the
+        same port (ServerControl.stop)."""
+        process, self.process = self.process, None
+        self.paused = False
+        if process is None:
+            return
+        with contextlib.suppress(OSError):
+            process.kill()
+        try:
+            process.wait(10)
+        finally:
+            _live.discard(process)
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (a graceful shutdown) and wait for the exit; the exit code."""
+        process, self.process = self.process, None
+        self.paused = False
+        if process is None:
+            return None
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout)
+        finally:
+            _live.discard(process)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its port and connections but answers nothing."""
+        if self.process is not None and self.running:
+            self.process.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT: undo :meth:`pause`."""
+        if self.process is not None and self.running:
+            self.process.send_signal(signal.SIGCONT)
+            self.paused = False
+
+
+__all__ = ["ControlledProcess"]
