@@ -967,10 +967,13 @@ async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[st
                 return
             n = next(next_key)
             obj = make_obj(n)
+            # Only a put that began after the kill shows recovery: one that completed on the
+            # old master just before it can be seen after killed_at is set.
+            began_after_kill = killed_at is not None
             ok, _ = await timed(backend.put(keys_of(model, 1, start=n)[0], obj))
             if ok:
                 written[n] = obj
-                if killed_at is not None and recovered_at is None:
+                if began_after_kill and recovered_at is None:
                     recovered_at = time.monotonic()
             else:
                 obj.release()
