@@ -129,6 +129,7 @@ class LMCacheClient:
         self.meta = lmcache_metadata("lm-compat", dtype)
         self.cpu = LocalCPUBackend(config=self.config, metadata=self.meta, dst_device="cpu")
         self.connector = LMCServerConnector("127.0.0.1", port, loop, self.cpu)
+        self.held: list[Any] = []
 
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(work, self.loop).result(WAIT)
@@ -137,10 +138,20 @@ class LMCacheClient:
         obj = self.cpu.allocate(torch.Size(shape), dtype, LMFormat.KV_2LTD)
         assert obj is not None, "LMCache's CPU backend is out of memory"
         obj.tensor.view(torch.uint8).copy_(random_bytes(obj.tensor.view(torch.uint8).shape, seed))
+        self.held.append(obj)
         return obj
+
+    def get(self, key: Any) -> Any:
+        """LMCache's get; the object is released with the client."""
+        got = self.run(self.connector.get(key))
+        if got is not None:
+            self.held.append(got)
+        return got
 
     def close(self) -> None:
         self.run(self.connector.close())
+        for obj in self.held:
+            obj.ref_count_down()  # as LMCache's storage manager does when it is done
 
 
 @contextlib.contextmanager
@@ -202,7 +213,7 @@ def test_lmcache_client_round_trips_every_kv_dtype_through_kvplug_server(
         assert not client.run(client.connector.exists(key))
         client.run(client.connector.put(key, obj))
         assert client.run(client.connector.exists(key))
-        got = client.run(client.connector.get(key))
+        got = client.get(key)
         assert got is not None, "LMCache's client missed what it had just put"
         assert tuple(got.get_shape()) == SHAPE
         assert got.get_dtype() == dtype
@@ -215,12 +226,12 @@ def test_lmcache_client_misses_and_overwrites_on_kvplug_server(
 ) -> None:
     with lmcache_client(kvplug_server.port) as client:
         key = lmcache_key(0x2000, torch.bfloat16, tags={"user": "alice"})
-        assert client.run(client.connector.get(key)) is None
+        assert client.get(key) is None
         first = client.new_object(SHAPE, torch.bfloat16, seed=2)
         second = client.new_object(SHAPE, torch.bfloat16, seed=3)
         client.run(client.connector.put(key, first))
         client.run(client.connector.put(key, second))
-        got = client.run(client.connector.get(key))
+        got = client.get(key)
         assert got is not None and same_bytes(got.tensor, second.tensor)
 
 
@@ -231,7 +242,7 @@ def test_lmcache_client_keeps_one_token_and_partial_chunks(kvplug_server: LMServ
             key = lmcache_key(0x3000 + n, torch.bfloat16)
             obj = client.new_object(shape, torch.bfloat16, seed=10 + n)
             client.run(client.connector.put(key, obj))
-            got = client.run(client.connector.get(key))
+            got = client.get(key)
             assert got is not None and tuple(got.get_shape()) == shape
             assert same_bytes(got.tensor, obj.tensor)
 
@@ -246,10 +257,10 @@ def test_lmcache_remote_backend_stores_and_retrieves_through_kvplug_server(
     with loop_thread() as loop:
         cpu = LocalCPUBackend(config=config, metadata=meta, dst_device="cpu")
         remote = RemoteBackend(config, meta, loop, cpu, "cpu")
+        objs: list[Any] = []
         try:
             assert remote.connection is not None, "LMCache did not connect to kvplug's server"
             keys = [CacheEngineKey("lm-compat-remote", 1, 0, h, torch.bfloat16) for h in (1, 2)]
-            objs = []
             for n, key in enumerate(keys):
                 obj = cpu.allocate(torch.Size(SHAPE), torch.bfloat16, LMFormat.KV_2LTD)
                 obj.tensor.view(torch.uint8).copy_(
@@ -263,11 +274,14 @@ def test_lmcache_remote_backend_stores_and_retrieves_through_kvplug_server(
                 assert remote.contains(key)
                 got = remote.get_blocking(key)
                 assert got is not None and same_bytes(got.tensor, obj.tensor)
+                got.ref_count_down()
             missing = CacheEngineKey("lm-compat-remote", 1, 0, 99, torch.bfloat16)
             assert not remote.contains(missing)
             assert remote.get_blocking(missing) is None
         finally:
             remote.close()
+            for obj in objs:
+                obj.ref_count_down()
 
 
 # -- one server, both clients -------------------------------------------------------------------
@@ -278,6 +292,10 @@ def test_kvplug_client_reads_what_lmcache_client_stored(any_server: LMServerProc
     with lmcache_client(any_server.port) as client:
         obj = client.new_object(SHAPE, torch.bfloat16, seed=40)
         client.run(client.connector.put(lm_key, obj))
+        # LMCache's PUT has no reply: its put returns once the bytes are sent. An EXIST on the
+        # same connection returns once the server (which takes a connection's requests in
+        # order) stored them; another connection could look earlier and miss.
+        assert client.run(client.connector.exists(lm_key))
         expected = obj.tensor.clone()
     key = CacheKey.parse(lm_key.to_string())
     assert key.to_string() == lm_key.to_string()
@@ -307,7 +325,7 @@ def test_lmcache_client_reads_what_kvplug_client_stored(any_server: LMServerProc
         lm_key = lmcache_key(key.chunk_hash, torch.bfloat16)  # type: ignore[arg-type]
         assert lm_key.to_string() == key.to_string()
         assert client.run(client.connector.exists(lm_key))
-        got = client.run(client.connector.get(lm_key))
+        got = client.get(lm_key)
         assert got is not None
         assert tuple(got.get_shape()) == SHAPE and got.get_dtype() == torch.bfloat16
         assert same_bytes(got.tensor, obj.tensor)

@@ -28,7 +28,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from kvplug_testing.ports import HOST, free_port
 from kvplug_testing.process import ControlledProcess
@@ -109,16 +108,6 @@ class LMServerProcess(ControlledProcess):
     def argv(self) -> list[str]:
         return [part.format(host=self.host, port=self.port) for part in self._argv]
 
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "server.log"
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def start(self) -> None:
         """Start the server and return once it answers HEALTH (ServerControl.start); it comes
         back on the same port."""
@@ -146,22 +135,6 @@ class LMServerProcess(ControlledProcess):
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> LMServerProcess:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def lmcache_python() -> str | None:

@@ -1,6 +1,7 @@
 """What every server process of :mod:`kvplug_testing` shares: the contract suite's
 ``ServerControl`` over a subprocess (``pause``, ``resume``, ``stop``; ``start`` is the
-server's own) and the kill of every process still running when the interpreter exits."""
+server's own), its log, the context manager, and the kill of every process still running when
+the interpreter exits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import atexit
 import contextlib
 import signal
 import subprocess
+from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 _live: set[subprocess.Popen[bytes]] = set()
 """Every process started and not yet stopped: killed when the interpreter exits."""
@@ -23,11 +27,48 @@ def _kill_leftovers() -> None:
 
 
 class ControlledProcess:
-    """One subprocess at a time (:attr:`process`), started by the subclass's ``start`` through
-    :meth:`launched`, and paused, resumed or killed here."""
+    """One subprocess at a time (:attr:`process`) with its working directory
+    (:attr:`workdir`, where its log is): the subclass's :meth:`start` launches it through
+    :meth:`launched` and returns once it answers; it is paused, resumed or killed here. As a
+    context manager it is started on entry (closed if the start fails) and closed on exit."""
 
     process: subprocess.Popen[bytes] | None = None
     paused: bool = False
+    workdir: Path
+
+    def start(self) -> None:
+        """Start the process and return once it answers (ServerControl.start)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Kill the process and remove what it left behind."""
+        self.stop()
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a failed start leaves no working directory behind
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def launched(self, process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
         """Adopt a process just started (killed at exit if nothing stops it first)."""

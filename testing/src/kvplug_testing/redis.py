@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
@@ -97,20 +96,6 @@ class ServerProcess(ControlledProcess, abc.ABC):
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "server.log"
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def start(self) -> None:
         """Start the process and return once it answers (ServerControl.start)."""
         if self.running:
@@ -156,22 +141,6 @@ class ServerProcess(ControlledProcess, abc.ABC):
         self.stop()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> ServerProcess:
-        try:
-            self.start()
-        except BaseException:
-            self.close()  # a failed start leaves no working directory behind
-            raise
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class RedisServer(ServerProcess):
@@ -299,14 +268,6 @@ class RedisServer(ServerProcess):
             query = tls_query(self.tls_files, client_certificate=self.tls_auth_clients)
             return f"{self.tls_scheme}://{auth}{HOST}:{self.port}?{query}"
         return f"{self.scheme}://{auth}{HOST}:{self.port}"
-
-    def __enter__(self) -> RedisServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()  # a failed start leaves no working directory (certificates) behind
-            raise
-        return self
 
 
 __all__ = ["RedisServer", "ServerProcess"]
