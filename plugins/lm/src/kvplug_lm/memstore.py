@@ -132,7 +132,7 @@ def parse_record(block: MemoryObj, expected_key: bytes | None = None) -> Entry |
     if expected_key is not None and key != expected_key:
         return None
     meta = bytes(view[RECORD.size + key_len : offset])
-    if xxhash.xxh3_64_intdigest(view[offset:]) != crc:
+    if wire.checksum(view[offset:]) != crc:
         return None
     return Entry(key, block, mode, meta, offset, payload_len, crc)
 
