@@ -451,15 +451,20 @@ def test_stop_finishes_a_get_in_flight_and_closes_idle_connections() -> None:
     with run_in_thread(options()) as server:
         writer = PlainClient(server.port)  # kept open (idle): only the GET is in flight
         writer.put(key(1), big)
+        # a plain PUT has no reply: its EXIST answers only once the payload is stored, so
+        # the one request in flight below is the GET, not the end of this PUT
+        assert writer.request(wire.Command.EXIST, key(1)).code == 200
         idle = PlainClient(server.port)
         assert idle.request(wire.Command.HEALTH).code == 200
         reader = PlainClient(server.port, rcvbuf=64 * 1024)
         reader.sock.sendall(wire.pack_plain_request(wire.Command.GET, key(1)))
-        wait_for(lambda: server.stats()["requests_in_flight"] == 1, "the GET to start")
+        # Its reply header has arrived, so the server is sending the 16 MiB payload into a
+        # 64 KiB receive buffer: the GET is in flight until the thread below reads it
+        reply = reader.reply()
+        assert reply.code == 200
         received: list[bytes] = []
 
         def read_slowly() -> None:
-            reply = reader.reply()
             received.append(recv_exact(reader.sock, reply.length))
             done.set()
 
