@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian bookworm machine for kvplug: Debian's redis-server, redis-sentinel,
 # valkey-server and valkey-sentinel (the Redis and Valkey tests start their own), g++ and
-# libssl-dev (SGLang builds a C++ extension), a virtual environment in .venv with the CPU build
-# of torch, every distribution of this repository installed editable (core, contracts, built-in
-# plugins, the example plugin) and the development tools, and one venv per tested engine
-# release for the engine integrations' tests. Safe to run again.
+# libssl-dev (SGLang builds a C++ extension), libibverbs1 (Mooncake's and InfiniStore's
+# clients) and iproute2 (scripts/isolated.sh), a virtual environment in .venv with the CPU
+# build of torch, every distribution of this repository installed editable (core, contracts,
+# built-in plugins, the example plugin) and the development tools, and one venv per tested
+# engine release for the engine integrations' tests. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,12 +22,17 @@ command -v memcached >/dev/null || missing+=(memcached)
 # SGLang compiles its page hash (a C++ torch extension against OpenSSL) on first use.
 command -v g++ >/dev/null || missing+=(g++)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+# Mooncake's and InfiniStore's clients link the RDMA verbs library (also for TCP), and the
+# Mooncake tests run in a network namespace of their own (scripts/isolated.sh: ip, unshare).
+dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
+command -v ip >/dev/null || missing+=(iproute2)
+command -v unshare >/dev/null || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
     echo "setup: ${missing[*]} not on PATH and apt-get is not available: install Redis 7" \
       "(redis-server, redis-sentinel) and Valkey 8 built with TLS (valkey-server," \
-      "valkey-sentinel), g++ and the OpenSSL headers with your package manager, then run" \
-      "this again." >&2
+      "valkey-sentinel), g++, the OpenSSL headers, libibverbs and iproute2 with your" \
+      "package manager, then run this again." >&2
     exit 1
   fi
   sudo=()

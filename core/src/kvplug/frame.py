@@ -70,6 +70,12 @@ def _header_len(ndim: int, serde_len: int) -> int:
     return -(-unpadded // HEADER_ALIGNMENT) * HEADER_ALIGNMENT
 
 
+def header_len(ndim: int, serde: str = "naive") -> int:
+    """Bytes the header of a frame of an ``ndim``-dimensional object takes: a store that keeps
+    the header apart from the payload (in a buffer of its own) sizes that buffer with it."""
+    return _header_len(ndim, len(serde.encode("ascii")))
+
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -404,6 +410,7 @@ __all__ = [
     "decode_payload",
     "encode_frame",
     "encode_header",
+    "header_len",
     "payload_checksum",
     "verify_payload",
 ]

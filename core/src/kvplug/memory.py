@@ -267,6 +267,60 @@ class MemoryObj:
         if free_now:
             self._free()
 
+    def reinterpret(
+        self,
+        start: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    ) -> MemoryObj:
+        """Move this object's memory into a new object over its bytes from ``start``, typed
+        ``shape`` and ``dtype``; this object is spent (its block now belongs to the result,
+        which returns it to the allocator when freed).
+
+        A byte store that reads a whole stored value (header and payload) into one allocated
+        block returns the payload in place with it, without a copy. This object must hold its
+        only reference and no pin.
+
+        Example::
+
+            >>> import torch
+            >>> from kvplug.memory import FreeListAllocator
+            >>> allocator = FreeListAllocator(1 << 16)
+            >>> block = allocator.allocate((64 + 16,), torch.uint8)
+            >>> block.raw[64:] = torch.arange(4, dtype=torch.float32).view(torch.uint8)
+            >>> obj = block.reinterpret(64, (4,), torch.float32)
+            >>> obj.tensor.tolist(), block.is_valid, allocator.stats().object_count
+            ([0.0, 1.0, 2.0, 3.0], False, 1)
+            >>> obj.release()
+            >>> allocator.stats().used
+            0
+        """
+        nbytes = nbytes_of(shape, dtype)
+        with self._lock:
+            raw = self._raw
+            if raw is None or self._ref_count != 1 or self._pin_count:
+                raise RefCountError(
+                    f"reinterpret needs the only reference of a live, unpinned object; {self!r} "
+                    "is shared, pinned or freed."
+                )
+            if start < 0 or start + nbytes > raw.numel():
+                raise ConfigError(
+                    f"reinterpret of bytes {start}..{start + nbytes} lies outside the object's "
+                    f"{raw.numel()} bytes."
+                )
+            self._raw = None
+            self._ref_count = 0
+        return MemoryObj(
+            raw[start : start + nbytes],
+            shape,
+            dtype,
+            fmt,
+            allocator=self._allocator,
+            offset=self.offset,
+            phy_size=self.phy_size,
+        )
+
     def pin(self) -> None:
         """Keep the memory alive (and, in caches, unevictable) until :meth:`unpin`."""
         with self._lock:

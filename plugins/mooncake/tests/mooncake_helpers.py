@@ -1,0 +1,49 @@
+"""What the Mooncake test modules share: a master with a node lending memory, and the wait
+for the store to take writes again after the master restarted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode
+
+
+@contextmanager
+def mooncake_store(
+    segment: str = "1GiB", *, http_metadata: bool = False, master_args: tuple[str, ...] = ()
+) -> Iterator[MooncakeMaster]:
+    """A master and one node lending ``segment`` of memory; yields the master."""
+    with (
+        MooncakeMaster(master_args, http_metadata=http_metadata) as master,
+        MooncakeNode(master, segment),
+    ):
+        yield master
+
+
+def wait_until_writable(master: MooncakeMaster, limit: float = 60.0) -> None:
+    """Return once a put into the store succeeds (after a restart the node remounts its
+    segment at its next ping)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    code = client.setup(
+        {
+            "local_hostname": master.host,
+            "metadata_server": master.metadata_server,
+            "global_segment_size": 0,
+            "local_buffer_size": 1 << 20,
+            "protocol": "tcp",
+            "master_server_addr": master.address,
+        }
+    )
+    assert code == 0, f"a probe client could not set up against {master.address}: {code}"
+    try:
+        deadline = time.monotonic() + limit
+        while client.upsert("kvplug-probe", b"x" * 64) != 0:
+            assert time.monotonic() < deadline, "the store took no write after its restart"
+            time.sleep(0.2)
+        client.remove("kvplug-probe", force=True)
+    finally:
+        client.close()
