@@ -38,6 +38,7 @@ import importlib.metadata
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -89,6 +90,14 @@ REQUIRED_CALLS = (
     "close",
 )
 """The calls of ``MooncakeDistributedStore`` this backend uses (0.3.10 and later have them)."""
+
+PROBE = struct.pack("<BBBBIIII", 0xDE, 1, 0, 0, 0, 0, 0, 0)
+"""A coro_rpc request header (Mooncake's RPC framework: magic 0xde, version 1) for function
+id 0, which no master serves: it answers by closing the connection."""
+
+GROUP_BYTES = 4 << 20
+"""Bytes a batch moves per Mooncake call at least, when it moves several: one call per
+KV chunk of a few MiB, whose checksum overlaps the transfer of the next."""
 
 SLOT = 512
 """Bytes of one header slot: more than any naive frame header (128 for up to 8 dimensions)."""
@@ -274,6 +283,7 @@ class MooncakeBackend(Backend):
         self._registrations: _Registrations | None = None
         self._slots: FreeListAllocator | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checker: concurrent.futures.ThreadPoolExecutor | None = None
         self._config: Any = None
         self._zero_copy_allocator = False
         self._unreachable_at = -RECOVERY_WINDOW
@@ -317,6 +327,9 @@ class MooncakeBackend(Backend):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             options.threads, thread_name_prefix="kvplug-mooncake"
         )
+        self._checker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvplug-mooncake-checksum"
+        )
         from mooncake.store import ReplicateConfig
 
         self._config = ReplicateConfig()
@@ -339,8 +352,12 @@ class MooncakeBackend(Backend):
         self._registrations = registrations
 
     def _probe_master(self) -> str:
-        """Connect to the master once (Mooncake's setup would block 90 s on an unreachable
-        one); the local address of that connection is this client's default hostname."""
+        """Check that the master answers before Mooncake's ``setup`` meets it: ``setup`` holds
+        the GIL while it waits (the whole process stalls) and waits 60 to 90 s for a master
+        that does not answer. The probe connects and sends a request no master serves (an
+        empty coro_rpc header for function 0), which a live master answers by closing the
+        connection; a paused master, or a port that accepts and stays silent, answers
+        nothing. The local address of the connection is this client's default hostname."""
         host, _, port_text = self.master.rpartition(":")
         host = host.strip("[]")
         try:
@@ -349,9 +366,18 @@ class MooncakeBackend(Backend):
             raise ConfigError(
                 f"the Mooncake master address {self.master!r} has no port: write host:port."
             ) from None
+        limit = self.options.connect_timeout
         try:
-            with socket.create_connection((host, port), timeout=self.options.connect_timeout) as s:
-                local: str = s.getsockname()[0]
+            with socket.create_connection((host, port), timeout=limit) as connection:
+                local: str = connection.getsockname()[0]
+                connection.sendall(PROBE)
+                connection.recv(1)
+        except TimeoutError:
+            raise BackendUnavailable(
+                f"the Mooncake master at {self.master} accepts connections but did not answer "
+                f"within {limit} s (connect_timeout): it is paused or overloaded, or this port "
+                "is not a mooncake_master's --rpc_port."
+            ) from None
         except OSError as error:
             raise BackendUnavailable(
                 f"no Mooncake master answers at {self.master} ({error.strerror or error}). "
@@ -440,6 +466,8 @@ class MooncakeBackend(Backend):
 
         def finish() -> None:
             pool.shutdown(wait=True, cancel_futures=True)
+            if self._checker is not None:
+                self._checker.shutdown(wait=True)
             self._store = None
             store.close()
 
@@ -543,29 +571,36 @@ class MooncakeBackend(Backend):
             if code < 0:
                 raise self._error(code, "put (exists check)", name)
         slots = [self._slot() for _ in names]
-        try:
-            headers = []
-            for obj, slot in zip(objs, slots, strict=True):
+        headers = [0] * len(names)
+
+        def frame_headers(group: list[int]) -> None:
+            for i in group:
+                obj = objs[i]
                 header = encode_header(obj.shape, obj.dtype, obj.fmt, "naive", obj.memoryview())
-                slot.view(len(header))[:] = header
-                headers.append(len(header))
-            new = [i for i, code in enumerate(found) if code == 0]
-            existing = [i for i, code in enumerate(found) if code == 1]
-            if new:
-                regions = [(objs[i].data_ptr(), objs[i].nbytes) for i in new]
-                with registrations.holding(regions):
-                    results = store.batch_put_from_multi_buffers(
-                        [names[i] for i in new],
-                        [[slots[i].ptr, objs[i].data_ptr()] for i in new],
-                        [[headers[i], objs[i].nbytes] for i in new],
-                        self._config,
-                    )
-                for i, code in zip(new, results, strict=True):
-                    if code == codes.OBJECT_ALREADY_EXISTS:
-                        existing.append(i)  # another writer got there first: overwrite
-                    else:
-                        self._check(code, "put", names[i])
+                slots[i].view(len(header))[:] = header
+                headers[i] = len(header)
+
+        new = [i for i, code in enumerate(found) if code == 0]
+        existing = [i for i, code in enumerate(found) if code == 1]
+
+        def put(group: list[int]) -> None:
+            with registrations.holding([(objs[i].data_ptr(), objs[i].nbytes) for i in group]):
+                results = store.batch_put_from_multi_buffers(
+                    [names[i] for i in group],
+                    [[slots[i].ptr, objs[i].data_ptr()] for i in group],
+                    [[headers[i], objs[i].nbytes] for i in group],
+                    self._config,
+                )
+            for i, code in zip(group, results, strict=True):
+                if code == codes.OBJECT_ALREADY_EXISTS:
+                    existing.append(i)  # another writer got there first: overwrite
+                else:
+                    self._check(code, "put", names[i])
+
+        try:
+            self._overlapped(_groups(new, objs), before=frame_headers, transfer=put)
             if existing:
+                frame_headers([i for i in existing if not headers[i]])
                 self._overwrite(
                     [names[i] for i in existing],
                     [slots[i].view(headers[i]) for i in existing],
@@ -574,6 +609,37 @@ class MooncakeBackend(Backend):
         finally:
             for slot in slots:
                 slot.obj.release()
+
+    def _overlapped(
+        self,
+        groups: list[list[int]],
+        *,
+        transfer: Callable[[list[int]], Any],
+        before: Callable[[list[int]], None] | None = None,
+        after: Callable[[list[int], Any], None] | None = None,
+    ) -> None:
+        """Transfer each group on this thread, and hash on the checksum thread: ``before`` of
+        the next group (frame headers) or ``after`` of the last one (verification) while
+        Mooncake moves this one. Mooncake's calls release the GIL and xxh3 holds it, so the
+        two overlap; a batch of one group gains nothing, and loses nothing."""
+        checker = self._checker
+        assert checker is not None
+        if before is not None and groups:
+            before(groups[0])
+        running: list[concurrent.futures.Future[None]] = []  # at most one hashing job
+        try:
+            for index, group in enumerate(groups):
+                if before is not None and index + 1 < len(groups):
+                    running.append(checker.submit(before, groups[index + 1]))
+                result = transfer(group)
+                while running:
+                    running.pop().result()
+                if after is not None:
+                    running.append(checker.submit(after, group, result))
+            while running:
+                running.pop().result()
+        finally:
+            concurrent.futures.wait(running)  # a transfer failed: the hashing of memory ends first
 
     def _overwrite(
         self, names: list[str], headers: list[memoryview], objs: list[MemoryObj]
@@ -657,6 +723,7 @@ class MooncakeBackend(Backend):
                 if code != codes.OBJECT_NOT_FOUND  # there after all: being written, or was
             ]
             blocks: list[tuple[str, MemoryObj]] = []
+            consumed: list[bool] = []  # blocks made into results (or released) by check()
             try:
                 for name in pending:
                     size = sizes.get(name)
@@ -667,39 +734,53 @@ class MooncakeBackend(Backend):
                         results[name] = None  # absent, or no room to receive it: a miss
                 if not blocks:
                     return again
-                with registrations.holding([(b.data_ptr(), b.nbytes) for _, b in blocks]):
-                    read = self._store.batch_get_into(
-                        [name for name, _ in blocks],
-                        [block.data_ptr() for _, block in blocks],
-                        [block.nbytes for _, block in blocks],
-                    )
-                failure: BackendError | None = None
-                for (name, block), code in zip(blocks, read, strict=True):
-                    if code == block.nbytes:
-                        try:
-                            results[name] = self._payload_in_place(name, block)
-                        except CorruptObject:
-                            if damage.confirmed(name):
-                                results[name] = None
-                            else:
-                                again.append(name)
-                        continue
-                    block.release()
-                    if (
-                        code == codes.REPLICA_IS_NOT_READY
-                        or code >= 0
-                        or code == codes.INVALID_PARAMS
-                    ):
-                        again.append(name)  # being overwritten, or overwritten with another size
-                    elif code in codes.MISSES:
-                        results[name] = None
-                    elif failure is None:
-                        failure = self._error(code, "get", name)
-                blocks = []
+                failures: list[BackendError] = []
+                consumed.extend(False for _ in blocks)
+
+                def read(group: list[int]) -> list[int]:
+                    taken = [blocks[j][1] for j in group]
+                    with registrations.holding([(b.data_ptr(), b.nbytes) for b in taken]):
+                        read_codes: list[int] = self._store.batch_get_into(
+                            [blocks[j][0] for j in group],
+                            [b.data_ptr() for b in taken],
+                            [b.nbytes for b in taken],
+                        )
+                    return read_codes
+
+                def check(group: list[int], read_codes: list[int]) -> None:
+                    for j, code in zip(group, read_codes, strict=True):
+                        name, block = blocks[j]
+                        consumed[j] = True
+                        if code == block.nbytes:
+                            try:
+                                results[name] = self._payload_in_place(name, block)
+                            except CorruptObject:
+                                if damage.confirmed(name):
+                                    results[name] = None
+                                else:
+                                    again.append(name)
+                            continue
+                        block.release()
+                        if code == codes.REPLICA_IS_NOT_READY or code >= 0:
+                            again.append(name)  # being overwritten (maybe to another size)
+                        elif code == codes.INVALID_PARAMS:
+                            again.append(name)  # overwritten with a larger value
+                        elif code in codes.MISSES:
+                            results[name] = None
+                        else:
+                            failures.append(self._error(code, "get", name))
+
+                indices = list(range(len(blocks)))
+                self._overlapped(
+                    _groups(indices, [b for _, b in blocks]), transfer=read, after=check
+                )
             finally:
-                _release_all([block for _, block in blocks])
-            if failure is not None:
-                raise failure
+                left = [
+                    b for j, (_, b) in enumerate(blocks) if j >= len(consumed) or not consumed[j]
+                ]
+                _release_all(left)
+            if failures:
+                raise failures[0]
             return again
 
         try:
@@ -821,28 +902,35 @@ class MooncakeBackend(Backend):
         tried = [0] * len(names)
 
         def attempt(pending: list[int]) -> list[int]:
-            read = self._store.batch_get_into_multi_buffers(
-                [names[i] for i in pending],
-                [[slots[i].ptr, dests[i].data_ptr()] for i in pending],
-                [[guesses[i][tried[i]], dests[i].nbytes] for i in pending],
-            )
-            again = []
-            for i, code in zip(pending, read, strict=True):
-                length = guesses[i][tried[i]]
-                if code == length + dests[i].nbytes:
-                    try:
-                        hits[i] = self._verify_into(names[i], slots[i], length, dests[i])
-                    except CorruptObject:
-                        if not damage.confirmed(names[i]):
-                            again.append(i)
-                elif code == codes.REPLICA_IS_NOT_READY:
-                    again.append(i)
-                elif _is_damage_free_size_mismatch(code):
-                    tried[i] += 1  # another header length; past the last, not this size: a miss
-                    if tried[i] < len(guesses[i]):
+            again: list[int] = []
+
+            def read(group: list[int]) -> list[int]:
+                codes_read: list[int] = self._store.batch_get_into_multi_buffers(
+                    [names[i] for i in group],
+                    [[slots[i].ptr, dests[i].data_ptr()] for i in group],
+                    [[guesses[i][tried[i]], dests[i].nbytes] for i in group],
+                )
+                return codes_read
+
+            def check(group: list[int], read_codes: list[int]) -> None:
+                for i, code in zip(group, read_codes, strict=True):
+                    length = guesses[i][tried[i]]
+                    if code == length + dests[i].nbytes:
+                        try:
+                            hits[i] = self._verify_into(names[i], slots[i], length, dests[i])
+                        except CorruptObject:
+                            if not damage.confirmed(names[i]):
+                                again.append(i)
+                    elif code == codes.REPLICA_IS_NOT_READY:
                         again.append(i)
-                elif code < 0 and code not in codes.MISSES:
-                    self._check(code, "get", names[i])
+                    elif _is_damage_free_size_mismatch(code):
+                        tried[i] += 1  # another header length; past the last, a miss
+                        if tried[i] < len(guesses[i]):
+                            again.append(i)
+                    elif code < 0 and code not in codes.MISSES:
+                        self._check(code, "get", names[i])
+
+            self._overlapped(_groups(pending, dests), transfer=read, after=check)
             return again
 
         try:
@@ -967,6 +1055,20 @@ def _bound_rpc_waits(seconds: float) -> None:
         return
     os.environ[RPC_TIMEOUT_VARIABLE] = str(max(1, round(seconds * 1000)))
     _rpc_timeout_set_here = True
+
+
+def _groups(indices: list[int], objs: Sequence[MemoryObj]) -> list[list[int]]:
+    """``indices`` in order, cut into groups of at least :data:`GROUP_BYTES` each (the last
+    may be smaller): the steps in which a batch's transfers and checksums overlap."""
+    groups: list[list[int]] = []
+    size = GROUP_BYTES
+    for i in indices:
+        if size >= GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += objs[i].nbytes
+    return groups
 
 
 def _hand_over(future: concurrent.futures.Future[T], receiver: Callable[[T], None]) -> None:
