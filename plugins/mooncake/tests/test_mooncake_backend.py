@@ -22,9 +22,10 @@ from mooncake_helpers import mooncake_store
 
 import kvplug
 from kvplug.errors import BackendUnavailable, CapacityExceeded, ConfigError, UnknownOption
+from kvplug.frame import payload_checksum
 from kvplug.memory import FreeListAllocator, MemoryObj
 from kvplug_mooncake import codes
-from kvplug_mooncake.backend import MooncakeBackend
+from kvplug_mooncake.backend import MooncakeBackend, _sharing_the_gil, checksum
 from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode
 from kvplug_testing.ports import free_port
 
@@ -153,6 +154,14 @@ def test_every_code_maps_to_an_error_that_names_it() -> None:
     for code in (-900, -101, -103, -800, -1, -12345):
         error = codes.error_for(code, "get", "k", url)
         assert isinstance(error, BackendUnavailable) and f"{code} (" in str(error)
+
+
+@pytest.mark.parametrize("size", [0, 5, 2 * MiB, 2 * MiB + 1, 33 * MiB + 7])
+def test_the_checksum_fed_in_pieces_is_the_frames_checksum(size: int) -> None:
+    payload = memoryview(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy()).cast("B")
+    found: list[int] = []
+    _sharing_the_gil(lambda: found.append(checksum(payload)))  # in pieces
+    assert found == [checksum(payload)] == [payload_checksum(payload)]
 
 
 # -- open: the master down, silent, or the client lacking calls -------------------------------

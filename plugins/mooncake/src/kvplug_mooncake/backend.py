@@ -47,6 +47,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 import torch
+import xxhash
 
 from kvplug.backend import Backend, Capabilities
 from kvplug.errors import (
@@ -62,7 +63,7 @@ from kvplug.frame import (
     decode_header,
     encode_header,
     header_len,
-    verify_payload,
+    payload_checksum,
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import FreeListAllocator, MemoryObj
@@ -98,6 +99,9 @@ id 0, which no master serves: it answers by closing the connection."""
 GROUP_BYTES = 4 << 20
 """Bytes a batch moves per Mooncake call at least, when it moves several: one call per
 KV chunk of a few MiB, whose checksum overlaps the transfer of the next."""
+
+PIECE = 2 << 20
+"""Bytes :func:`checksum` hashes between two chances for other threads to take the GIL."""
 
 SLOT = 512
 """Bytes of one header slot: more than any naive frame header (128 for up to 8 dimensions)."""
@@ -576,7 +580,10 @@ class MooncakeBackend(Backend):
         def frame_headers(group: list[int]) -> None:
             for i in group:
                 obj = objs[i]
-                header = encode_header(obj.shape, obj.dtype, obj.fmt, "naive", obj.memoryview())
+                payload = obj.memoryview()
+                header = encode_header(
+                    obj.shape, obj.dtype, obj.fmt, "naive", payload, checksum(payload)
+                )
                 slots[i].view(len(header))[:] = header
                 headers[i] = len(header)
 
@@ -619,9 +626,11 @@ class MooncakeBackend(Backend):
         after: Callable[[list[int], Any], None] | None = None,
     ) -> None:
         """Transfer each group on this thread, and hash on the checksum thread: ``before`` of
-        the next group (frame headers) or ``after`` of the last one (verification) while
-        Mooncake moves this one. Mooncake's calls release the GIL and xxh3 holds it, so the
-        two overlap; a batch of one group gains nothing, and loses nothing."""
+        the next group (frame headers) or ``after`` of the one just moved (verification) while
+        Mooncake moves this one. Mooncake's calls release the GIL, and the checksum thread lets
+        go of it between pieces (:func:`checksum`), so the two overlap. The first ``before``
+        and the last ``after`` have nothing to overlap with and run here, so a batch of one
+        group (a single chunk) runs as if there were no checksum thread."""
         checker = self._checker
         assert checker is not None
         if before is not None and groups:
@@ -629,15 +638,16 @@ class MooncakeBackend(Backend):
         running: list[concurrent.futures.Future[None]] = []  # at most one hashing job
         try:
             for index, group in enumerate(groups):
-                if before is not None and index + 1 < len(groups):
-                    running.append(checker.submit(before, groups[index + 1]))
+                last = index + 1 == len(groups)
+                if before is not None and not last:
+                    running.append(checker.submit(_sharing_the_gil, before, groups[index + 1]))
                 result = transfer(group)
                 while running:
                     running.pop().result()
-                if after is not None:
-                    running.append(checker.submit(after, group, result))
-            while running:
-                running.pop().result()
+                if after is not None and last:
+                    after(group, result)
+                elif after is not None:
+                    running.append(checker.submit(_sharing_the_gil, after, group, result))
         finally:
             concurrent.futures.wait(running)  # a transfer failed: the hashing of memory ends first
 
@@ -845,7 +855,7 @@ class MooncakeBackend(Backend):
                     f"frame of {name!r} says {header.frame_len} bytes ({header.serde}); "
                     f"{block.nbytes} were stored."
                 )
-            verify_payload(header, view[header.header_len :])
+            _verify(header, view[header.header_len :])
         except CorruptObject:
             block.release()
             raise
@@ -947,7 +957,7 @@ class MooncakeBackend(Backend):
         header = decode_header(slot.view(length))
         if header.header_len != length or header.payload_len != dest.nbytes:
             raise CorruptObject(f"frame header of {name!r} does not match its stored size.")
-        verify_payload(header, dest.memoryview())
+        _verify(header, dest.memoryview())
         return header.serde == "naive"
 
     # -- contains, remove, damage ------------------------------------------------------------
@@ -1055,6 +1065,43 @@ def _bound_rpc_waits(seconds: float) -> None:
         return
     os.environ[RPC_TIMEOUT_VARIABLE] = str(max(1, round(seconds * 1000)))
     _rpc_timeout_set_here = True
+
+
+_hashing = threading.local()
+
+
+def _sharing_the_gil(work: Callable[..., None], *args: Any) -> None:
+    """Run ``work`` with :func:`checksum` letting go of the GIL between pieces."""
+    _hashing.share = True
+    try:
+        work(*args)
+    finally:
+        _hashing.share = False
+
+
+def checksum(payload: memoryview) -> int:
+    """:func:`kvplug.frame.payload_checksum` (xxh3-64) of ``payload``. On the checksum thread
+    (:func:`_sharing_the_gil`) it is fed in pieces of :data:`PIECE` bytes with the GIL let go
+    between them: xxhash holds the GIL for as long as one call hashes, and over a whole KV
+    chunk (milliseconds on data not in cache) that would keep the worker thread from starting
+    its next Mooncake transfer, undoing the overlap. Elsewhere it is one call."""
+    if payload.nbytes <= PIECE or not getattr(_hashing, "share", False):
+        return payload_checksum(payload)
+    state = xxhash.xxh3_64()
+    for start in range(0, payload.nbytes, PIECE):
+        state.update(payload[start : start + PIECE])
+        time.sleep(0)  # lets a waiting thread take the GIL
+    return int(state.intdigest())
+
+
+def _verify(header: FrameHeader, payload: memoryview) -> None:
+    """:func:`kvplug.frame.verify_payload`, hashing with :func:`checksum`."""
+    if payload.nbytes != header.payload_len:
+        raise CorruptObject(
+            f"frame payload has {payload.nbytes} bytes, its header says {header.payload_len}."
+        )
+    if checksum(payload) != header.payload_checksum:
+        raise CorruptObject("frame payload checksum mismatch: the stored bytes were altered.")
 
 
 def _groups(indices: list[int], objs: Sequence[MemoryObj]) -> list[list[int]]:
