@@ -23,9 +23,10 @@ through a master (``mooncake_master``). This backend is one such client
   to a kvplug error that names it (:mod:`kvplug_mooncake.codes`).
 * Mooncake's calls block, so they run on worker threads; each holds a reference to the
   objects whose memory it moves until it returns, also when a deadline stopped the wait.
-* ``open`` probes the master first and bounds Mooncake's ``setup`` (which blocks 90 s on an
-  unreachable master) by ``connect_timeout``, and it checks that the installed wheel has the
-  calls above, naming its version when one is missing.
+* ``open`` checks, within ``connect_timeout``, that the master answers before Mooncake's
+  ``setup`` meets it (``setup`` stalls the whole process, GIL held, 60-90 s against a master
+  that does not answer), and that the installed wheel has the calls above, naming its
+  version when one is missing.
 """
 
 from __future__ import annotations
@@ -321,12 +322,10 @@ class MooncakeBackend(Backend):
     async def _open(self) -> None:
         store_class = load_store_class()
         options = self.options
-        started = time.monotonic()
         self.local_hostname = await asyncio.to_thread(self._probe_master)
         if options.metadata_server.startswith(("http://", "https://")):
             await asyncio.to_thread(self._probe_metadata_server)
-        left = max(0.1, options.connect_timeout - (time.monotonic() - started))
-        store = await self._setup(store_class, left)
+        store = await self._setup(store_class)
         self._store = store
         self._pool = concurrent.futures.ThreadPoolExecutor(
             options.threads, thread_name_prefix="kvplug-mooncake"
@@ -404,9 +403,10 @@ class MooncakeBackend(Backend):
                 "--enable_http_metadata_server, or use metadata_server=P2PHANDSHAKE."
             ) from None
 
-    async def _setup(self, store_class: type[Any], limit: float) -> Any:
-        """Mooncake's ``setup`` on a thread of its own, waited for at most ``limit`` seconds; a
-        setup still running then is left to finish and its client closed."""
+    async def _setup(self, store_class: type[Any]) -> Any:
+        """A client set up by Mooncake's ``setup``. It holds the GIL while it runs, so no
+        deadline of this process can interrupt it: :meth:`_probe_master` has checked that the
+        master answers, and it takes tens of milliseconds then."""
         options = self.options
         settings = {
             "local_hostname": self.local_hostname,
@@ -418,37 +418,8 @@ class MooncakeBackend(Backend):
             "master_server_addr": self.master,
         }
         _bound_rpc_waits(options.timeout)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[tuple[Any, int]] = loop.create_future()
-        abandoned = threading.Event()
-
-        def run() -> None:
-            store = store_class()
-            try:
-                code = store.setup(settings)
-            except BaseException as error:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(_settle, done, None, error)
-                return
-            if abandoned.is_set():
-                with contextlib.suppress(Exception):
-                    store.close()
-                return
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, done, (store, code), None)
-
-        threading.Thread(target=run, name="kvplug-mooncake-setup", daemon=True).start()
-        try:
-            async with asyncio.timeout(limit):
-                store, code = await done
-        except TimeoutError:
-            abandoned.set()
-            raise BackendUnavailable(
-                f"Mooncake's setup against the master at {self.master} did not finish within "
-                f"{options.connect_timeout} s (connect_timeout). The master accepts "
-                f"connections but does not answer, or the metadata server "
-                f"({options.metadata_server}) or an RDMA device is not ready."
-            ) from None
+        store = store_class()
+        code = await asyncio.to_thread(store.setup, settings)
         if code != 0:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(store.close)
@@ -1174,23 +1145,6 @@ def _while_being_written(attempt: Callable[[list[K]], list[K]], pending: list[K]
 def _host_like(dest: MemoryObj) -> MemoryObj:
     """A host object of ``dest``'s shape to read into before copying to a GPU ``dest``."""
     return MemoryObj.from_tensor(torch.empty(dest.shape, dtype=dest.dtype), dest.fmt)
-
-
-def _settle(
-    future: asyncio.Future[tuple[Any, int]],
-    result: tuple[Any, int] | None,
-    error: BaseException | None,
-) -> None:
-    if future.done():
-        if result is not None:
-            with contextlib.suppress(Exception):
-                result[0].close()
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        assert result is not None
-        future.set_result(result)
 
 
 __all__ = ["MooncakeBackend", "installed_version", "load_store_class"]

@@ -54,8 +54,9 @@ class MooncakeOptions(BackendOptions):
     * ``local_buffer_size`` (default 16 MiB): Mooncake's own transfer buffer; kvplug moves
       objects from and into registered memory, so it needs little.
     * ``replica_num`` (default 1): copies of each object, on different segments.
-    * ``connect_timeout`` (seconds, default 10): the limit of ``open``: probing the master and
-      Mooncake's ``setup``, which otherwise blocks 90 s on an unreachable master.
+    * ``connect_timeout`` (seconds, default 10): how long ``open`` waits for the master (and
+      the HTTP metadata server) to answer before Mooncake's ``setup``, which would otherwise
+      stall the process 60-90 s against a master that does not answer.
     * ``timeout`` (seconds, default 10; LMCache's ``transfer_timeout``): deadline of one
       operation.
     * ``threads`` (default 8): worker threads running Mooncake's blocking calls.
@@ -83,7 +84,7 @@ class MooncakeOptions(BackendOptions):
     )
     local_buffer_size: int = Field(16 << 20, ge=0, description="Mooncake's own buffer")
     replica_num: int = Field(1, ge=1, le=64, description="copies of each object")
-    connect_timeout: float = Field(10.0, gt=0, description="limit of open (probe and setup)")
+    connect_timeout: float = Field(10.0, gt=0, description="seconds open waits for the master")
     threads: int = Field(8, ge=1, le=256, description="threads running Mooncake's calls")
     leased_remove: Literal["force", "wait"] = Field("force", description="force or wait")
     key_prefix: str = Field("", description="prepended to every stored key")
