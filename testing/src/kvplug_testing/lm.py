@@ -19,13 +19,10 @@ In a test module::
 
 from __future__ import annotations
 
-import shutil
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -113,28 +110,12 @@ class LMServerProcess(ControlledProcess):
         back on the same port."""
         if self.running:
             return
-        with self.log_path.open("ab") as log:
-            process = self.launched(
-                subprocess.Popen(
-                    self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                )
-            )
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                break
-            if health(self.port, self.host):
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(
-            f"{' '.join(self.argv)} did not answer on {self.host}:{self.port} within "
-            f"{self.startup_timeout} s; its log ends with:\n{self.log_tail()}"
+        self.launch_until(
+            self.argv,
+            lambda: health(self.port, self.host),
+            self.startup_timeout,
+            f"answer on {self.host}:{self.port}",
         )
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def lmcache_python() -> str | None:

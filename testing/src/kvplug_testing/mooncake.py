@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -147,27 +146,13 @@ class MooncakeMaster(ControlledProcess):
         it comes back on the same ports, without the objects it knew."""
         if self.running:
             return
-        with self.log_path.open("ab") as log:
-            process = self.launched(
-                subprocess.Popen(
-                    self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                )
-            )
         ports = [self.port] + ([self.http_port] if self.http_port is not None else [])
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline and process.poll() is None:
-            if all(_accepts(port) for port in ports):
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(
-            f"mooncake_master did not listen on {self.address} within {self.startup_timeout} "
-            f"s; its log ends with:\n{self.log_tail()}"
+        self.launch_until(
+            self.argv,
+            lambda: all(_accepts(port) for port in ports),
+            self.startup_timeout,
+            f"listen on {self.address}",
         )
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class MooncakeNode(ControlledProcess):
@@ -199,26 +184,12 @@ class MooncakeNode(ControlledProcess):
         if self.running:
             return
         self.log_path.unlink(missing_ok=True)
-        with self.log_path.open("ab") as log:
-            process = self.launched(
-                subprocess.Popen(
-                    self.argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                )
-            )
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline and process.poll() is None:
-            if READY in self.log_path.read_text(errors="replace"):
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(
-            f"the Mooncake node for {self.master.address} did not mount its segment within "
-            f"{self.startup_timeout} s; its log ends with:\n{self.log_tail()}"
+        self.launch_until(
+            self.argv,
+            lambda: READY in self.log_path.read_text(errors="replace"),
+            self.startup_timeout,
+            f"mount its segment in the store of {self.master.address}",
         )
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _serve(master: str, metadata: str, segment: str) -> int:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import shutil
 import signal
 import subprocess
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -41,8 +44,32 @@ class ControlledProcess:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Kill the process and remove what it left behind."""
+        """Kill the process and remove its working directory."""
         self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def launch_until(
+        self, argv: Sequence[str], ready: Callable[[], bool], timeout: float, what: str
+    ) -> None:
+        """Start ``argv`` in :attr:`workdir` (its output to :attr:`log_path`) and return once
+        ``ready()``; when the process exits first or ``timeout`` seconds pass, kill it and
+        raise RuntimeError saying it did not ``what`` (``"listen on 127.0.0.1:5"``), with
+        the end of its log."""
+        with self.log_path.open("ab") as log:
+            process = self.launched(
+                subprocess.Popen(
+                    list(argv), cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            if ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"{argv[0]} did not {what} within {timeout} s; its log ends with:\n{self.log_tail()}"
+        )
 
     @property
     def log_path(self) -> Path:
