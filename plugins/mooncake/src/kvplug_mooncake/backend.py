@@ -88,6 +88,7 @@ REQUIRED_CALLS = (
     "batch_get_into",
     "batch_get_into_multi_buffers",
     "batch_get_replica_desc",
+    "batch_remove",
     "remove",
     "close",
 )
@@ -975,12 +976,20 @@ class MooncakeBackend(Backend):
         """Count damaged values and remove them (clause 6); a failed removal is logged and the
         value reads as a miss again next time."""
         self.corrupt_objects += len(names)
-        for name in names:
-            try:
-                await self._remove_name(name, force=True)
-            except (BackendUnavailable, BackendTimeout) as error:
+        if not names:
+            return
+        listed = list(names)
+        try:
+            removed = await self._run(lambda: self._store.batch_remove(listed, force=True))
+        except (BackendUnavailable, BackendTimeout) as error:
+            removed = [str(error)] * len(listed)
+        for name, code in zip(listed, removed, strict=True):
+            if code != 0 and code != codes.OBJECT_NOT_FOUND:
                 logger.warning(
-                    "could not remove the damaged value %s from %s: %s", name, self.url, error
+                    "could not remove the damaged value %s from %s: %s",
+                    name,
+                    self.url,
+                    codes.describe(code) if isinstance(code, int) else code,
                 )
 
     # -- the suite's look at stored bytes (clause 6) -----------------------------------------
