@@ -927,7 +927,15 @@ def test_sentinel_failover_under_load(
         f"{result['slowest']:.2f} s, {int(result['ops'])} operations"
     )
     assert result["slowest"] < deadline + 1.0
-    assert result["outage"] < 15.0
+    assert result["outage"] < MAX_OUTAGE
+
+
+WORKLOAD_SECONDS = 40.0
+"""How long the load runs (the master is killed after 1 s), unless a put succeeds first."""
+MAX_OUTAGE = 30.0
+"""Kill to the first successful put: about 3.3 s (DOWN_AFTER_MS, the sentinels' vote, the
+client finding the new master); the bound is loose because on a busy 2-core machine (the full
+suite beside two CPU hogs) one failover took over 19 s."""
 
 
 async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[str, float]:
@@ -962,7 +970,7 @@ async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[st
     async def worker(seed: int) -> None:
         nonlocal recovered_at
         rng = random.Random(seed)
-        while time.monotonic() - begin < 20.0:
+        while time.monotonic() - begin < WORKLOAD_SECONDS:
             if recovered_at is not None and time.monotonic() - recovered_at > 1.5:
                 return
             n = next(next_key)
@@ -997,7 +1005,11 @@ async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[st
     await asyncio.gather(*workers)
     try:
         assert not problems, problems[:5]
-        assert recovered_at is not None, "no put succeeded after the master was killed"
+        assert recovered_at is not None, (
+            f"no put succeeded in the {WORKLOAD_SECONDS - 1:.0f} s after the master was killed; "
+            "the sentinels' logs end with:\n"
+            + "\n".join(sentinel.log_tail(8) for sentinel in group.sentinels)
+        )
         await backend.ping()  # type: ignore[attr-defined]
     finally:
         await backend.close()
