@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -188,15 +189,18 @@ def decode_header(data: Buffer) -> FrameHeader:
     )
 
 
-def verify_payload(header: FrameHeader, payload: Buffer) -> None:
-    """Raise :class:`CorruptObject` unless ``payload`` is exactly the header's payload."""
+def verify_payload(
+    header: FrameHeader, payload: Buffer, digest: Callable[[Buffer], int] | None = None
+) -> None:
+    """Raise :class:`CorruptObject` unless ``payload`` is exactly the header's payload.
+    ``digest`` computes :func:`payload_checksum` another way (a store that hashes in pieces)."""
     length = memoryview(payload).nbytes
     if length != header.payload_len:
         raise CorruptObject(
             f"frame payload has {length} bytes, its header says {header.payload_len} "
             "(truncated or torn)."
         )
-    if payload_checksum(payload) != header.payload_checksum:
+    if (digest or payload_checksum)(payload) != header.payload_checksum:
         raise CorruptObject("frame payload checksum mismatch: the stored bytes were altered.")
 
 

@@ -60,11 +60,13 @@ from kvplug.errors import (
 )
 from kvplug.frame import (
     MAX_HEADER_LEN,
+    Buffer,
     FrameHeader,
     decode_header,
     encode_header,
     header_len,
     payload_checksum,
+    verify_payload,
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import FreeListAllocator, MemoryObj
@@ -827,7 +829,7 @@ class MooncakeBackend(Backend):
                     f"frame of {name!r} says {header.frame_len} bytes ({header.serde}); "
                     f"{block.nbytes} were stored."
                 )
-            _verify(header, view[header.header_len :])
+            verify_payload(header, view[header.header_len :], checksum)
         except CorruptObject:
             block.release()
             raise
@@ -929,7 +931,7 @@ class MooncakeBackend(Backend):
         header = decode_header(slot.view(length))
         if header.header_len != length or header.payload_len != dest.nbytes:
             raise CorruptObject(f"frame header of {name!r} does not match its stored size.")
-        _verify(header, dest.memoryview())
+        verify_payload(header, dest.memoryview(), checksum)
         return header.serde == "naive"
 
     # -- contains, remove, damage ------------------------------------------------------------
@@ -1059,29 +1061,20 @@ def _sharing_the_gil(work: Callable[..., None], *args: Any) -> None:
         _hashing.share = False
 
 
-def checksum(payload: memoryview) -> int:
+def checksum(payload: Buffer) -> int:
     """:func:`kvplug.frame.payload_checksum` (xxh3-64) of ``payload``. On the checksum thread
     (:func:`_sharing_the_gil`) it is fed in pieces of :data:`PIECE` bytes with the GIL let go
     between them: xxhash holds the GIL for as long as one call hashes, and over a whole KV
     chunk (milliseconds on data not in cache) that would keep the worker thread from starting
     its next Mooncake transfer, undoing the overlap. Elsewhere it is one call."""
-    if payload.nbytes <= PIECE or not getattr(_hashing, "share", False):
-        return payload_checksum(payload)
+    view = memoryview(payload).cast("B")
+    if view.nbytes <= PIECE or not getattr(_hashing, "share", False):
+        return payload_checksum(view)
     state = xxhash.xxh3_64()
-    for start in range(0, payload.nbytes, PIECE):
-        state.update(payload[start : start + PIECE])
+    for start in range(0, view.nbytes, PIECE):
+        state.update(view[start : start + PIECE])
         time.sleep(0)  # lets a waiting thread take the GIL
     return int(state.intdigest())
-
-
-def _verify(header: FrameHeader, payload: memoryview) -> None:
-    """:func:`kvplug.frame.verify_payload`, hashing with :func:`checksum`."""
-    if payload.nbytes != header.payload_len:
-        raise CorruptObject(
-            f"frame payload has {payload.nbytes} bytes, its header says {header.payload_len}."
-        )
-    if checksum(payload) != header.payload_checksum:
-        raise CorruptObject("frame payload checksum mismatch: the stored bytes were altered.")
 
 
 def _groups(indices: list[int], objs: Sequence[MemoryObj]) -> list[list[int]]:
