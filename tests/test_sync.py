@@ -27,6 +27,7 @@ from kvplug import (
 from kvplug import errors as kvplug_errors
 from kvplug.sync import SyncClient
 from kvplug_blackhole.backend import BlackholeBackend
+from kvplug_cpu.backend import CpuBackend
 
 
 def key(n: int) -> CacheKey:
@@ -103,6 +104,44 @@ def test_many_threads_share_one_client(client) -> None:
     assert errors == []
     keys = [key(t * 1000 + n) for t in range(8) for n in range(25)]
     assert client.batched_contains(keys).result(10) == len(keys)
+
+
+def test_operations_of_an_inline_backend_run_on_the_callers_thread(client) -> None:
+    seen: list[int] = []
+    backend = client.backend
+    original = backend._get
+
+    async def recording_get(k: CacheKey) -> MemoryObj | None:
+        seen.append(threading.get_ident())
+        return await original(k)
+
+    backend._get = recording_get
+    client.put(key(1), MemoryObj.from_tensor(torch.ones(8))).result(10)
+    future = client.get(key(1))
+    assert future.done(), "an operation of a runs_inline backend must be done on return"
+    got = future.result()
+    assert got is not None and got.tensor.sum().item() == 8.0
+    got.release()
+    assert seen == [threading.get_ident()]
+
+
+class _WaitingCpu(CpuBackend):
+    """A backend that claims runs_inline but whose get waits once."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        await asyncio.sleep(0)
+        return await super()._get(key)
+
+
+def test_an_inline_backend_whose_operation_waits_fails_clearly_and_releases() -> None:
+    backend = _WaitingCpu("cpu://?max_size=8MiB")
+    asyncio.run(backend.open())
+    with SyncClient(backend) as waiting:
+        obj = MemoryObj.from_tensor(torch.full((4,), 2.0))
+        waiting.put(key(2), obj).result(10)
+        with pytest.raises(KvplugError, match=r"declares runs_inline.*Remove runs_inline"):
+            waiting.get(key(2)).result(10)
+        assert obj.ref_count == 1, "the client's own reference was not given back"
 
 
 def test_batched_operations_return_aligned_results(client) -> None:

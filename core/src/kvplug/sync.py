@@ -48,8 +48,10 @@ class SyncClient:
     Pass an opened :class:`~kvplug.backend.Backend`, a URL (opened on the client's loop), or a
     :class:`~kvplug.config.Config` (its tiers are opened as a :class:`~kvplug.store.Store`
     on the client's loop). Every method returns a ``concurrent.futures.Future``; errors
-    surface from ``.result()``. A client belongs to the process that made it: after ``fork``
-    make a new one.
+    surface from ``.result()``. Operations of a backend that
+    :attr:`~kvplug.backend.Backend.runs_inline` (``cpu://``) run on the calling thread and
+    return a future that is already done. A client belongs to the process that made it: after
+    ``fork`` make a new one.
     """
 
     backend: Backend
@@ -111,6 +113,38 @@ class SyncClient:
     def _submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
+    def _operate(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a backend operation: on the caller's thread when the backend
+        :attr:`~kvplug.backend.Backend.runs_inline` (the future is done on return), else on the
+        IO thread."""
+        if not self.backend.runs_inline:
+            return self._submit(coroutine)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            future.set_result(done.value)
+            return future
+        except RuntimeError as error:
+            # What an operation that needs a loop meets on a thread without one.
+            future.set_exception(self._waited() if "no running event loop" in str(error) else error)
+            return future
+        except Exception as error:
+            future.set_exception(error)
+            return future
+        coroutine.close()
+        future.set_exception(self._waited())
+        return future
+
+    def _waited(self) -> KvplugError:
+        name = type(self.backend).__qualname__
+        return KvplugError(
+            f"{name} declares runs_inline, but one of its operations waited; an inline "
+            "backend's operations must finish without waiting. The operation was abandoned. "
+            f"Remove runs_inline from {name} (SyncClient then runs its operations on its IO "
+            "thread)."
+        )
+
     def run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run any coroutine on the client's loop (for example a backend-specific method)."""
         try:
@@ -120,9 +154,17 @@ class SyncClient:
             raise
         return self._submit(coroutine)
 
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        try:
+            self._check()
+        except BaseException:
+            coroutine.close()
+            raise
+        return self._operate(coroutine)
+
     def get(self, key: CacheKey) -> concurrent.futures.Future[MemoryObj | None]:
         """The stored object (the caller releases it) or ``None``."""
-        return self.run(self.backend.get(key))
+        return self._call(self.backend.get(key))
 
     def put(self, key: CacheKey, obj: MemoryObj) -> concurrent.futures.Future[None]:
         """Store ``obj``. The caller may release its own reference as soon as this returns."""
@@ -135,35 +177,35 @@ class SyncClient:
             finally:
                 obj.release()
 
-        return self._submit(put_and_release())
+        return self._operate(put_and_release())
 
     def contains(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.contains(key))
+        return self._call(self.backend.contains(key))
 
     def remove(self, key: CacheKey) -> concurrent.futures.Future[bool]:
         """Whether ``key`` was stored (in any tier of a Store) and is now removed."""
-        return self.run(self.backend.remove(key))
+        return self._call(self.backend.remove(key))
 
     def pin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.pin(key))
+        return self._call(self.backend.pin(key))
 
     def unpin(self, key: CacheKey) -> concurrent.futures.Future[bool]:
-        return self.run(self.backend.unpin(key))
+        return self._call(self.backend.unpin(key))
 
     def lookup(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
         """How many leading ``keys`` are stored (in any tier of a Store)."""
-        return self.run(self.backend.batched_contains(list(keys)))
+        return self._call(self.backend.batched_contains(list(keys)))
 
     def prefetch(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
         """Load the leading present ``keys`` into a Store's first tier (see Store.prefetch)."""
         if not isinstance(self.backend, Store):
             return self.lookup(keys)
-        return self.run(self.backend.prefetch(list(keys)))
+        return self._call(self.backend.prefetch(list(keys)))
 
     def batched_get(
         self, keys: Sequence[CacheKey]
     ) -> concurrent.futures.Future[list[MemoryObj | None]]:
-        return self.run(self.backend.batched_get(list(keys)))
+        return self._call(self.backend.batched_get(list(keys)))
 
     def batched_put(
         self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]
@@ -178,10 +220,10 @@ class SyncClient:
                 for obj in held:
                     obj.release()
 
-        return self._submit(put_and_release())
+        return self._operate(put_and_release())
 
     def batched_contains(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
-        return self.run(self.backend.batched_contains(list(keys)))
+        return self._call(self.backend.batched_contains(list(keys)))
 
     def close(self, timeout: float = 30.0) -> None:
         """Close the backend and stop the IO thread. Idempotent."""

@@ -116,6 +116,7 @@ class CpuBackend(Backend):
     """
 
     capabilities = Capabilities(pin=True, zero_copy=True, remove=True, list_keys=True)
+    runs_inline: ClassVar[bool] = True  # no hook awaits; the index has a thread lock
     Options: ClassVar[type[BackendOptions]] = CpuOptions
     # What the contract suite opens to fill the store (clauses 8, 9).
     contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
@@ -299,6 +300,18 @@ class CpuBackend(Backend):
                 raise
             stored = copy
         self._insert(key, stored)
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """``_put`` of each pair in turn (none waits, so nothing is gained by tasks, and
+        :attr:`runs_inline` needs no loop); the first error once every pair was tried."""
+        first: BaseException | None = None
+        for key, obj in zip(keys, objs, strict=True):
+            try:
+                await self._put(key, obj)
+            except Exception as error:
+                first = first or error
+        if first is not None:
+            raise first
 
     async def _contains(self, key: CacheKey) -> bool:
         with self._lock:
