@@ -32,7 +32,7 @@ from kvplug.errors import CorruptObject
 from kvplug.frame import FrameReceiver, encode_frame
 from kvplug.serde import Serde, register_serde
 from kvplug_redis import RedisBackend
-from kvplug_redis.direct import DirectReads, reply_error, restart
+from kvplug_redis.direct import DirectConnections, reply_error, restart
 from kvplug_testing import RedisServer, SentinelGroup, ValkeyServer
 
 pytestmark = pytest.mark.redis
@@ -78,9 +78,9 @@ def keys_of(count: int) -> list[CacheKey]:
     return [CacheKey(model, 1, 0, n) for n in range(count)]
 
 
-def direct_of(backend: object) -> DirectReads:
+def direct_of(backend: object) -> DirectConnections:
     assert isinstance(backend, RedisBackend)
-    assert backend.direct is not None, "direct reads are off"
+    assert backend.direct is not None, "kvplug's own connections are off"
     return backend.direct
 
 
@@ -202,7 +202,7 @@ def test_direct_reads_off_reads_through_the_client_library(server: RedisServer) 
 
     async def scenario() -> None:
         backend = await kvplug.open_backend(server.url, direct_reads=False)
-        assert isinstance(backend, RedisBackend) and backend.direct is None
+        assert isinstance(backend, RedisBackend) and backend.direct is not None
         try:
             await backend.put(key, obj)
             got = await backend.get(key)
@@ -211,6 +211,130 @@ def test_direct_reads_off_reads_through_the_client_library(server: RedisServer) 
                 assert same(obj, got) and same(obj, many[0]) and many[1] is None
             finally:
                 release(got, *many)
+            assert (backend.direct.gets, backend.direct.sets) == (0, 1)
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        obj.release()
+
+
+def test_puts_are_sent_from_memory_on_own_connections_and_read_back_bit_exact(
+    any_url: str,
+) -> None:
+    keys = keys_of(5)
+    objs = [make_obj(80 + n, (2, 4, 64, 256)) for n in range(5)]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(any_url)
+        direct = direct_of(backend)
+        try:
+            await backend.put(keys[0], objs[0])
+            await backend.batched_put(keys[1:], objs[1:])
+            got = await backend.batched_get(keys)
+            try:
+                assert all(same(obj, one) for obj, one in zip(objs, got, strict=True))
+            finally:
+                release(*got)
+            # TLS writes go through the client library (its encryption copies anyway).
+            assert direct.sets == (0 if direct_tls(any_url) else 5)
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        release(*objs)
+
+
+def direct_tls(url: str) -> bool:
+    return url.startswith("rediss")
+
+
+def test_a_batch_larger_than_a_pipeline_is_spread_over_connections(server: RedisServer) -> None:
+    shape = (2, 8, 256, 1024)  # 8 MiB each: 10 of them make two pipelines
+    keys = keys_of(10)
+    objs = [make_obj(90 + n, shape) for n in range(10)]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url)
+        direct = direct_of(backend)
+        try:
+            await backend.batched_put(keys, objs)
+            assert (direct.sets, direct.open_connections) == (10, 2)
+            for key, obj in zip(keys, objs, strict=True):
+                got = await backend.get(key)
+                try:
+                    assert same(obj, got)
+                finally:
+                    release(got)
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        release(*objs)
+
+
+def test_direct_writes_off_writes_through_the_client_library(server: RedisServer) -> None:
+    key = keys_of(1)[0]
+    obj = make_obj(8)
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url, direct_writes=False)
+        direct = direct_of(backend)
+        try:
+            await backend.put(key, obj)
+            got = await backend.get(key)
+            try:
+                assert same(obj, got)
+            finally:
+                release(got)
+            assert (direct.sets, direct.gets) == (0, 1)
+        finally:
+            await backend.close()
+        both_off = kvplug.create_backend(server.url, direct_writes=False, direct_reads=False)
+        assert isinstance(both_off, RedisBackend) and both_off.direct is None
+
+    try:
+        run(scenario())
+    finally:
+        obj.release()
+
+
+def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
+    fresh_server: RedisServer,
+) -> None:
+    """A 64 MiB put that cannot finish (the server stopped mid-value) ends at its deadline,
+    aborts its connection, and the server, resumed, drops the half-sent command: the key is
+    absent, never a prefix of the value."""
+    shape = (2, 64, 256, 1024)
+    obj = make_obj(95, shape)
+    key = keys_of(1)[0]
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(fresh_server.url, timeout=1.0)
+        direct = direct_of(backend)
+        try:
+            assert not await backend.contains(key)  # log in before the pause
+            fresh_server.pause()
+            try:
+                with pytest.raises(BackendTimeout):
+                    await backend.put(key, obj)
+                assert direct.open_connections == 0, "the timed-out put's connection is open"
+            finally:
+                fresh_server.resume()
+            await asyncio.sleep(0.3)
+            assert not await backend.contains(key)
+            await backend.put(key, obj)
+            got = await backend.get(key)
+            try:
+                assert same(obj, got)
+            finally:
+                release(got)
         finally:
             await backend.close()
 
@@ -221,18 +345,23 @@ def test_direct_reads_off_reads_through_the_client_library(server: RedisServer) 
 
 
 @pytest.mark.parametrize(
-    ("url", "options"),
+    ("url", "options", "writes_direct"),
     [
-        ("redis+cluster://h1:7000", {}),
-        ("redis+sentinel://h1/mymaster", {"read_from_replicas": True}),
-        ("valkey://h1", {"direct_reads": "false"}),
+        ("redis+cluster://h1:7000", {}, False),
+        ("redis+sentinel://h1/mymaster", {"read_from_replicas": True}, True),
+        ("valkey://h1", {"direct_reads": "false"}, True),
+        ("rediss://h1", {}, False),
     ],
 )
-def test_cluster_and_replica_reads_keep_the_client_library(
-    url: str, options: dict[str, Any]
+def test_cluster_and_replica_reads_and_tls_writes_keep_the_client_library(
+    url: str, options: dict[str, Any], writes_direct: bool
 ) -> None:
     backend = kvplug.create_backend(url, **options)
-    assert isinstance(backend, RedisBackend) and backend.direct is None
+    assert isinstance(backend, RedisBackend)
+    assert (backend.reads_direct, backend.writes_direct) == (
+        url.startswith("rediss"),
+        writes_direct,
+    )
 
 
 @pytest.fixture

@@ -20,6 +20,12 @@ own, each payload received straight into the memory the caller gets, the object 
 ``get_into``'s buffer (:meth:`RedisBackend.receive_frames`, :mod:`kvplug_redis.direct`;
 ``direct_reads=False`` turns this off).
 
+**Direct writes.** Outside Cluster and TLS, puts send their ``SET`` s on those same connections,
+each value's buffers (the frame header and the payload in allocator memory) handed to the socket
+with ``sendmsg``, never joined or buffered; a batch goes as pipelines of about
+:data:`~kvplug_redis.pipeline.PIPELINE_BYTES` on as many connections at once
+(``direct_writes=False`` sends through the client library instead).
+
 **Failures.** Every operation runs under the ``timeout`` deadline and a bound of
 ``max_connections`` operations in flight (further callers wait, within their deadline, rather
 than fail with redis-py's ``MaxConnectionsError``). An unreachable, restarting, loading or
@@ -72,7 +78,7 @@ from kvplug_redis.connections import (
     LoopClients,
     make_loop_clients,
 )
-from kvplug_redis.direct import DirectReads, Endpoint, pack
+from kvplug_redis.direct import DirectConnections, Endpoint, pack
 from kvplug_redis.failures import NoMasterHint, translate
 from kvplug_redis.options import RedisOptions, credentials, sentinel_password
 from kvplug_redis.pipeline import (
@@ -187,9 +193,15 @@ class RedisBackend(BytesBackend):
         :meth:`_clients_here`."""
         self._clients_elsewhere: list[LoopClients] = []
         """The clients of other loops, until those loops close or the backend does."""
-        self.direct = self._make_direct_reads()
-        """The connections of direct reads (module :mod:`kvplug_redis.direct`), or None where
-        gets go through the client library."""
+        self.direct = self._make_direct_connections()
+        """kvplug's own connections (module :mod:`kvplug_redis.direct`), or None where reads
+        and writes go through the client library."""
+        self.reads_direct = self.direct is not None and self._can_read_direct()
+        """Whether gets read on :attr:`direct` connections, into the caller's memory."""
+        self.writes_direct = (
+            self.direct is not None and self.options.direct_writes and self.direct.sends_from_memory
+        )
+        """Whether puts send on :attr:`direct` connections, from the object's memory."""
         if self.direct is not None and self.tracker is not None:
             self.tracker.on_change(self.direct.forget)
         self._ttl_ms = None if self.options.ttl is None else max(1, round(self.options.ttl * 1000))
@@ -439,15 +451,19 @@ class RedisBackend(BytesBackend):
         self._check_size(key, size)
         return set_command(key.encode(), views, size, self._ttl_ms)
 
-    # -- direct reads --------------------------------------------------------------------------
+    # -- kvplug's own connections ---------------------------------------------------------------
 
-    def _make_direct_reads(self) -> DirectReads | None:
-        """kvplug's own ``GET`` connections, which read values straight into allocator memory
-        (see :mod:`kvplug_redis.direct`): to one server (plain, TLS, unix socket) or to the
-        master the sentinels name. Cluster (slots, redirections) and replica reads stay with
-        the client library, as does everything with ``direct_reads=False``."""
+    def _can_read_direct(self) -> bool:
+        return self.options.direct_reads and not self.options.read_from_replicas
+
+    def _make_direct_connections(self) -> DirectConnections | None:
+        """kvplug's own connections, which read ``GET`` values straight into allocator memory
+        and send ``SET`` values from it (see :mod:`kvplug_redis.direct`): to one server (plain,
+        TLS, unix socket) or to the master the sentinels name. Cluster (slots, redirections)
+        stays with the client library, as do replica reads, TLS writes, and what
+        ``direct_reads=False`` or ``direct_writes=False`` turn off."""
         options = self.options
-        if not options.direct_reads or options.read_from_replicas or self.mode is Mode.CLUSTER:
+        if self.mode is Mode.CLUSTER or not (self._can_read_direct() or options.direct_writes):
             return None
         username, password = self._credentials()
         setup: list[bytes] = []
@@ -457,7 +473,7 @@ class RedisBackend(BytesBackend):
         if self.target.db:
             setup.append(pack(b"SELECT", b"%d" % self.target.db))
         setup.append(pack(b"CLIENT", b"SETNAME", b"kvplug"))
-        direct = DirectReads(
+        direct = DirectConnections(
             locate=self._direct_endpoint,
             errors=self._lib.exceptions,
             setup=setup,
@@ -470,18 +486,18 @@ class RedisBackend(BytesBackend):
         return direct
 
     def _drop_direct_connections_here(self) -> None:
-        """The running loop shuts down: its direct-read connections are closed with it."""
+        """The running loop shuts down: its own connections are closed with it."""
         if self.direct is not None:
             self.direct.drop_connections_here()
 
     def _suspect_master(self) -> None:
-        """A direct read met a broken connection or ``READONLY``: the tracker asks again."""
+        """An own connection broke or met ``READONLY``: the tracker asks again."""
         tracker = self._clients_here().tracker
         if tracker is not None:
             tracker.suspect()
 
     async def _direct_endpoint(self) -> Endpoint:
-        """Where direct reads connect: the URL's server, or the master the sentinels name now
+        """Where own connections go: the URL's server, or the master the sentinels name now
         (asked again after a broken connection or a ``READONLY`` reply)."""
         target = self.target
         tracker = self._clients_here().tracker
@@ -503,7 +519,7 @@ class RedisBackend(BytesBackend):
         one copy (the default). A read that fails or is cancelled aborts its connections
         before it raises, so nothing writes into the receivers afterwards."""
         direct = self.direct
-        if direct is None:
+        if direct is None or not self.reads_direct:
             await super().receive_frames(keys, receivers)
             return
         what = "get" if len(keys) == 1 else f"get of {len(keys)} keys"
@@ -542,7 +558,11 @@ class RedisBackend(BytesBackend):
             await self._run("put", lambda c: c.set(key, value, px=self._ttl_ms))
             return
         pieces = self._set_pieces(key, parts)
-        await self._run("put", lambda c: send_sets(c, pieces, self._lib))
+        direct = self.direct
+        if direct is not None and self.writes_direct:
+            await self._run("put", lambda _client: direct.store(pieces, 1), direct=True)
+        else:
+            await self._run("put", lambda c: send_sets(c, pieces, self._lib))
 
     async def batched_put_bytes(
         self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
@@ -550,7 +570,11 @@ class RedisBackend(BytesBackend):
         """Pipelines of ``SET`` s of about ``PIPELINE_BYTES`` each (one for a usual batch)."""
         if not self._bulk_limit_read:
             await self._read_bulk_limit("batched_put")
-        await self._run("batched_put", lambda c: self._put_pipelines(c, keys, values))
+        await self._run(
+            "batched_put",
+            lambda c: self._put_pipelines(c, keys, values),
+            direct=self.writes_direct and self.mode is not Mode.CLUSTER,
+        )
 
     async def _put_pipelines(
         self, client: Any, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
@@ -572,6 +596,13 @@ class RedisBackend(BytesBackend):
         packed = [
             [p for k, parts in batch for p in self._set_pieces(k, parts)] for batch in batches
         ]
+        direct = self.direct
+        if direct is not None and self.writes_direct:
+            await gather_all(
+                direct.store(pieces, len(batch))
+                for pieces, batch in zip(packed, batches, strict=True)
+            )
+            return
         await gather_all(
             send_sets(client, pieces, self._lib, len(batch))
             for pieces, batch in zip(packed, batches, strict=True)

@@ -61,6 +61,11 @@ class RedisOptions(BytesBackendOptions):
         description="read GET replies straight into allocator memory; off: through the client "
         "library (Cluster and read_from_replicas always read through it)",
     )
+    direct_writes: bool = Field(
+        True,
+        description="send SET values from allocator memory on kvplug's own connections; off: "
+        "through the client library (Cluster and TLS always write through it)",
+    )
     sentinel_username: str | None = Field(None, description="Sentinel: user of the sentinels")
     sentinel_password: SecretStr | None = Field(
         None, description="Sentinel: password of the sentinels (default: REDIS_SENTINEL_PASSWORD)"

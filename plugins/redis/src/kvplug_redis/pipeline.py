@@ -17,7 +17,7 @@ from typing import Any
 from kvplug.backend import Buffer, gather_all
 from kvplug.frame import FrameReceiver
 from kvplug_redis.client_library import ClientLibrary
-from kvplug_redis.direct import DirectReads
+from kvplug_redis.direct import DirectConnections
 
 SEND_SLICE_BYTES = 1 << 20
 """A put hands the socket at most this many bytes at a time (see :func:`send_sets`)."""
@@ -132,7 +132,7 @@ async def _send_on(
 
 
 async def fetch_spread(
-    direct: DirectReads, names: Sequence[str], receivers: Sequence[FrameReceiver]
+    direct: DirectConnections, names: Sequence[str], receivers: Sequence[FrameReceiver]
 ) -> None:
     """``direct.fetch`` of ``names`` into ``receivers``, in up to :data:`FETCH_SPREAD`
     pipelines on their own connections at once (the server sends on one while this reads
