@@ -37,5 +37,17 @@ from __future__ import annotations
 
 from kvplug.gpu.layouts import KVLayout, PagedKVCache
 from kvplug.gpu.ops import IMPLS, Impl, gather, kernel_available, scatter
+from kvplug.gpu.pipeline import DEFAULT_DEPTH, load, offload
 
-__all__ = ["IMPLS", "Impl", "KVLayout", "PagedKVCache", "gather", "kernel_available", "scatter"]
+__all__ = [
+    "DEFAULT_DEPTH",
+    "IMPLS",
+    "Impl",
+    "KVLayout",
+    "PagedKVCache",
+    "gather",
+    "kernel_available",
+    "load",
+    "offload",
+    "scatter",
+]
