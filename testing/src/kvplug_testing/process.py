@@ -7,17 +7,56 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import os
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import IO, Self
 
 _live: set[subprocess.Popen[bytes]] = set()
 """Every process started and not yet stopped: killed when the interpreter exits."""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel kill the child (SIGKILL) when this process dies,
+    also by a signal that skips ``atexit`` (a CI timeout's SIGTERM, SIGKILL), so no test
+    server outlives its test run; None off Linux, and on threads other than the main one,
+    since the kernel sends that signal when the *thread* that started the child ends."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+    return arm
+
+
+def start_process(argv: Sequence[str], cwd: Path, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    """``argv`` started in ``cwd`` with its output to ``log``, killed with this process."""
+    return subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=die_with_this_process(),
+    )
 
 
 @atexit.register
@@ -56,11 +95,7 @@ class ControlledProcess:
         raise RuntimeError saying it did not ``what`` (``"listen on 127.0.0.1:5"``), with
         the end of its log."""
         with self.log_path.open("ab") as log:
-            process = self.launched(
-                subprocess.Popen(
-                    list(argv), cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                )
-            )
+            process = self.launched(start_process(argv, self.workdir, log))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and process.poll() is None:
             if ready():

@@ -27,7 +27,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
@@ -38,7 +37,7 @@ from urllib.parse import quote
 import redis
 
 from kvplug_testing.ports import HOST, free_port
-from kvplug_testing.process import ControlledProcess
+from kvplug_testing.process import ControlledProcess, start_process
 from kvplug_testing.tls import (
     TLSFiles,
     make_tls_files,
@@ -104,15 +103,7 @@ class ServerProcess(ControlledProcess, abc.ABC):
             config = self.workdir / "server.conf"
             self.write_config(config)
             with self.log_path.open("ab") as log:
-                self.launched(
-                    subprocess.Popen(
-                        self.argv(config),
-                        cwd=self.workdir,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+                self.launched(start_process(self.argv(config), self.workdir, log))
             if self._wait_ready():
                 return
             in_use = "Address already in use" in self.log_tail(5)
