@@ -221,7 +221,7 @@ def test_direct_reads_off_reads_through_the_client_library(server: RedisServer) 
         obj.release()
 
 
-def test_puts_are_sent_from_memory_on_own_connections_and_read_back_bit_exact(
+def test_puts_sent_from_memory_on_own_connections_read_back_bit_exact_and_exist(
     any_url: str,
 ) -> None:
     keys = keys_of(5)
@@ -240,6 +240,9 @@ def test_puts_are_sent_from_memory_on_own_connections_and_read_back_bit_exact(
                 release(*got)
             # TLS writes go through the client library (its encryption copies anyway).
             assert direct.sets == (0 if direct_tls(any_url) else 5)
+            missing = keys_of(1)[0]
+            assert await backend.contains(keys[4]) and not await backend.contains(missing)
+            assert await backend.batched_contains([*keys, missing, keys[0]]) == 5
         finally:
             await backend.close()
 
@@ -319,7 +322,11 @@ def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
         backend = await kvplug.open_backend(fresh_server.url, timeout=1.0)
         direct = direct_of(backend)
         try:
-            assert not await backend.contains(key)  # log in before the pause
+            small = make_obj(96)
+            try:
+                await backend.put(keys_of(1)[0], small)  # logged in, the server's limits read
+            finally:
+                small.release()
             fresh_server.pause()
             try:
                 with pytest.raises(BackendTimeout):

@@ -615,11 +615,25 @@ class RedisBackend(BytesBackend):
     # -- existence -------------------------------------------------------------------------------
 
     async def contains_bytes(self, key: str) -> bool:
+        direct = self.direct
+        if direct is not None and self.reads_direct:
+            found = await self._run(
+                "contains", lambda _client: direct.exists([key]), read=True, direct=True
+            )
+            return found[0]
         count: int = await self._run("contains", lambda c: c.exists(key), read=True)
         return count > 0
 
     async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
-        """One pipeline of ``EXISTS``."""
+        """One pipeline of ``EXISTS`` (on kvplug's own connections where reads are)."""
+        direct = self.direct
+        if direct is not None and self.reads_direct:
+            return await self._run(
+                "batched_contains",
+                lambda _client: direct.exists(keys),
+                read=True,
+                direct=True,
+            )
 
         def exists(pipe: Any) -> None:
             for key in keys:

@@ -129,13 +129,16 @@ def restart(receivers: Sequence[FrameReceiver]) -> None:
 
 
 class _Reply:
-    """One expected reply: a value for ``receiver``, or a ``+OK`` (set-up commands) when there
-    is none; ``error`` is the error reply that came instead."""
+    """One expected reply: a value for ``receiver``, else a status (``+OK``: set-up commands,
+    ``SET``) or, with ``integer``, an integer (``EXISTS``), kept in :attr:`number`; ``error``
+    is the error reply that came instead."""
 
-    __slots__ = ("error", "receiver")
+    __slots__ = ("error", "kind", "number", "receiver")
 
-    def __init__(self, receiver: FrameReceiver | None = None) -> None:
+    def __init__(self, receiver: FrameReceiver | None = None, *, integer: bool = False) -> None:
         self.receiver = receiver
+        self.kind = b"$" if receiver is not None else b":" if integer else b"+"
+        self.number = 0
         self.error: str | None = None
 
 
@@ -303,7 +306,12 @@ class _ReplyReader(asyncio.BufferedProtocol):
         if kind == b"-":
             reply.error = rest.decode("utf-8", "replace")
             self._complete()
-        elif kind == b"+" and receiver is None:
+        elif kind != reply.kind:
+            self._broken(f"an unexpected reply {line[:40]!r}")
+        elif kind == b"+":
+            self._complete()
+        elif kind == b":" and rest.lstrip(b"-").isdigit():
+            reply.number = int(rest)
             self._complete()
         elif kind == b"$" and receiver is not None and rest.lstrip(b"-").isdigit():
             length = int(rest)
@@ -604,6 +612,19 @@ class DirectConnections:
         ``commands`` is read any more."""
         await self._exchange(commands, lambda: [_Reply() for _ in range(count)], lambda: None)
         self.sets += count
+
+    async def exists(self, names: Sequence[str]) -> list[bool]:
+        """Whether each of ``names`` exists: ``EXISTS`` of each, pipelined on one connection,
+        retried like :meth:`fetch`."""
+        data = b"".join(pack(b"EXISTS", name.encode()) for name in names)
+        replies: list[_Reply] = []
+
+        def expected() -> list[_Reply]:
+            replies[:] = [_Reply(integer=True) for _ in names]
+            return replies
+
+        await self._exchange([data], expected, lambda: None)
+        return [reply.number > 0 for reply in replies]
 
     @property
     def sends_from_memory(self) -> bool:
