@@ -71,6 +71,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from kvplug.backend import Backend, Capabilities, gather_all
 from kvplug.errors import (
@@ -117,7 +118,7 @@ from kvplug_disk.fileops import (
     reason,
     unlink_quietly,
 )
-from kvplug_disk.index import IndexEntry
+from kvplug_disk.index import IndexEntry, shared_length
 from kvplug_disk.layout import (
     BLOCK,
     FLAG_NO_PAYLOAD_CHECKSUM,
@@ -141,7 +142,7 @@ from kvplug_disk.options import (
     DiskOptions,
 )
 from kvplug_disk.rebuild import DiskScan, KeptTemp, log_rebuild
-from kvplug_disk.workers import Workers, release_read
+from kvplug_disk.workers import READ_HELPERS, Workers, release_read
 
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.disk")
@@ -159,6 +160,11 @@ _WRITE_LEFT = "Nothing was stored and no partial file was left; reads keep worki
 _DELETE_LEFT = (
     "The object is still stored and still served, and its bytes still count against max_size."
 )
+READ_PIECE = 4 << 20
+"""Bytes of one read request when a payload is read in pieces, all in flight at once on the
+reader threads, and hashed as they arrive (a multiple of the block size, so every piece keeps
+O_DIRECT's alignment); pieces are larger when a payload would need more than one per reader
+thread. Payloads up to this size are read in one call and hashed after."""
 _STRIPES = 64
 _ZEROS = bytes(BLOCK)
 
@@ -205,6 +211,12 @@ def _length_only(nbytes: int) -> Any:
     return np.broadcast_to(np.zeros(1, np.uint8), (nbytes,))
 
 
+def _computed(checksum: int, payload: Any) -> int:
+    """A ``digest`` for :func:`~kvplug.frame.verify_payload` that answers the checksum
+    already computed while the payload was read."""
+    return checksum
+
+
 def _device_checksum(payload: torch.Tensor) -> int:
     return payload_checksum(byte_view(payload.cpu()))
 
@@ -239,7 +251,10 @@ class DiskBackend(Backend):
 
     **Reads** verify the header block, the key inside it, the file length and the payload
     checksum; anything damaged reads as a miss, is counted in :attr:`corrupt_objects` and its
-    file is removed (clause 6).
+    file is removed (clause 6). A payload read with O_DIRECT into host memory, larger than
+    :data:`READ_PIECE`, is read in pieces, all in flight at once, and its checksum computed as
+    the pieces arrive, so that hashing overlaps the read; nothing is returned before the
+    checksum matched.
 
     **Data movement.** Payload bytes go through one :class:`~kvplug_disk.fileio.FileIO`,
     :attr:`io` (``file_io=``; default :class:`~kvplug_disk.fileio.PosixFileIO`): the engine
@@ -518,12 +533,9 @@ class DiskBackend(Backend):
 
     # -- internals (callers hold self._lock) ------------------------------------------------
 
-    def _entry(
-        self, path: str, stem: str, directory: Directory, header: ObjectHeader
-    ) -> IndexEntry:
+    def _entry(self, stem: str, directory: Directory, header: ObjectHeader) -> IndexEntry:
         frame = header.frame
         return IndexEntry(
-            path,
             stem,
             directory,
             header.file_length,
@@ -922,7 +934,6 @@ class DiskBackend(Backend):
                     raise
                 with self._lock:
                     entry = IndexEntry(
-                        path,
                         stem,
                         directory,
                         length,
@@ -1036,13 +1047,17 @@ class DiskBackend(Backend):
                 f"file is {size} bytes, its header says {header.file_length} (truncated or torn)."
             )
         synchronize(payload.tensor)
+        checksum: int | None = None
         try:
-            count = self.io.read_object(
-                fd,
-                memoryview(head_block),
-                payload,
-                self._payload_handle(fd, path, key_text, payload.o_direct),
-            )
+            if self._reads_in_pieces(payload):
+                count, checksum = self._read_hashing(fd, memoryview(head_block), payload)
+            else:
+                count = self.io.read_object(
+                    fd,
+                    memoryview(head_block),
+                    payload,
+                    self._payload_handle(fd, path, key_text, payload.o_direct),
+                )
         except OSError as error:
             if error.errno in (errno.EIO, errno.EINVAL):
                 raise CorruptObject(f"reading the file failed: {reason(error)}.") from None
@@ -1057,11 +1072,83 @@ class DiskBackend(Backend):
             return header
         if header.payload_checksummed:  # else written from GPU memory by gds://: length only
             if payload.host is not None:
-                verify_payload(header.frame, payload.host)
+                known = None if checksum is None else partial(_computed, checksum)
+                verify_payload(header.frame, payload.host, known)
             elif payload.tensor is not None and self._checksums_device_memory():
                 nbytes = header.frame.payload_len
                 verify_payload(header.frame, byte_view(payload.tensor[:nbytes].cpu()))
         return None
+
+    def _reads_in_pieces(self, payload: Payload) -> bool:
+        """Whether :meth:`_read_hashing` reads ``payload``: with O_DIRECT, into host memory in
+        one buffer whose start is the checksummed bytes, longer than a piece, moved by plain
+        ``preadv`` (the :class:`~kvplug_disk.fileio.PosixFileIO` way, which that method does
+        piece by piece). A buffered read is a copy out of the page cache, work for the CPU
+        like the hash: splitting it gains nothing on a busy host."""
+        return (
+            payload.o_direct
+            and payload.host is not None
+            and payload.host.nbytes > READ_PIECE
+            and len(payload.buffers) == 1
+            and type(self.io).read_object is PosixFileIO.read_object
+        )
+
+    def _read_hashing(self, fd: int, head: memoryview, payload: Payload) -> tuple[int, int | None]:
+        """Read the header block into ``head`` and the payload into its one buffer, in pieces
+        of :data:`READ_PIECE` bytes or more, and hash the payload as the pieces arrive.
+
+        The later pieces are read on the reader threads, all at once, while this thread reads
+        the header block and the first piece and then hashes each piece, in file order, as
+        soon as it is in: the checksum is computed while the rest is still being read, and
+        the disk sees as many requests in flight as one large read gives it (one piece after
+        another would wait a round trip per piece). Returns the count of bytes read and the
+        payload's checksum, the same xxh3-64 as :func:`kvplug.frame.payload_checksum`; None
+        for the checksum when the file came up short. Returns or raises only once no other
+        thread touches the payload's memory."""
+        (buffer,) = payload.buffers
+        host = payload.host
+        assert host is not None
+        nbytes = host.nbytes  # the read plans put the checksummed bytes first in the buffer
+        length = buffer.nbytes
+        # At most one piece per reader thread and this one: more would wait for a thread.
+        piece = max(READ_PIECE, padded(-(-length // (READ_HELPERS + 1))))
+        later: list[tuple[int, int, concurrent.futures.Future[int] | None]] = []
+        try:
+            for start in range(piece, length, piece):
+                end = min(start + piece, length)
+                later.append((start, end, self._read_piece(fd, buffer[start:end], start)))
+            first = min(piece, length)
+            total = read_all(fd, [head, buffer[:first]], 0)
+            short = total != BLOCK + first
+            hasher = xxhash.xxh3_64()
+            if not short:
+                hasher.update(host[: min(first, nbytes)])
+            for start, end, future in later:
+                count = (
+                    future.result()
+                    if future is not None
+                    else read_all(fd, [buffer[start:end]], BLOCK + start)
+                )
+                total += count
+                short = short or count != end - start
+                if not short and start < nbytes:
+                    hasher.update(host[start : min(end, nbytes)])
+            return total, None if short else hasher.intdigest()
+        finally:
+            pending = [future for _, _, future in later if future is not None]
+            for future in pending:
+                future.cancel()
+            concurrent.futures.wait(pending)  # never release memory a reader still fills
+
+    def _read_piece(
+        self, fd: int, view: memoryview, start: int
+    ) -> concurrent.futures.Future[int] | None:
+        """Read ``view`` from payload offset ``start`` on a reader thread; None when the
+        readers are shut down (by close): the caller reads it itself."""
+        try:
+            return self._workers.readers.submit(read_all, fd, [view], BLOCK + start)
+        except RuntimeError:
+            return None
 
     def _payload_handle(
         self, fd: int, path: str, key_text: str, o_direct: bool
@@ -1197,7 +1284,7 @@ class DiskBackend(Backend):
                 current = self._index.get(key)
                 if current is not None:
                     return current
-                entry = self._entry(path, stem, directory, header)
+                entry = self._entry(stem, directory, header)
                 self._index.put(key, entry, entry.size)
                 self.discovered += 1
             return entry
@@ -1339,7 +1426,7 @@ class DiskBackend(Backend):
                 "which holds at most "
                 f"{MAX_KEY_BYTES}. Use a shorter model name or fewer tags."
             )
-        length = file_length(obj.nbytes)
+        length = shared_length(file_length(obj.nbytes))  # the index keeps it per key
         if length > self.max_size:
             raise CapacityExceeded(
                 f"cannot store an object of {obj.nbytes} bytes in {self.url}: its file of "

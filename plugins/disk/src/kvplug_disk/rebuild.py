@@ -3,7 +3,7 @@ damaged ones to delete, temporary files of interrupted writes to remove or, when
 still runs, to keep counting against ``max_size``."""
 
 # File descriptors and str paths on the I/O path, as in kvplug_disk.backend.
-# ruff: noqa: PTH108
+# ruff: noqa: PTH108, PTH119
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ STAT_NAMES = (
 
 TempInUse = Callable[[Directory, str, str, float, LiveWriters], bool]
 """Whether a temporary file (its directory, writer pid, writer id, mtime) must be kept."""
-MakeEntry = Callable[[str, str, Directory, ObjectHeader], IndexEntry]
+MakeEntry = Callable[[str, Directory, ObjectHeader], IndexEntry]
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,13 @@ class DiskScan:
                 if TEMP_NAME.fullmatch(item.name):
                     self._clean_temp(directory, item.path, item.name, stats, writers)
                     continue
-                if match is None or not item.is_file(follow_symlinks=False):
+                if (
+                    match is None
+                    or not item.is_file(follow_symlinks=False)
+                    or match.group(1)[:2] != os.path.basename(path)
+                ):
+                    # An object's file lives only in the subdirectory named by its stem's
+                    # first two digits (the index derives the path from the stem).
                     stats["foreign"] += 1
                     continue
                 try:
@@ -157,7 +163,7 @@ class DiskScan:
                     logger.debug("%s: cannot read %s: %s", self.url, item.path, reason(error))
                     stats["unreadable"] += 1
                     continue
-                entry = self._make_entry(item.path, match.group(1), directory, header)
+                entry = self._make_entry(match.group(1), directory, header)
                 previous = found.get(key)
                 if previous is not None:
                     # One key in two places (the directory list changed): keep the newer.

@@ -15,6 +15,11 @@ from kvplug_disk.slots import Slots
 
 T = TypeVar("T")
 
+READ_HELPERS = 8
+"""Threads per I/O thread that read the later pieces of a payload while the I/O thread reads
+the first one and hashes them (see :meth:`kvplug_disk.backend.DiskBackend._read_hashing`);
+started when first needed."""
+
 
 def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:
     if not future.cancelled() and future.exception() is None:
@@ -30,7 +35,8 @@ def release_read(obj: MemoryObj | None) -> None:
 class Workers:
     """``workers`` threads doing file I/O with at most ``queue_depth`` operations in flight;
     further callers wait their turn. A second pool of the same size hashes payloads while
-    the I/O threads write them.
+    the I/O threads write them; a third, of :data:`READ_HELPERS` threads per I/O thread, reads
+    pieces of payloads while the I/O threads hash the pieces already read.
 
     ``closed_error`` makes the error for calls after :meth:`close`; ``on_idle`` is called
     whenever the last operation in flight ends.
@@ -50,6 +56,11 @@ class Workers:
         # GIL) is in the kernel, so hashing costs no time on the write path.
         self.hashers = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kvplug-disk-hash"
+        )
+        # Its threads only ever wait on the disk, never on another pool, so no read, write or
+        # hash can wait on them in a cycle.
+        self.readers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=READ_HELPERS * workers, thread_name_prefix="kvplug-disk-read"
         )
         self._slots = Slots(queue_depth)
         self._inflight: set[concurrent.futures.Future[Any]] = set()
@@ -117,6 +128,7 @@ class Workers:
         """Stop the threads (work in flight finishes on its own)."""
         self.pool.shutdown(wait=False)
         self.hashers.shutdown(wait=False)
+        self.readers.shutdown(wait=False)
 
 
-__all__ = ["Workers", "release_read"]
+__all__ = ["READ_HELPERS", "Workers", "release_read"]
