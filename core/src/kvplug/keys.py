@@ -133,7 +133,7 @@ def _parse_hash(text: str, key_text: str) -> int | bytes:
 
 
 @functools.total_ordering
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class CacheKey:
     """The identity of one stored chunk; immutable and hashable.
 
