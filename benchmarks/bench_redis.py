@@ -9,21 +9,22 @@ that this script starts on 127.0.0.1 and kills at the end, one at a time) and ea
   sides, ``--chunks`` keys in all;
 * **single put / get**: kvplug's ``put``/``get`` against raw ``SET``/``GET``, one at a time.
 
-kvplug talks to ``redis://`` through redis-py, and to ``valkey://`` through valkey-py, except
-for its gets, which read ``GET`` replies on connections of its own (direct reads, the default;
-``direct_reads=False`` turns them off); the raw side uses the same library (with hiredis /
+kvplug talks to ``redis://`` and ``valkey://`` on connections of its own for gets and puts
+(direct reads and writes, the defaults; ``direct_reads=False`` / ``direct_writes=False`` send
+them through redis-py / valkey-py); the raw side uses the client library (with hiredis /
 libvalkey when installed), default connection settings and one connection at a time. Passes
 alternate raw and kvplug (raw first in even passes, kvplug first in odd ones); the numbers are
 medians over ``--repeat`` passes, and the ratio is raw time / kvplug time (1.0: no overhead;
 the target is >= 0.9), followed by the range of the per-pass ratios.
 
 What each side moves: the raw side stores the bare payload. Its ``SET`` takes the chunk's
-bytes straight from host memory (a memoryview; on Python 3.11 asyncio still joins each
-command's pieces into one buffer before sending, on both sides) and its ``GET`` ends with a
+bytes from host memory (a memoryview, which Python 3.11's asyncio joins with the command's
+other pieces into one buffer before sending) and its ``GET`` ends with a
 ``bytes`` object. kvplug stores a *framed* value: a header (format, dtype, shape, serde,
 payload length, xxh3 checksums; 128 bytes for these shapes) followed by the payload. Its put
 computes the checksum and sends ``SET`` as pre-packed pieces (RESP header, frame header,
-payload view) with no join of its own. Its get reads the reply's length line and the frame
+payload view) with ``sendmsg``, straight from the chunk's memory; a batch goes as pipelines of
+about 64 MiB on several connections at once. Its get reads the reply's length line and the frame
 header into a small buffer, allocates the ``MemoryObj`` it returns from the header's shape and
 dtype, has the socket write the payload straight into that object's allocator memory (no
 ``bytes`` object, no copy after the kernel's), then verifies the checksum over it. GB/s count
