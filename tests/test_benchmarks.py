@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,3 +61,101 @@ def test_store_benchmark_compares_the_store_with_its_tiers_and_measures_memory(
     for mode in ("puts never wait", "puts wait up to 60 s for room"):
         assert f"memory ({mode}): wrote 0.2 GB" in output, mode
     assert output.count("of the 0.06 GiB budget") == 2
+
+
+def test_scale_benchmark_times_each_operation_per_level_and_backend(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    output = run(
+        "bench_scale.py",
+        *("--levels", "1,40", "--ops", "20", "--dir", str(tmp_path), "--json", str(out)),
+    )
+    for backend in ("cpu", "disk", "redis"):
+        assert f"### {backend}: " in output, backend
+    rows = re.findall(r"^\| (1|40) \|((?: [\d.]+ / [\d.]+ \|){4})", output, re.MULTILINE)
+    assert len(rows) == 6, output  # 3 backends x 2 levels, all four operations timed
+    results = json.loads(out.read_text())
+    assert results["ops"] == 20
+    for backend in results["backends"].values():
+        assert [level["keys"] for level in backend["levels"]] == [1, 40]
+        for level in backend["levels"]:
+            assert set(level["latency_us"]) == {"put", "get hit", "get miss", "contains"}
+            assert all(cell["median"] > 0 for cell in level["latency_us"].values())
+    assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]  # the disk tier's dir is gone
+
+
+def test_scale_benchmark_skips_a_disk_level_that_would_fill_the_disk(tmp_path: Path) -> None:
+    output = run(
+        "bench_scale.py",
+        *("--backends", "disk", "--levels", "1,10", "--ops", "5"),
+        *("--dir", str(tmp_path), "--min-free", "1000PiB"),
+    )
+    assert "1 keys: skipped, filling 1 keys needs about" in output
+    assert "| 1 | skipped:" in output
+    assert "| 10 |" not in output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_offload_benchmark_compares_both_ways_with_the_raw_copy_and_checks_bytes() -> None:
+    output = run(
+        "bench_gpu_offload.py",
+        *("--chunks", "3", "--repeat", "1", "--tokens", "16", "--layers", "2"),
+    )
+    for case in ("gather, then put, per chunk", "get, then scatter, per chunk"):
+        assert case in output, case
+    for depth in ("2", "3"):
+        assert f"pipelined offload, depth {depth}" in output
+        assert f"pipelined load, depth {depth}" in output
+    assert output.count("x of raw copy") == 6
+    assert "every chunk read back bit-exact" in output
+
+
+def test_peer_benchmark_runs_every_path_against_lmcache_and_raw_and_cleans_up(
+    tmp_path: Path,
+) -> None:
+    # Local imports: other tests of this file share its import block.
+    import json as json_module
+
+    import pytest
+
+    from kvplug_testing.lm import lmcache_python
+
+    python = lmcache_python()
+    if python is None:
+        pytest.skip("no LMCache 0.5.6 venv (.venv-lmcache-0.5.6, built by scripts/setup.sh)")
+    done = subprocess.run(
+        [
+            *(python, str(BENCHMARKS / "bench_peer.py"), "--dir", str(tmp_path), "--json"),
+            *("--gib", "0.01", "--repeat", "1", "--batch", "2", "--layers", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json_module.loads(done.stdout.strip().splitlines()[-1])
+    sides = {
+        "cpu": {"kvplug", "LMCache cpu", "raw copy_"},
+        "disk": {"kvplug", "LMCache disk", "raw O_DIRECT"},
+        "redis": {"kvplug", "LMCache redis://", "LMCache resp://", "raw redis-py"}
+        | {"raw socket", "raw socket x2"},
+    }
+    cases = {(r["path"], r["variant"], r["operation"]) for r in rows}
+    assert cases == {
+        (path, variant, operation)
+        for path in sides
+        for variant in ("per-op", "batch")
+        for operation in ("store", "retrieve")
+    }
+    for row in rows:
+        assert set(row["mb_s"]) == sides[row["path"]], row
+        assert all(rate > 0 for rate in row["mb_s"].values()), row
+        best_lmcache = max(v for k, v in row["mb_s"].items() if k.startswith("LMCache"))
+        assert row["vs_lmcache"] == pytest.approx(row["mb_s"]["kvplug"] / best_lmcache)
+        assert row["best_raw"].startswith("raw")
+        assert row["paired_vs_lmcache"] > 0 and row["paired_vs_raw"] > 0, row
+    table = re.findall(
+        r"^(cpu|disk|redis) +2 MiB +(per-op|batch) +(store|retrieve) ", done.stdout, re.M
+    )
+    assert len(table) == len(rows), done.stdout  # every row printed as well
+    assert list(tmp_path.iterdir()) == []  # the disk path's files are gone
