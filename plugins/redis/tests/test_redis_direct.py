@@ -78,6 +78,14 @@ def keys_of(count: int) -> list[CacheKey]:
     return [CacheKey(model, 1, 0, n) for n in range(count)]
 
 
+async def assert_reads_back(backend: kvplug.Backend, key: CacheKey, expected: MemoryObj) -> None:
+    got = await backend.get(key)
+    try:
+        assert same(expected, got)
+    finally:
+        release(got)
+
+
 def direct_of(backend: object) -> DirectConnections:
     assert isinstance(backend, RedisBackend)
     assert backend.direct is not None, "kvplug's own connections are off"
@@ -268,11 +276,7 @@ def test_a_batch_larger_than_a_pipeline_is_spread_over_connections(server: Redis
             await backend.batched_put(keys, objs)
             assert (direct.sets, direct.open_connections) == (10, 2)
             for key, obj in zip(keys, objs, strict=True):
-                got = await backend.get(key)
-                try:
-                    assert same(obj, got)
-                finally:
-                    release(got)
+                await assert_reads_back(backend, key, obj)
         finally:
             await backend.close()
 
@@ -291,11 +295,7 @@ def test_direct_writes_off_writes_through_the_client_library(server: RedisServer
         direct = direct_of(backend)
         try:
             await backend.put(key, obj)
-            got = await backend.get(key)
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
+            await assert_reads_back(backend, key, obj)
             assert (direct.sets, direct.gets) == (0, 1)
         finally:
             await backend.close()
@@ -337,11 +337,7 @@ def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
             await asyncio.sleep(0.3)
             assert not await backend.contains(key)
             await backend.put(key, obj)
-            got = await backend.get(key)
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
+            await assert_reads_back(backend, key, obj)
         finally:
             await backend.close()
 
