@@ -145,22 +145,21 @@ class SyncClient:
             "thread)."
         )
 
+    def _checked(self, coroutine: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coroutine``, once this client is known usable here; else it is closed unrun."""
+        try:
+            self._check()
+        except BaseException:
+            coroutine.close()
+            raise
+        return coroutine
+
     def run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run any coroutine on the client's loop (for example a backend-specific method)."""
-        try:
-            self._check()
-        except BaseException:
-            coroutine.close()
-            raise
-        return self._submit(coroutine)
+        return self._submit(self._checked(coroutine))
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        try:
-            self._check()
-        except BaseException:
-            coroutine.close()
-            raise
-        return self._operate(coroutine)
+        return self._operate(self._checked(coroutine))
 
     def get(self, key: CacheKey) -> concurrent.futures.Future[MemoryObj | None]:
         """The stored object (the caller releases it) or ``None``."""

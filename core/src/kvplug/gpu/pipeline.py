@@ -48,6 +48,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import inspect
@@ -338,16 +339,16 @@ def _on_device(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
 # -- the store side ---------------------------------------------------------------------------
 
 
-class _Driver:
+class _Driver(abc.ABC):
     """Issues puts and gets and hands back futures; :attr:`backend` is where memory comes from."""
 
     backend: Backend
 
-    def put(self, key: CacheKey, obj: MemoryObj) -> concurrent.futures.Future[None]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def put(self, key: CacheKey, obj: MemoryObj) -> concurrent.futures.Future[None]: ...
 
-    def get(self, key: CacheKey) -> concurrent.futures.Future[MemoryObj | None]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get(self, key: CacheKey) -> concurrent.futures.Future[MemoryObj | None]: ...
 
     def close(self) -> None:
         """Nothing to close by default."""

@@ -597,14 +597,10 @@ class RedisBackend(BytesBackend):
             [p for k, parts in batch for p in self._set_pieces(k, parts)] for batch in batches
         ]
         direct = self.direct
-        if direct is not None and self.writes_direct:
-            await gather_all(
-                direct.store(pieces, len(batch))
-                for pieces, batch in zip(packed, batches, strict=True)
-            )
-            return
         await gather_all(
-            send_sets(client, pieces, self._lib, len(batch))
+            direct.store(pieces, len(batch))
+            if direct is not None and self.writes_direct
+            else send_sets(client, pieces, self._lib, len(batch))
             for pieces, batch in zip(packed, batches, strict=True)
         )
 
