@@ -40,6 +40,8 @@ from kvplug.secrets import (
     mask_data,
     mask_text,
     mask_url,
+    remember,
+    remembered_only_inside,
 )
 from kvplug.store import open_store
 from kvplug.sync import SyncClient
@@ -468,6 +470,29 @@ def test_remembered_secrets_are_hidden_wherever_they_turn_up() -> None:
 def test_short_secrets_are_not_searched_for_in_free_text() -> None:
     BackendURL.parse("redis://app:ab@h:1")
     assert mask_text("about a cab") == "about a cab"
+
+
+WORD_OF_THE_CODE = "kvplug-disk"  # property tests draw passwords from the code's strings
+PATH_WITH_THAT_WORD = "/dev/shm/kvplug-disk-test-1/kv"
+
+
+def test_one_test_may_remember_a_word_of_the_code_as_a_password() -> None:
+    BackendURL.parse(f"redis://app:{WORD_OF_THE_CODE}@h:1")
+    assert mask_text(PATH_WITH_THAT_WORD) == "/dev/shm/***-test-1/kv"
+
+
+def test_the_next_test_does_not_inherit_that_password() -> None:
+    # Runs after the test above (file order): the root conftest.py forgets what it remembered.
+    assert mask_text(PATH_WITH_THAT_WORD) == PATH_WITH_THAT_WORD
+
+
+def test_secrets_remembered_before_a_block_outlive_it() -> None:
+    kept, passing = new_secret("k"), new_secret("t")
+    remember(kept)
+    with remembered_only_inside():
+        remember(passing)
+        assert mask_text(f"{kept} {passing}") == "*** ***"
+    assert mask_text(f"{kept} {passing}") == f"*** {passing}"
 
 
 def test_log_filter_masks_records_of_every_kvplug_logger(

@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -126,6 +127,36 @@ def remember(*values: object) -> None:
                 while len(_remembered) > MAX_REMEMBERED:
                     del _remembered[next(iter(_remembered))]
                 _longest_first = sorted(_remembered, key=len, reverse=True)
+
+
+@contextmanager
+def remembered_only_inside() -> Iterator[None]:
+    """Forget, on leaving the block, every secret :func:`remember` learned inside it.
+
+    kvplug remembers secrets for the life of the process, which is right for a service but
+    not between tests: a test that remembers a random password (a property test may draw a
+    word such as ``kvplug-disk``) would otherwise mask that word in every later test's text.
+    kvplug's own test run wraps each test in this block.
+
+    Example::
+
+        >>> with remembered_only_inside():
+        ...     remember("hunter2-for-a-moment")
+        ...     mask_text("login hunter2-for-a-moment")
+        'login ***'
+        >>> mask_text("login hunter2-for-a-moment")
+        'login hunter2-for-a-moment'
+    """
+    global _longest_first
+    with _remembered_lock:
+        before = dict(_remembered)
+    try:
+        yield
+    finally:
+        with _remembered_lock:
+            _remembered.clear()
+            _remembered.update(before)
+            _longest_first = sorted(_remembered, key=len, reverse=True)
 
 
 def _hide_remembered(text: str) -> str:
@@ -377,5 +408,6 @@ __all__ = [
     "mask_url",
     "remember",
     "remember_in",
+    "remembered_only_inside",
     "url_secret_spans",
 ]
