@@ -147,16 +147,14 @@ def remembered_only_inside() -> Iterator[None]:
         >>> mask_text("login hunter2-for-a-moment")
         'login hunter2-for-a-moment'
     """
-    global _longest_first
+    global _remembered, _longest_first
     with _remembered_lock:
-        before = dict(_remembered)
+        before = dict(_remembered), _longest_first
     try:
         yield
     finally:
         with _remembered_lock:
-            _remembered.clear()
-            _remembered.update(before)
-            _longest_first = sorted(_remembered, key=len, reverse=True)
+            _remembered, _longest_first = before
 
 
 def _hide_remembered(text: str) -> str:
