@@ -46,6 +46,18 @@ def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
     assert output.count("read back bit-exact through kvplug") == 4
 
 
+def test_fresh_memory_probe_times_touches_and_server_gets_with_and_without_a_holder() -> None:
+    output = run(
+        "probe_fresh_memory.py",
+        *("--touch-gib", "1", "--hold-gib", "1", "--value-mib", "1", "--values", "8"),
+        *("--passes", "2"),
+    )
+    assert re.search(r"GiB +1: +\d+ ms \( *\d+ ms in the kernel\)", output), output
+    faults = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) minor faults/GiB", output)]
+    assert len(faults) == 4, output  # two passes alone, two beside the holder
+    assert "alone: median server CPU" in output and "1 GiB held elsewhere: median" in output
+
+
 def test_store_benchmark_compares_the_store_with_its_tiers_and_measures_memory(
     tmp_path: Path,
 ) -> None:
@@ -154,8 +166,21 @@ def test_peer_benchmark_runs_every_path_against_lmcache_and_raw_and_cleans_up(
         assert row["vs_lmcache"] == pytest.approx(row["mb_s"]["kvplug"] / best_lmcache)
         assert row["best_raw"].startswith("raw")
         assert row["paired_vs_lmcache"] > 0 and row["paired_vs_raw"] > 0, row
+        if (
+            row["path"] == "redis" and row["operation"] == "retrieve"
+        ):  # the server's CPU over each timed pass, and the usual-cost view
+            assert set(row["server_s_per_gib"]) == sides["redis"], row
+            assert all(len(cost) == 1 and cost[0] >= 0 for cost in row["server_s_per_gib"].values())
+            assert all(0 <= n <= 1 for n in row["usual_server_passes"].values()), row
+            assert max(row["usual_server_passes"].values()) == 1, row  # the lowest cost is usual
+        else:
+            assert "server_s_per_gib" not in row, row
     table = re.findall(
         r"^(cpu|disk|redis) +2 MiB +(per-op|batch) +(store|retrieve) ", done.stdout, re.M
     )
     assert len(table) == len(rows), done.stdout  # every row printed as well
+    server_lines = re.findall(
+        r"^  (per-op|batch) (store|retrieve): server CPU s/GiB", done.stdout, re.M
+    )
+    assert len(server_lines) == 2 and {op for _, op in server_lines} == {"retrieve"}, done.stdout
     assert list(tmp_path.iterdir()) == []  # the disk path's files are gone

@@ -11,6 +11,7 @@ import torch
 
 from kvplug.errors import ConfigError, CorruptObject, KvplugError
 from kvplug.frame import (
+    HASH_STEP,
     MAGIC,
     MIN_HEADER_LEN,
     VERSION,
@@ -388,8 +389,11 @@ def test_corrupt_frame_into_full_allocator_still_raises(sample: tuple[MemoryObj,
 # -- FrameReceiver: a frame received in pieces straight into its final memory ------------------
 
 
-def _received(value: bytes, receiver: FrameReceiver, piece: int) -> MemoryObj | None:
-    """Feed ``value`` to ``receiver`` as a transport would, ``piece`` bytes at a time."""
+def _received(
+    value: bytes, receiver: FrameReceiver, piece: int, report_until: int = 0
+) -> MemoryObj | None:
+    """Feed ``value`` to ``receiver`` as a transport would, ``piece`` bytes at a time, telling
+    it of every piece that ends at or before ``report_until`` bytes of the payload."""
     receiver.start(len(value))
     size = receiver.header_len(value[:MIN_HEADER_LEN])
     sink = receiver.take_header(value[:size])
@@ -398,6 +402,9 @@ def _received(value: bytes, receiver: FrameReceiver, piece: int) -> MemoryObj | 
     if sink is not None:
         for start in range(0, len(rest), piece):
             sink[start : start + piece] = rest[start : start + piece]
+            end = min(start + piece, len(rest))
+            if end <= report_until:
+                receiver.received(end)
     return receiver.finish()
 
 
@@ -491,4 +498,85 @@ def test_an_abandoned_receiver_releases_what_it_received_into() -> None:
     assert receiver.take_header(value[: receiver.header_len(value)]) is not None
     assert allocator.stats().object_count == 1
     receiver.abandon()
+    assert allocator.stats().used == 0
+
+
+def _hashed_whole(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of the payloads that :func:`payload_checksum` hashed whole, from now on."""
+    sizes: list[int] = []
+
+    def counting(payload: Buffer) -> int:
+        sizes.append(memoryview(payload).nbytes)
+        return payload_checksum(payload)
+
+    monkeypatch.setattr("kvplug.frame.payload_checksum", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("piece", [4096, 65536, HASH_STEP + 1])
+def test_a_receiver_told_of_every_piece_hashes_as_they_arrive_and_finish_only_compares(
+    piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    obj = random_obj((3, 1 << 20), torch.uint8, MemoryFormat.KV_2LTD, seed=11)
+    value = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(8 << 20)
+    whole = _hashed_whole(monkeypatch)
+    got = _received(value, FrameReceiver(allocator), piece, report_until=len(value))
+    assert got is not None and torch.equal(got.raw, obj.raw)
+    assert whole == []  # the checksum was streamed, not computed again at the end
+    got.release()
+    damaged = bytearray(value)
+    damaged[len(value) // 2] ^= 1  # a byte in a piece hashed long before the end
+    with pytest.raises(CorruptObject, match="checksum mismatch"):
+        _received(bytes(damaged), FrameReceiver(allocator), piece, report_until=len(value))
+    assert allocator.stats().used == 0
+
+
+def test_a_receiver_told_of_only_some_pieces_hashes_the_whole_payload_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    obj = random_obj((3, 1 << 20), torch.uint8, MemoryFormat.KV_2LTD, seed=12)
+    value = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(8 << 20)
+    whole = _hashed_whole(monkeypatch)
+    got = _received(value, FrameReceiver(allocator), 65536, report_until=len(value) // 2)
+    assert got is not None and torch.equal(got.raw, obj.raw)
+    assert whole == [obj.nbytes]
+    got.release()
+    damaged = bytearray(value)
+    damaged[-1] ^= 1  # in the part it was never told of
+    with pytest.raises(CorruptObject, match="checksum mismatch"):
+        _received(bytes(damaged), FrameReceiver(allocator), 65536, report_until=len(value) // 2)
+    assert allocator.stats().used == 0
+
+
+def test_received_refuses_an_end_that_goes_back_or_past_the_payload() -> None:
+    obj = random_obj((2, HASH_STEP), torch.uint8, MemoryFormat.KV_2LTD)
+    value = b"".join(encode_frame(obj))
+    receiver = FrameReceiver(FreeListAllocator(4 << 20))
+    receiver.start(len(value))
+    assert receiver.take_header(value[: receiver.header_len(value)]) is not None
+    receiver.received(HASH_STEP + 5)
+    with pytest.raises(ValueError, match="must grow and stay within the payload"):
+        receiver.received(HASH_STEP)
+    with pytest.raises(ValueError, match="must grow and stay within the payload"):
+        receiver.received(receiver.remaining + 1)
+    receiver.abandon()
+
+
+def test_an_abandoned_receiver_hashes_afresh_when_received_again() -> None:
+    obj = random_obj((3, HASH_STEP), torch.uint8, MemoryFormat.KV_2LTD, seed=13)
+    value = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(8 << 20)
+    receiver = FrameReceiver(allocator)
+    receiver.start(len(value))
+    size = receiver.header_len(value)
+    sink = receiver.take_header(value[:size])
+    assert sink is not None
+    sink[:HASH_STEP] = b"\xff" * HASH_STEP  # other bytes, hashed, then the read is sent again
+    receiver.received(HASH_STEP)
+    receiver.abandon()
+    got = _received(value, receiver, 4096, report_until=len(value))
+    assert got is not None and torch.equal(got.raw, obj.raw)
+    got.release()
     assert allocator.stats().used == 0

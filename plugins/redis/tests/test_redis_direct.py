@@ -27,9 +27,10 @@ from kvplug import (
     MemoryFormat,
     MemoryObj,
 )
+from kvplug import frame as frame_module
 from kvplug import serde as serde_module
 from kvplug.errors import CorruptObject
-from kvplug.frame import FrameReceiver, encode_frame
+from kvplug.frame import Buffer, FrameReceiver, encode_frame
 from kvplug.serde import Serde, register_serde
 from kvplug_redis import RedisBackend
 from kvplug_redis.direct import DirectConnections, reply_error, restart
@@ -499,6 +500,50 @@ def test_a_damaged_value_is_a_counted_deleted_miss(server: RedisServer, how: str
             with server.client() as client:
                 assert client.exists(*names) == 1  # both damaged values deleted
             assert direct_of(backend).connects == 1  # the damaged values were drained
+        finally:
+            await backend.close()
+
+    try:
+        run(scenario())
+    finally:
+        release(*objs)
+    assert allocator.stats().used == 0
+
+
+def test_values_are_hashed_as_they_arrive_and_damage_in_an_early_piece_is_still_caught(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = keys_of(3)
+    objs = [make_obj(40 + n, (2, 4, 256, 1024)) for n in range(3)]  # 4 MiB: several hash steps
+    allocator = FreeListAllocator(64 << 20, pin=False)
+    hashed_whole: list[int] = []
+    checksum = frame_module.payload_checksum
+
+    def counting(payload: Buffer) -> int:
+        hashed_whole.append(memoryview(payload).nbytes)
+        return checksum(payload)
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(server.url, allocator=allocator)
+        assert isinstance(backend, RedisBackend)
+        name = backend.key_string(keys[0])
+        try:
+            await backend.batched_put(keys, objs)
+            with server.client() as client:
+                value = bytearray(client.get(name))
+                value[len(value) // 4] ^= 1  # about 1 MiB into the payload
+                client.set(name, bytes(value))
+            monkeypatch.setattr(frame_module, "payload_checksum", counting)
+            many = await backend.batched_get(keys)
+            try:
+                assert many[0] is None and same(objs[1], many[1]) and same(objs[2], many[2])
+            finally:
+                release(*many)
+            got = await backend.get(keys[2])
+            assert same(objs[2], got)
+            release(got)
+            assert backend.corrupt_objects == 1
+            assert hashed_whole == []  # every checksum was streamed as the bytes came in
         finally:
             await backend.close()
 

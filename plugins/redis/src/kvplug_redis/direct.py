@@ -171,6 +171,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
         self._left = 0
         self._sink: memoryview | None = None
         self._sink_pos = 0
+        self._receiving: FrameReceiver | None = None  # hashes what reaches the sink
         self._into_head = True
         self.transport: _Link | None = None
         self.lost: BaseException | None = None
@@ -191,7 +192,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
 
     def detach(self) -> None:
         """Never write into a receiver's memory again (the connection is being aborted)."""
-        self._sink = None
+        self._sink = self._receiving = None
         self._phase = _Phase.DEAD
         self._replies.clear()
 
@@ -236,6 +237,8 @@ class _ReplyReader(asyncio.BufferedProtocol):
             self._left -= nbytes
             if self._sink is not None:
                 self._sink_pos += nbytes
+                assert self._receiving is not None
+                self._receiving.received(self._sink_pos)
             if not self._left:
                 self._sink = None
                 self._phase = _Phase.CRLF
@@ -272,7 +275,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
                     return
                 sink = receiver.take_header(available[:wanted])
                 self._start += wanted
-                self._take_value(receiver.remaining, sink)
+                self._take_value(receiver.remaining, sink, receiver)
             elif phase == _Phase.VALUE:
                 if not held:
                     return
@@ -283,6 +286,8 @@ class _ReplyReader(asyncio.BufferedProtocol):
                         self._start : self._start + take
                     ]
                     self._sink_pos = end
+                    assert self._receiving is not None
+                    self._receiving.received(end)
                 self._start += take
                 self._left -= take
                 if not self._left:
@@ -323,10 +328,11 @@ class _ReplyReader(asyncio.BufferedProtocol):
         else:
             self._broken(f"an unexpected reply {line[:40]!r}")
 
-    def _take_value(self, length: int, sink: memoryview | None) -> None:
+    def _take_value(self, length: int, sink: memoryview | None, receiver: FrameReceiver) -> None:
         """Receive the next ``length`` bytes into ``sink``, or drain them."""
         self._left = length
         self._sink = sink if length else None
+        self._receiving = receiver
         self._sink_pos = 0
         self._phase = _Phase.VALUE if length else _Phase.CRLF
 
