@@ -32,6 +32,12 @@ option for the medium and over the best raw, flagged below their targets (>= 1.0
 LMCache, >= 0.95 against raw). ``--json`` also prints every pass's MB/s and the same ratios
 taken per round (``paired_vs_lmcache``, ``paired_vs_raw``: median of the rounds' ratios).
 
+On the redis path the engine's copies (each chunk into the store's memory) run on one torch
+thread unless ``--torch-threads`` says otherwise. With two, torch's second thread keeps
+spinning after each copy: on a 2-core machine it takes the core that redis-server needs. The
+server then used 0.56 s of CPU per GiB stored instead of 0.45 s, and kvplug's per-op puts ran
+at 1260 MB/s instead of 1795 MB/s (docs/benchmarks.md). Every side pays that, but unevenly.
+
 On the redis path the run also reads redis-server's CPU seconds over each timed pass. For each
 retrieve row it prints them per GiB, per side, with how many passes ran at the server's usual
 cost (within ``SLOW_SERVER`` of the row's lowest), and kvplug's ratio to the best raw over
@@ -1074,6 +1080,13 @@ def main() -> None:
     parser.add_argument("--layers", default="32,24", help="L of the [2, L, 256, 1024] chunks")
     parser.add_argument("--dir", default=None, help="where the disk path writes (default: tmp)")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads for the engine's copies (default: 1 on the redis path, "
+        "torch's own elsewhere; see the docstring)",
+    )
     args = parser.parse_args()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     layers = [int(n) for n in args.layers.split(",")]
@@ -1090,7 +1103,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(
         prefix="kvplug-bench-peer-", dir=args.dir, ignore_cleanup_errors=True
     ) as base:
+        default_threads = torch.get_num_threads()
         for path in paths:
+            threads = args.torch_threads or (1 if path == "redis" else default_threads)
+            torch.set_num_threads(threads)
+            print(f"{path}: the engine's copies on {threads} torch thread(s)", flush=True)
             for layer_count in layers:
                 chunks = Chunks(layer_count)
                 rows, names = run_path(path, chunks, args, Path(base))

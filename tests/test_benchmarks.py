@@ -179,6 +179,7 @@ def test_peer_benchmark_runs_every_path_against_lmcache_and_raw_and_cleans_up(
         r"^(cpu|disk|redis) +2 MiB +(per-op|batch) +(store|retrieve) ", done.stdout, re.M
     )
     assert len(table) == len(rows), done.stdout  # every row printed as well
+    assert "redis: the engine's copies on 1 torch thread(s)" in done.stdout
     server_lines = re.findall(
         r"^  (per-op|batch) (store|retrieve): server CPU s/GiB", done.stdout, re.M
     )
