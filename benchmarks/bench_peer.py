@@ -46,6 +46,7 @@ whichever client is reading (docs/benchmarks.md).
 
     .venv-lmcache-0.5.6/bin/python benchmarks/bench_peer.py [--paths cpu,disk,redis]
         [--gib 2] [--repeat 3] [--batch 8] [--layers 32,24] [--dir DIR] [--json]
+        [--torch-threads N]
 
 Runs in the LMCache 0.5.6 venv that ``scripts/setup.sh`` builds (kvplug and its plugins are
 installed there too); ``redis-server`` comes from PATH.
@@ -62,6 +63,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import abc
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import mmap
@@ -1044,12 +1046,7 @@ def run_path(
                 control.flushall()
 
             after = flush
-            server_pid = int(control.info()["process_id"])
-
-            def server_seconds() -> float:
-                return process_cpu_seconds(server_pid)
-
-            server_cpu = server_seconds
+            server_cpu = functools.partial(process_cpu_seconds, int(control.info()["process_id"]))
             sides.append(KvplugSide(chunks, server.url, args.batch, allocator=staging))
             sides.append(LMCacheRemoteSide(chunks, args.batch, "redis", server.port))
             sides.append(LMCacheRemoteSide(chunks, args.batch, "resp", server.port))
