@@ -38,8 +38,8 @@ spinning after each copy: on a 2-core machine it takes the core that redis-serve
 server then used 0.56 s of CPU per GiB stored instead of 0.45 s, and kvplug's per-op puts ran
 at 1260 MB/s instead of 1795 MB/s (docs/benchmarks.md). Every side pays that, but unevenly.
 
-On the redis path the run also reads redis-server's CPU seconds over each timed pass. For each
-retrieve row it prints them per GiB, per side, with how many passes ran at the server's usual
+On the redis path the run also reads redis-server's CPU seconds over each pass's retrieves,
+and prints them per GiB, per side, with how many passes ran at the server's usual
 cost (within ``SLOW_SERVER`` of the row's lowest), and kvplug's ratio to the best raw over
 those passes alone. On this VM the server's cost for the same GETs can double for a while,
 whichever client is reading (docs/benchmarks.md).
@@ -63,7 +63,6 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 import abc
 import argparse
 import asyncio
-import functools
 import itertools
 import json
 import mmap
@@ -81,6 +80,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 import torch
 from lmcache.utils import CacheEngineKey
@@ -771,7 +771,7 @@ class RawSocketSide(Side):
 @dataclass
 class Times:
     """Seconds of each timed pass, per (variant, operation), and the server's CPU seconds over
-    the same calls where the path has a server process."""
+    each pass's retrieves where the path has a server process."""
 
     passes: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     server: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -782,32 +782,35 @@ class Times:
             self.server.setdefault((variant, operation), []).append(server_s)
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds that process ``pid`` has used (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 ServerCPU = Callable[[], float]
+
+
+def cpu_seconds_of(pid: int) -> ServerCPU:
+    """A function giving the user + system CPU seconds that process ``pid`` has used so far."""
+    process = psutil.Process(pid)
+
+    def seconds() -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system)
+
+    return seconds
 
 
 def one_pass(
     side: Side, count: int, batch: int, after: Callable[[], None], server_cpu: ServerCPU | None
-) -> tuple[float, float, float | None, float | None]:
+) -> tuple[float, float, float | None]:
     """Store ``count`` chunks under fresh keys, ``batch`` a call, then retrieve and check
     them; (store seconds, retrieve seconds), each the sum of the calls alone, and the server's
-    CPU seconds over the stores and over the retrieves and checks (None without a server)."""
+    CPU seconds over the retrieves and checks (None without a server)."""
     first = next(_key_numbers)
     numbers = list(range(first * 100_000, first * 100_000 + count))
     groups = [numbers[i : i + batch] for i in range(0, count, batch)]
     store_s = retrieve_s = 0.0
-    server_marks = [server_cpu()] if server_cpu else []
     for group in groups:
         start = time.perf_counter()
         side.store(group)
         store_s += time.perf_counter() - start
-    if server_cpu:
-        server_marks.append(server_cpu())
+    server_start = server_cpu() if server_cpu else 0.0
     for group in groups:
         start = time.perf_counter()
         got = side.retrieve(group)
@@ -819,13 +822,10 @@ def one_pass(
                 side.chunks.check(view, number, side.name)
         finally:
             side.release()
-    if server_cpu:
-        server_marks.append(server_cpu())
+    server_s = server_cpu() - server_start if server_cpu else None
     side.clear(numbers)
     after()
-    if not server_marks:
-        return store_s, retrieve_s, None, None
-    return store_s, retrieve_s, server_marks[1] - server_marks[0], server_marks[2] - server_marks[1]
+    return store_s, retrieve_s, server_s
 
 
 def measure(
@@ -847,11 +847,11 @@ def measure(
         order = sides[shift:] + sides[:shift]
         for variant in VARIANTS:
             for side in order:
-                store_s, retrieve_s, server_store_s, server_retrieve_s = one_pass(
+                store_s, retrieve_s, server_s = one_pass(
                     side, count, batch_of[variant], after, server_cpu
                 )
-                times[side.name].add(variant, "store", store_s, server_store_s)
-                times[side.name].add(variant, "retrieve", retrieve_s, server_retrieve_s)
+                times[side.name].add(variant, "store", store_s, None)
+                times[side.name].add(variant, "retrieve", retrieve_s, server_s)
     return times
 
 
@@ -882,9 +882,9 @@ def rows_of(path: str, chunks: Chunks, count: int, times: dict[str, Times]) -> l
                     for name, t in times.items()
                 },
             }
-            # Retrieves only: every side's GETs ask the server for the same work, where its
-            # CPU for stores depends on how each client's sends arrive.
-            if operation == "retrieve" and all(key in t.server for t in times.values()):
+            # Retrieves only (one_pass measures no more): every side's GETs ask the server for
+            # the same work, where its CPU for stores depends on how each client's sends arrive.
+            if all(key in t.server for t in times.values()):
                 gib = count * chunks.nbytes / (1 << 30)
                 row["server_s_per_gib"] = {
                     name: [seconds / gib for seconds in t.server[key]] for name, t in times.items()
@@ -1046,7 +1046,7 @@ def run_path(
                 control.flushall()
 
             after = flush
-            server_cpu = functools.partial(process_cpu_seconds, int(control.info()["process_id"]))
+            server_cpu = cpu_seconds_of(int(control.info()["process_id"]))
             sides.append(KvplugSide(chunks, server.url, args.batch, allocator=staging))
             sides.append(LMCacheRemoteSide(chunks, args.batch, "redis", server.port))
             sides.append(LMCacheRemoteSide(chunks, args.batch, "resp", server.port))

@@ -171,7 +171,6 @@ class _ReplyReader(asyncio.BufferedProtocol):
         self._left = 0
         self._sink: memoryview | None = None
         self._sink_pos = 0
-        self._receiving: FrameReceiver | None = None  # hashes what reaches the sink
         self._into_head = True
         self.transport: _Link | None = None
         self.lost: BaseException | None = None
@@ -192,7 +191,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
 
     def detach(self) -> None:
         """Never write into a receiver's memory again (the connection is being aborted)."""
-        self._sink = self._receiving = None
+        self._sink = None
         self._phase = _Phase.DEAD
         self._replies.clear()
 
@@ -237,8 +236,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
             self._left -= nbytes
             if self._sink is not None:
                 self._sink_pos += nbytes
-                assert self._receiving is not None
-                self._receiving.received(self._sink_pos)
+                self._sink_received()
             if not self._left:
                 self._sink = None
                 self._phase = _Phase.CRLF
@@ -275,7 +273,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
                     return
                 sink = receiver.take_header(available[:wanted])
                 self._start += wanted
-                self._take_value(receiver.remaining, sink, receiver)
+                self._take_value(receiver.remaining, sink)
             elif phase == _Phase.VALUE:
                 if not held:
                     return
@@ -286,8 +284,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
                         self._start : self._start + take
                     ]
                     self._sink_pos = end
-                    assert self._receiving is not None
-                    self._receiving.received(end)
+                    self._sink_received()
                 self._start += take
                 self._left -= take
                 if not self._left:
@@ -328,13 +325,18 @@ class _ReplyReader(asyncio.BufferedProtocol):
         else:
             self._broken(f"an unexpected reply {line[:40]!r}")
 
-    def _take_value(self, length: int, sink: memoryview | None, receiver: FrameReceiver) -> None:
+    def _take_value(self, length: int, sink: memoryview | None) -> None:
         """Receive the next ``length`` bytes into ``sink``, or drain them."""
         self._left = length
         self._sink = sink if length else None
-        self._receiving = receiver
         self._sink_pos = 0
         self._phase = _Phase.VALUE if length else _Phase.CRLF
+
+    def _sink_received(self) -> None:
+        """Tell the value's receiver how far its sink is written (it hashes as bytes land)."""
+        receiver = self._replies[0].receiver
+        assert receiver is not None  # a sink is only ever a receiver's
+        receiver.received(self._sink_pos)
 
     def _complete(self) -> None:
         self._replies.popleft()
