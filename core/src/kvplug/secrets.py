@@ -46,6 +46,8 @@ for in free text, where they would hide ordinary words."""
 
 MAX_REMEMBERED = 1024
 
+_CONTAINERS = (Mapping, list, tuple, set, frozenset)
+
 _WORD_BOUNDARY = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 _SECRET_WORDS = frozenset(
     {"pass", "pw", "pwd", "auth", "authorization", "cookie", "sig", "signature"}
@@ -91,20 +93,25 @@ _longest_first: list[str] = []
 _remembered_lock = threading.Lock()
 
 
-def _secret_texts(value: object) -> Iterable[str]:
-    """The strings a secret value may be printed as: itself, or each item it holds."""
-    if value is None or isinstance(value, bool):
-        return
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, list | tuple | set | frozenset):
-        for item in value:
-            yield from _secret_texts(item)
-        return
-    reveal = getattr(value, "get_secret_value", None)
-    if callable(reveal):
-        value = reveal()
-    yield value if isinstance(value, str) else str(value)
+def _secret_texts(value: object) -> Iterator[str]:
+    """The strings a secret value may be printed as: itself, or each item it holds (each
+    container once, however often it is shared or inside itself)."""
+    walked: dict[int, object] = {}  # keeps each walked container alive, so its id stays its own
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if item is None or isinstance(item, bool):
+            continue
+        if isinstance(item, _CONTAINERS):
+            if id(item) not in walked:
+                walked[id(item)] = item
+                items = item.values() if isinstance(item, Mapping) else item
+                stack.extend(reversed(list(items)))
+            continue
+        reveal = getattr(item, "get_secret_value", None)
+        if callable(reveal):
+            item = reveal()
+        yield item if isinstance(item, str) else str(item)
 
 
 def remember(*values: object) -> None:
@@ -113,20 +120,22 @@ def remember(*values: object) -> None:
     :data:`MIN_REMEMBERED_LENGTH` are ignored; the oldest are forgotten past
     :data:`MAX_REMEMBERED`."""
     global _longest_first
-    for value in values:
-        for text in _secret_texts(value):
-            forms = {
-                form for form in (text, quote(text, safe="")) if len(form) >= MIN_REMEMBERED_LENGTH
-            }
-            if not forms:
-                continue
-            with _remembered_lock:
-                for form in forms:
-                    _remembered.pop(form, None)
-                    _remembered[form] = None
-                while len(_remembered) > MAX_REMEMBERED:
-                    del _remembered[next(iter(_remembered))]
-                _longest_first = sorted(_remembered, key=len, reverse=True)
+    forms = [
+        form
+        for value in values
+        for text in _secret_texts(value)
+        for form in dict.fromkeys((text, quote(text, safe="")))
+        if len(form) >= MIN_REMEMBERED_LENGTH
+    ]
+    if not forms:
+        return
+    with _remembered_lock:
+        for form in forms:
+            _remembered.pop(form, None)
+            _remembered[form] = None
+        while len(_remembered) > MAX_REMEMBERED:
+            del _remembered[next(iter(_remembered))]
+        _longest_first = sorted(_remembered, key=len, reverse=True)
 
 
 @contextmanager
@@ -292,22 +301,51 @@ def _masked_string(text: str) -> str:
 
 
 def mask_data(value: Any, name: object = None) -> Any:
-    """A copy of ``value`` (mappings, lists and tuples walked) safe to print: the value of
-    every secret-named key is ``***`` (``None`` stays ``None``), URLs in strings are masked
-    (:func:`mask_url`) and remembered secrets are hidden. ``name``: the key ``value`` is
-    stored under, if any."""
-    if is_secret_name(name) and value is not None:
-        remember(value)
-        return MASK
-    if isinstance(value, Mapping):
-        return {key: mask_data(item, key) for key, item in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [mask_data(item) for item in value]
-    if isinstance(value, str):
-        return _masked_string(value)
-    if callable(getattr(value, "get_secret_value", None)):
-        return MASK
-    return value
+    """A copy of ``value`` (mappings, lists, tuples and sets walked; the copies are dicts and
+    lists) safe to print: the value of every secret-named key is ``***`` (``None`` stays
+    ``None``), URLs in strings are masked (:func:`mask_url`) and remembered secrets are hidden.
+    ``name``: the key ``value`` is stored under, if any.
+
+    Each container is walked once, however often it is shared: its copy is shared the same way
+    (a container inside itself gives a copy inside itself), so data that shares parts many
+    times (YAML aliases, or lists built as ``[part] * 10``) costs what it holds, not what it
+    would print as.
+
+    Example::
+
+        >>> part = {"token": "abc", "n": 1}
+        >>> masked = mask_data({"a": [part, part], "b": part})
+        >>> masked["b"], masked["a"][0] is masked["b"]
+        ({'token': '***', 'n': 1}, True)
+    """
+    copies: dict[int, tuple[Any, Any]] = {}  # id of a container: (the container, its copy)
+    to_fill: list[tuple[Any, Any]] = []
+
+    def masked(item: Any, key: object) -> Any:
+        if is_secret_name(key) and item is not None:
+            remember(item)
+            return MASK
+        if isinstance(item, _CONTAINERS):
+            known = copies.get(id(item))
+            if known is None:
+                known = copies[id(item)] = (item, {} if isinstance(item, Mapping) else [])
+                to_fill.append(known)
+            return known[1]
+        if isinstance(item, str):
+            return _masked_string(item)
+        if callable(getattr(item, "get_secret_value", None)):
+            return MASK
+        return item
+
+    result = masked(value, name)
+    while to_fill:
+        original, copy = to_fill.pop()
+        if isinstance(copy, dict):
+            for key, item in original.items():
+                copy[key] = masked(item, key)
+        else:
+            copy.extend(masked(item, None) for item in original)
+    return result
 
 
 def remember_in(value: Any) -> None:
@@ -316,10 +354,57 @@ def remember_in(value: Any) -> None:
     mask_data(value)
 
 
+MAX_REPR_LENGTH = 100_000
+"""The longest text :func:`mask_repr` returns; a longer one is cut and ends in ``...``. Data
+that shares parts many times prints each part in full at every place it stands, so its
+``repr`` can be far longer than the data; no message needs more than this."""
+
+
+def _repr_pieces(value: Any) -> Iterator[str]:
+    """``repr(value)`` piece by piece, for dicts and lists as :func:`mask_data` makes them, so
+    that a caller can stop reading. A dict or list inside itself is shown as ``{...}`` or
+    ``[...]``, as ``repr`` shows it."""
+    showing: set[int] = set()
+    todo: list[tuple[str, Any]] = [("value", value)]  # ("text" | "value" | "end", item)
+    while todo:
+        kind, item = todo.pop()
+        if kind == "text":
+            yield item
+        elif kind == "end":
+            showing.discard(id(item))
+            yield "}" if type(item) is dict else "]"
+        elif type(item) not in (dict, list) or not item:
+            yield repr(item)
+        elif id(item) in showing:
+            yield "{...}" if type(item) is dict else "[...]"
+        else:
+            showing.add(id(item))
+            todo.append(("end", item))
+            if type(item) is dict:
+                yield "{"
+                for index, (key, child) in reversed(list(enumerate(item.items()))):
+                    todo += [("value", child), ("text", (", " if index else "") + f"{key!r}: ")]
+            else:
+                yield "["
+                for index, child in reversed(list(enumerate(item))):
+                    todo += [("value", child), ("text", ", ")] if index else [("value", child)]
+
+
 def mask_repr(value: Any, limit: int | None = None) -> str:
-    """``repr`` of :func:`mask_data` of ``value``, cut to ``limit`` characters."""
-    text = mask_text(repr(mask_data(value)))
-    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+    """``repr`` of :func:`mask_data` of ``value``, cut to ``limit`` characters (at most
+    :data:`MAX_REPR_LENGTH`); only as much of it is made as is shown."""
+    cap = MAX_REPR_LENGTH if limit is None else min(limit, MAX_REPR_LENGTH)
+    pieces: list[str] = []
+    length = 0
+    cut = False
+    for piece in _repr_pieces(mask_data(value)):
+        if length > cap:
+            cut = True
+            break
+        pieces.append(piece)
+        length += len(piece)
+    text = mask_text("".join(pieces))
+    return text if not cut and len(text) <= cap else text[: cap - 3] + "..."
 
 
 def _secret_in_text(name: str) -> bool:
@@ -396,6 +481,7 @@ def install_log_filter() -> None:
 
 __all__ = [
     "MASK",
+    "MAX_REPR_LENGTH",
     "SECRET_FILTER",
     "SecretFilter",
     "install_log_filter",

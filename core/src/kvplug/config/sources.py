@@ -29,7 +29,14 @@ from kvplug.config.messages import (
     warn,
 )
 from kvplug.config.model import CONFIG_KEYS, Config, active_layers, config_key
-from kvplug.config.yaml_file import looks_like_path, parse_yaml, read_yaml_file
+from kvplug.config.yaml_file import (
+    MAX_NESTING,
+    looks_like_path,
+    nesting_depth,
+    parse_yaml,
+    read_yaml_file,
+    too_deep,
+)
 from kvplug.env import ENV_PREFIX, env_owner, installed_plugin_names, plugin_env_prefix
 from kvplug.errors import ConfigError
 
@@ -196,6 +203,10 @@ def _json_object(name: str, raw: str) -> dict[str, Any] | None:
             f"environment variable {name} is not valid JSON ({error.msg} at character "
             f"{error.pos}). Set it to a JSON object, e.g. {name}='{{\"use_odirect\": true}}'."
         ) from None
+    except RecursionError:
+        raise too_deep(f"environment variable {name}") from None
+    if nesting_depth(value) > MAX_NESTING:
+        raise too_deep(f"environment variable {name}")
     if not isinstance(value, dict):
         raise ConfigError(
             f"environment variable {name} must be a JSON object, got {type(value).__name__}. "
