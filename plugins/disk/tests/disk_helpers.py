@@ -61,3 +61,18 @@ async def read_back(source: kvplug.Backend | Store, k: CacheKey) -> torch.Tensor
         return got.raw.clone()
     finally:
         got.release()
+
+
+async def put_seeded(
+    target: kvplug.Backend | Store,
+    allocator: FreeListAllocator,
+    k: CacheKey,
+    nbytes: int,
+    seed: int,
+) -> None:
+    """Put ``seeded(allocator, nbytes, seed)`` under ``k``; the object is released after."""
+    obj = seeded(allocator, nbytes, seed)
+    try:
+        await target.put(k, obj)
+    finally:
+        obj.release()

@@ -35,9 +35,9 @@ from disk_helpers import (
     key,
     leak_checked_allocator,
     object_files,
+    put_seeded,
     read_back,
     run,
-    seeded,
     seeded_bytes,
 )
 from gds_standin import PosixStandIn
@@ -74,20 +74,6 @@ CHILD_ENV = {
 
 def subdir_of(k: CacheKey) -> str:
     return object_name(k.to_string())[0]
-
-
-async def put_seeded(
-    target: kvplug.Backend | Store,
-    allocator: FreeListAllocator,
-    k: CacheKey,
-    nbytes: int,
-    seed: int,
-) -> None:
-    obj = seeded(allocator, nbytes, seed)
-    try:
-        await target.put(k, obj)
-    finally:
-        obj.release()
 
 
 def temp_files(root: Path) -> list[Path]:

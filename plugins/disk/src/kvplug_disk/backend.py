@@ -13,7 +13,8 @@ URL and options (query parameters or keyword options, keywords win)::
 * ``eviction``: ``lru`` (default), ``lfu`` or ``fifo`` (see :mod:`kvplug.eviction`).
 * ``pin_ttl``: seconds a pin lasts before it expires by itself. Default 300.
 * ``o_direct``: use O_DIRECT where the filesystem supports it (default true; probed per
-  directory at open, with one warning per directory that refuses it); false: never.
+  directory at open, with one warning per directory that refuses it or whose probe could not
+  run, such as on a full disk: puts there probe again until one succeeds); false: never.
 * ``fsync``: fsync each file and its directory before a put returns, so objects survive a
   power loss (default false: a crashed *process* never loses or tears an object either way).
 * ``workers``: threads doing file I/O (default 4). ``queue_depth``: operations in flight at
@@ -94,7 +95,7 @@ from kvplug_disk.directories import (
     Directory,
     _directory_paths,
     _prepare_directory,
-    _probe_o_direct,
+    open_directory,
 )
 from kvplug_disk.fileio.base import FileIO, Payload, synchronize
 from kvplug_disk.fileio.posix import PosixFileIO
@@ -402,6 +403,10 @@ class DiskBackend(Backend):
     def __len__(self) -> int:
         return len(self._index)
 
+    def describe(self) -> dict[str, str]:
+        """What ``kvplug check`` prints: each directory and how its files move now."""
+        return {"directories": "; ".join(d.describe() for d in self.directories)}
+
     # -- open -------------------------------------------------------------------------------
 
     def deadline(self) -> float | None:
@@ -442,20 +447,7 @@ class DiskBackend(Backend):
                 continue  # two names of one directory
             seen.add((info.st_dev, info.st_ino))
             self._hold_writer_lock(path)
-            if self.options.o_direct:
-                problem = _probe_o_direct(path, self._writer)
-            else:
-                problem = "o_direct=false"
-            if problem is not None and self.options.o_direct:
-                logger.warning(
-                    "%s: O_DIRECT is not available in %s (%s); using buffered I/O there, "
-                    "through the page cache. Put the cache on a local disk filesystem "
-                    "(ext4, xfs) for direct I/O, or set o_direct=false to silence this.",
-                    self.url,
-                    path,
-                    problem,
-                )
-            directories.append(Directory(path, problem is None, problem))
+            directories.append(open_directory(self.url, path, self._writer, self.options.o_direct))
         self.directories = directories
         self._prepared()
         self._rebuild()
@@ -852,7 +844,7 @@ class DiskBackend(Backend):
         final = os.path.join(subdir, stem + SUFFIX)
         temp = os.path.join(subdir, temp_name(stem, self._writer))
         nbytes = obj.nbytes
-        payload = self._plan(obj, length - BLOCK, directory.o_direct, writing=True)
+        payload = self._plan(obj, length - BLOCK, directory.o_direct_for_write(), writing=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags()
         flags |= O_DIRECT if payload.o_direct else 0
         fd = -1

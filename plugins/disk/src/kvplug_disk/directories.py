@@ -1,37 +1,182 @@
-"""The tier's directories (internal): which ones, their security, their O_DIRECT support."""
+"""The tier's directories (internal): which ones, their security, their O_DIRECT support.
+
+O_DIRECT is probed in each directory at open (:func:`open_directory`): an aligned block
+written and read back. EINVAL (or EOPNOTSUPP) means the filesystem refuses it, for good. Any
+other failure (a full disk, a quota, an I/O error, too many open files) means the probe could
+not run: the directory is read and written buffered and probed again by puts, at most every
+:data:`O_DIRECT_RETRY` seconds, until a probe succeeds.
+"""
 
 # File descriptors and str paths on the I/O path, as in kvplug_disk.backend.
 # ruff: noqa: PTH103, PTH116, PTH117, PTH118
 
 from __future__ import annotations
 
+import enum
+import errno
+import logging
 import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.url import BackendURL
-from kvplug_disk.fileops import O_DIRECT, reason, unlink_quietly
+from kvplug_disk.fileops import O_DIRECT, classify_os_error, reason, unlink_quietly
 from kvplug_disk.layout import BLOCK, probe_name
+
+logger = logging.getLogger("kvplug.disk")
 
 OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 """Flags of every object file the engine opens (never through a symbolic link)."""
 
 
+O_DIRECT_RETRY = 10.0
+"""Seconds between two O_DIRECT probes of a directory whose probe could not run (a full disk,
+say): the first put into it after that long probes again."""
+
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+"""Errors of an aligned O_DIRECT open, write or read that say the filesystem refuses it."""
+
+
+class DirectIO(enum.Enum):
+    """How the files of a directory move, and why (:attr:`Directory.direct_io`)."""
+
+    ON = "O_DIRECT"
+    OFF = "buffered, o_direct=false"
+    REFUSED = "buffered: the filesystem refuses O_DIRECT"
+    RETRYING = "buffered for now: the O_DIRECT probe could not run; retried on puts"
+
+
+@dataclass(frozen=True)
+class ProbeFailure:
+    """Why the O_DIRECT probe of a directory failed; its text is the reason."""
+
+    step: str
+    """What failed, or what went wrong when no error was raised."""
+    error: OSError | None
+    refused: bool
+    """True: the filesystem refuses O_DIRECT, for good. False: the probe could not run now (a
+    full disk, a quota, an I/O error, too many open files, ...), which says nothing about
+    O_DIRECT."""
+
+    def __str__(self) -> str:
+        return self.step if self.error is None else f"{self.step} failed: {reason(self.error)}"
+
+
 @dataclass
 class Directory:
-    """One directory of the tier, as found at open."""
+    """One directory of the tier and how its files move (made by :func:`open_directory`).
+
+    :attr:`o_direct` turns from False to True while the tier is open when a probe that could
+    not run at open succeeds later (see :meth:`o_direct_for_write`), and never back. Each
+    operation reads it once and plans, opens and moves its file that one way: the bytes of a
+    file do not depend on how it was written, so files written either way read either way.
+    """
 
     path: str
     o_direct: bool
-    """Whether files here are read and written with O_DIRECT."""
+    """Whether files here are read and written with O_DIRECT now."""
     o_direct_problem: str | None
     """Why O_DIRECT is not used here (``None`` when it is)."""
+    direct_io: DirectIO = DirectIO.ON
+    """The state behind :attr:`o_direct`."""
+    url: str = field(default="", repr=False)
+    """The tier's URL, for messages."""
+    writer: str = field(default="", repr=False)
+    """The backend instance's writer id, which names its probe files."""
     subdirs: set[str] = field(default_factory=set, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    probed_at: float = field(default=0.0, repr=False)
+    """``time.monotonic()`` of the last O_DIRECT probe."""
+    _probing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def describe(self) -> str:
+        """The directory and how its files move, for ``kvplug check``."""
+        if self.direct_io in (DirectIO.ON, DirectIO.OFF):
+            return f"{self.path} ({self.direct_io.value})"
+        return f"{self.path} ({self.direct_io.value}: {self.o_direct_problem})"
+
+    def o_direct_for_write(self) -> bool:
+        """Whether a write into this directory uses O_DIRECT. While the probe could not run
+        (:attr:`DirectIO.RETRYING`), it first probes again once :data:`O_DIRECT_RETRY`
+        seconds have passed since the last probe; one thread probes, the others write
+        buffered meanwhile."""
+        if self._probe_due() and self._probing.acquire(blocking=False):
+            try:
+                if self._probe_due():  # not probed by another thread meanwhile
+                    self.settle(_probe_o_direct(self.path, self.writer), first=False)
+            finally:
+                self._probing.release()
+        return self.o_direct
+
+    def _probe_due(self) -> bool:
+        return (
+            self.direct_io is DirectIO.RETRYING
+            and time.monotonic() - self.probed_at >= O_DIRECT_RETRY
+        )
+
+    def settle(self, failure: ProbeFailure | None, *, first: bool) -> None:
+        """Take the outcome of an O_DIRECT probe (``failure``, None when it worked), the
+        ``first`` at open or a later one, and log what changed."""
+        self.probed_at = time.monotonic()
+        if failure is None:
+            self.o_direct_problem = None
+            self.direct_io = DirectIO.ON
+            self.o_direct = True  # last: who sees it sees the state that goes with it
+            if not first:
+                logger.info(
+                    "%s: the O_DIRECT probe in %s succeeded; files there are read and written "
+                    "with O_DIRECT from now on (files written before read the same).",
+                    self.url,
+                    self.path,
+                )
+            return
+        self.o_direct_problem = str(failure)
+        if failure.refused:
+            self.direct_io = DirectIO.REFUSED
+            logger.warning(
+                "%s: the filesystem of %s refuses O_DIRECT (%s); files there are read and "
+                "written through the page cache (buffered I/O). Put the cache on a local disk "
+                "filesystem that supports direct I/O (ext4, xfs), or set o_direct=false to "
+                "silence this.",
+                self.url,
+                self.path,
+                failure,
+            )
+        elif first:  # the state stays RETRYING: puts probe again
+            logger.warning("%s", self._cannot_probe(failure))
+        else:
+            logger.debug("%s: O_DIRECT probe in %s failed again: %s", self.url, self.path, failure)
+
+    def _cannot_probe(self, failure: ProbeFailure) -> str:
+        consequence = (
+            "That says nothing about O_DIRECT support: files there are read and written "
+            "through the page cache (buffered I/O) until a probe succeeds; a put into the "
+            f"directory probes again, at most every {O_DIRECT_RETRY:g} s, and O_DIRECT is "
+            "used from then on."
+        )
+        what = f"{self.url}: the O_DIRECT probe ({failure.step})"
+        if failure.error is not None:
+            return str(classify_os_error(failure.error, what, self.path, consequence))
+        return (
+            f"{what} in {self.path} went wrong, which a full disk can cause. {consequence} "
+            "Check the free space of that disk."
+        )
+
+
+def open_directory(url: BackendURL, path: str, writer: str, o_direct: bool) -> Directory:
+    """The prepared directory ``path`` of the tier of ``url``, its O_DIRECT support probed
+    with a file of the backend ``writer`` when ``o_direct``; one warning when O_DIRECT cannot
+    be used there, or not yet."""
+    if not o_direct:
+        return Directory(path, False, "o_direct=false", DirectIO.OFF, str(url), writer)
+    directory = Directory(path, False, "not probed yet", DirectIO.RETRYING, str(url), writer)
+    directory.settle(_probe_o_direct(path, writer), first=True)
+    return directory
 
 
 def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
@@ -101,28 +246,44 @@ def _prepare_directory(path: str, url: BackendURL, allow_shared: bool) -> None:
         )
 
 
-def _probe_o_direct(path: str, writer: str) -> str | None:
+def _probe_failed(step: str, error: OSError) -> ProbeFailure:
+    return ProbeFailure(step, error, error.errno in _REFUSALS)
+
+
+def _probe_o_direct(path: str, writer: str) -> ProbeFailure | None:
     """None when an aligned block can be written and read back with O_DIRECT in ``path``,
-    else the reason it cannot."""
+    else why not: the filesystem refuses O_DIRECT (EINVAL), or the probe could not run."""
     if not O_DIRECT:
-        return "this platform has no O_DIRECT"
+        return ProbeFailure("this platform has no O_DIRECT", None, refused=True)
     name = os.path.join(path, probe_name(writer))
-    block = mmap.mmap(-1, BLOCK)
-    back = mmap.mmap(-1, BLOCK)
+    try:
+        block, back = mmap.mmap(-1, BLOCK), mmap.mmap(-1, BLOCK)
+    except OSError as error:  # out of memory: the probe could not run
+        return _probe_failed("mapping two aligned blocks of memory", error)
     block[:] = (b"kvplug O_DIRECT probe " * (BLOCK // 16))[:BLOCK]
     try:
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | OPEN_FLAGS, 0o600)
         except OSError as error:
             unlink_quietly(name)
-            return f"opening a file with O_DIRECT failed: {reason(error)}"
+            return _probe_failed("opening a file with O_DIRECT", error)
         try:
-            if os.pwritev(fd, [block], 0) != BLOCK or os.preadv(fd, [back], 0) != BLOCK:
-                return "an aligned O_DIRECT write and read transferred fewer bytes than asked"
-            if back[:] != block[:]:
-                return "an aligned O_DIRECT read did not return the block just written"
-        except OSError as error:
-            return f"an aligned O_DIRECT write and read failed: {reason(error)}"
+            try:
+                written = os.pwritev(fd, [block], 0)
+            except OSError as error:
+                return _probe_failed(f"an aligned {BLOCK}-byte O_DIRECT write", error)
+            if written != BLOCK:
+                return ProbeFailure(
+                    f"an aligned O_DIRECT write took {written} of {BLOCK} bytes", None, False
+                )
+            try:
+                read = os.preadv(fd, [back], 0)
+            except OSError as error:
+                return _probe_failed(f"an aligned {BLOCK}-byte O_DIRECT read", error)
+            if read != BLOCK or back[:] != block[:]:
+                return ProbeFailure(
+                    "an aligned O_DIRECT read did not return the block just written", None, True
+                )
         finally:
             os.close(fd)
             unlink_quietly(name)
@@ -132,4 +293,11 @@ def _probe_o_direct(path: str, writer: str) -> str | None:
     return None
 
 
-__all__ = ["OPEN_FLAGS", "Directory"]
+__all__ = [
+    "OPEN_FLAGS",
+    "O_DIRECT_RETRY",
+    "DirectIO",
+    "Directory",
+    "ProbeFailure",
+    "open_directory",
+]
