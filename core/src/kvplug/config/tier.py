@@ -11,7 +11,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from kvplug.errors import InvalidBackendURL
-from kvplug.secrets import mask_data, mask_url, remember_in
+from kvplug.secrets import mask_repr, mask_url, remember_in
 from kvplug.url import BackendURL, split_chain
 
 
@@ -68,4 +68,4 @@ class TierConfig:
         return mask_url(self.url)
 
     def __repr__(self) -> str:
-        return f"TierConfig(url={mask_url(self.url)!r}, options={mask_data(self.options)!r})"
+        return f"TierConfig(url={mask_url(self.url)!r}, options={mask_repr(self.options)})"
