@@ -333,9 +333,10 @@ def test_a_put_no_tier_accepts_raises_at_once_and_offer_says_which() -> None:
         objs = [chunk(store.budget, float(n)) for n in range(3)]
         assert await store.offer([key(n) for n in range(3)], objs) == [True, False, False]
         start = time.perf_counter()
-        with pytest.raises(CapacityExceeded, match="accepted by no tier") as refused:
+        with pytest.raises(CapacityExceeded, match="1 of 1 puts were not accepted") as refused:
             await store.put(key(7), objs[0])
         assert time.perf_counter() - start < 1.0
+        assert refused.value.stored == (False,)
         assert "counting tier is full" in str(refused.value)
         assert "write_behind_full" in str(refused.value)
         assert store.stats()["rejected_puts"] == 3

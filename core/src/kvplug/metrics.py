@@ -116,6 +116,11 @@ class StoreMetrics:
             "kvplug_tier_written_bytes", "bytes stored in the tier", tier
         )
         self.errors = self._counter("kvplug_tier_errors", "operations that failed", ["tier", "op"])
+        self.offered = self._counter(
+            "kvplug_tier_offered_puts",
+            "puts routed to the tier: written, queued or dropped",
+            tier,
+        )
         self.dropped = self._counter(
             "kvplug_tier_dropped_puts",
             "accepted puts that did not reach the tier, by reason",
@@ -132,6 +137,10 @@ class StoreMetrics:
             "kvplug_store_misses", "keys no tier returned, by reason", ["reason"]
         )
         self.rejected = self._counter("kvplug_store_rejected_puts", "puts no tier accepted")
+        self.promotions_skipped = self._counter(
+            "kvplug_store_promotions_skipped",
+            "lower-tier hits not written back: promotions in flight held their byte limit",
+        )
         self.memory_waits = self._counter(
             "kvplug_store_memory_waits", "times a get waited for room in the memory budget"
         )

@@ -71,7 +71,7 @@ from urllib.parse import quote
 import torch
 from pydantic import Field, field_validator
 
-from kvplug.backend import Backend, BackendOptions, Capabilities
+from kvplug.backend import Backend, BackendOptions, Capabilities, fill_into
 from kvplug.config import Config, load_config
 from kvplug.errors import (
     BackendClosed,
@@ -92,6 +92,7 @@ from kvplug.units import GiB, format_size, parse_size
 from kvplug.url import BackendURL, split_chain
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 logger = logging.getLogger("kvplug.store")
 
 DEFAULT_BUFFER_SIZE = 2 * GiB
@@ -112,6 +113,18 @@ DROP_REASONS = (
 """Why a put did not reach a tier: the write-behind queue had no room; the tier was skipped
 after failing; the tier was full (``CapacityExceeded``); the tier failed on this put; the store
 closed before it was written; too many removals were queued to track the older value."""
+STARVED_AFTER = 4
+"""Puts in a row a tier must drop (for a reason other than a busy write-behind) with none
+written in between before the store warns that the tier receives nothing."""
+ADVICE = {
+    "write_behind_full": "raise the store's write_behind_size or write_behind_wait",
+    "tier_failing": "bring the tier back (its last error is in Store.health())",
+    "full": "raise the tier's max_size (or free its space): the objects do not fit in it",
+    "tier_error": "check the tier: its puts fail (the error is in Store.health())",
+    "untracked": "let the tier catch up with its queued removals",
+    "closed": "do not close the store while it is used",
+}
+"""What to change when a tier drops puts, by drop reason."""
 MISS_REASONS = ("absent", "memory_short")
 """Why a get missed: no tier had the key; the memory budget had no room within the deadline."""
 
@@ -150,6 +163,11 @@ class StoreOptions(BackendOptions):
     write_batch: int = Field(16, ge=1, description="most objects in one write to a lower tier")
     backoff: float = Field(1.0, gt=0, description="seconds a failing tier is first skipped")
     max_backoff: float = Field(30.0, gt=0, description="longest skip of a failing tier")
+    promote: bool = Field(
+        True,
+        description="write a hit in a lower tier back into the faster tiers (off the read "
+        "path for get_into)",
+    )
     close_timeout: float = Field(
         5.0, ge=0, description="seconds close() waits for queued writes before dropping them"
     )
@@ -190,6 +208,10 @@ class _Tier:
     worker: asyncio.Task[None] | None = None
     removals: int = 0
     """Keys queued here for removal of an older value."""
+    drop_streak: int = 0
+    """Puts dropped in a row with none written (busy write-behind drops not counted)."""
+    starved: bool = False
+    """The streak reached :data:`STARVED_AFTER` and was warned about."""
 
 
 @dataclass
@@ -201,6 +223,7 @@ class _TierCounters:
     misses: Any
     bytes_read: Any
     bytes_written: Any
+    offered: Any
     latency: dict[str, Any]
 
     @classmethod
@@ -210,6 +233,7 @@ class _TierCounters:
             metrics.misses.labels(name),
             metrics.bytes_read.labels(name),
             metrics.bytes_written.labels(name),
+            metrics.offered.labels(name),
             {op: metrics.latency.labels(name, op) for op in ("get", "put", "contains", "remove")},
         )
 
@@ -231,6 +255,21 @@ class _Pending:
         return tier in self.writes or tier in self.removals
 
 
+def stored_keys(error: BaseException, count: int) -> list[bool] | None:
+    """Which of the ``count`` keys of a failed batched put were stored, when the error says
+    (its ``stored``); None when that is unknown."""
+    stored = getattr(error, "stored", None)
+    if stored is None or len(stored) != count:
+        return None
+    return [bool(done) for done in stored]
+
+
+def with_stored(error: E, stored: Sequence[bool]) -> E:
+    """``error``, telling which keys of the batched put it ends were stored."""
+    error.stored = tuple(stored)  # type: ignore[attr-defined]
+    return error
+
+
 async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str, Exception]]:
     """Close every backend even when some fail; the failures, each logged, by name."""
     failures = []
@@ -243,16 +282,37 @@ async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str
     return failures
 
 
-def _layers(backend: Backend) -> list[Backend]:
-    """``backend`` and the backends it wraps, outermost first."""
+def layers(backend: Backend) -> list[Backend]:
+    """``backend`` and the backends it wraps (``audit::...``), outermost first."""
     chain = [backend]
     while isinstance(inner := getattr(chain[-1], "inner", None), Backend):
         chain.append(inner)
     return chain
 
 
+def tiers_of(backend: Backend) -> list[Backend]:
+    """The backends that hold the bytes, seen through wrappers: each tier of the
+    :class:`Store` that ``backend`` is or wraps, else ``backend``, each as the innermost
+    backend it wraps.
+
+    Example::
+
+        >>> import asyncio, kvplug
+        >>> async def demo() -> list[list[str]]:
+        ...     audited = await kvplug.open_backend("audit::blackhole://")
+        ...     store = Store(tiers=[await kvplug.open_backend("cpu://?max_size=8MiB"), audited])
+        ...     schemes = [[tier.url.scheme for tier in tiers_of(b)] for b in (store, audited)]
+        ...     await store.close()
+        ...     return schemes
+        >>> asyncio.run(demo())
+        [['cpu', 'blackhole'], ['blackhole']]
+    """
+    store = next((layer for layer in layers(backend) if isinstance(layer, Store)), None)
+    return [layers(tier)[-1] for tier in (store.tiers if store is not None else [backend])]
+
+
 def _memory_tier(backend: Backend) -> MemoryTier | None:
-    return next((layer for layer in _layers(backend) if isinstance(layer, MemoryTier)), None)
+    return next((layer for layer in layers(backend) if isinstance(layer, MemoryTier)), None)
 
 
 def _serves_memory_tier(url: str) -> bool:
@@ -269,7 +329,8 @@ def _store_capabilities(backends: Sequence[Backend]) -> Capabilities:
         # Lower tiers are written behind: another process sees a put once the first tier has it.
         shared_across_processes=each[0].shared_across_processes,
         zero_copy=each[0].zero_copy,
-        native_batching=True,
+        # One batched call per tier: batched end to end only where every tier batches.
+        native_batching=all(c.native_batching for c in each),
         remove=all(c.remove for c in each),
         list_keys=all(c.list_keys for c in each),
         device_memory=any(c.device_memory for c in each),
@@ -334,6 +395,9 @@ class Store(Backend):
         self._reads: Tally[int] = Tally()
         self._writing: Tally[CacheKey] = Tally()
         self._untracked_warned = False
+        self._promoting_bytes = 0
+        self._background: set[asyncio.Task[None]] = set()
+        """Promotions in flight."""
         self.capabilities = Capabilities()
         if tiers is not None:
             self._setup(list(tiers), self._budget_for(list(tiers)))
@@ -471,17 +535,22 @@ class Store(Backend):
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.KV_2LTD
     ) -> MemoryObj | None:
         """An object to fill and put, in the memory budget: the cpu tier evicts entries only
-        it references to make room. ``None`` when no room can be made (never blocks)."""
-        self._ensure_usable()
+        it references to make room. ``None`` when no room can be made (never blocks).
+        Thread-safe, and callable from any thread (an engine's worker too), with or without an
+        event loop."""
+        self._ensure_open_store()
         if self._memory is not None:
             return self._memory.allocate(shape, dtype, fmt)
         return self.budget.allocate(shape, dtype, fmt)
 
-    def _ensure_usable(self) -> None:
+    def _ensure_open_store(self) -> None:
         if self._closed:
             raise BackendClosed("this Store is closed; open a new one with open_store().")
         if not self._opened:
             raise KvplugError("this Store is not open yet; await store.open() first.")
+
+    def _ensure_usable(self) -> None:
+        self._ensure_open_store()
         loop = asyncio.get_running_loop()
         if self._home_loop is None:
             self._home_loop = loop
@@ -489,8 +558,8 @@ class Store(Backend):
             raise KvplugError(
                 "this Store belongs to the event loop that first used it: its backend operations "
                 "(get, put, contains, remove and their batched forms) work from any loop, but "
-                "offer, flush, lookup, prefetch, clear, remove_from and allocate only from that "
-                "one (or from threads through one kvplug.sync.SyncClient)."
+                "offer, flush, lookup, prefetch, clear and remove_from only from that one (or "
+                "from threads through one kvplug.sync.SyncClient); allocate works anywhere."
             )
 
     def _available(self, tier: _Tier) -> bool:
@@ -590,6 +659,27 @@ class Store(Backend):
     def _dropped(self, tier: _Tier, reason: str, detail: str, count: int = 1) -> None:
         tier.health.last_dropped = mask_text(f"{reason}: {detail}")
         self.metrics.dropped.labels(tier.name, reason).inc(count)
+        if reason in ("write_behind_full", "closed"):
+            return  # shedding load while the tier writes, or shutting down: not starvation
+        tier.drop_streak += count
+        if tier.drop_streak >= STARVED_AFTER and not tier.starved:
+            tier.starved = True
+            logger.warning(
+                "tier %s took none of the last %d puts it was offered (%s); a tier that "
+                "receives nothing serves nothing. To fix it: %s.",
+                tier.name,
+                tier.drop_streak,
+                tier.health.last_dropped,
+                ADVICE[reason],
+            )
+
+    def _wrote(self, tier: _Tier, nbytes: int) -> None:
+        """A put reached ``tier``: count its bytes and end a streak of drops."""
+        tier.counters.bytes_written.inc(nbytes)
+        tier.drop_streak = 0
+        if tier.starved:
+            tier.starved = False
+            logger.info("tier %s receives puts again", tier.name)
 
     def _enqueue(self, tier: _Tier, key: CacheKey) -> None:
         if self._closed:
@@ -649,8 +739,14 @@ class Store(Backend):
         entry = self._pending.get(key)
         if entry is not None and not newer:
             return False  # a put or remove of the key is under way: it wins
+        if newer:
+            for tier in targets:
+                tier.counters.offered.inc()
         held = entry.obj.phy_size if entry is not None and entry.obj is not None else 0
-        room = self._pending_bytes - held + obj.phy_size <= self.write_behind_limit
+        others = self._pending_bytes - held
+        # An empty write-behind takes one object of any size: a limit below the chunk size
+        # would otherwise starve every lower tier.
+        room = others == 0 or others + obj.phy_size <= self.write_behind_limit
         usable = [t for t in targets if self._available(t)]
         if not (room and usable) and not newer:
             return False
@@ -766,10 +862,12 @@ class Store(Backend):
         keys = [key for key, _ in writes]
         objs = [obj for _, obj in writes]
         nbytes = sum(obj.nbytes for obj in objs)
+        stored = None
         try:
             ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
         except CapacityExceeded as error:
             ok, reason, detail = False, "full", f"CapacityExceeded: {error}"
+            stored = stored_keys(error, len(keys))
         except BackendClosed as error:
             ok, reason, detail = False, "closed", f"BackendClosed: {error}"
         except Exception as error:
@@ -781,10 +879,15 @@ class Store(Backend):
         else:
             reason, detail = "tier_error", f"{tier.health.last_error}"
         if ok:
-            tier.counters.bytes_written.inc(nbytes)
+            self._wrote(tier, nbytes)
             return
-        # Which keys the tier kept is unknown: each written one is removed again, so that no
-        # older value outlives the newer one accepted elsewhere.
+        if stored is not None:  # the tier says which it kept: only the others are dropped
+            kept = sum(obj.nbytes for obj, done in zip(objs, stored, strict=True) if done)
+            if kept:
+                self._wrote(tier, kept)
+            keys = [key for key, done in zip(keys, stored, strict=True) if not done]
+        # Which of these the tier kept is unknown: each is removed again, so that no older
+        # value outlives the newer one accepted elsewhere.
         self._dropped(tier, reason, detail, len(keys))
         for key in keys:
             self._queue_removal(self._entry(key), tier, key)
@@ -809,38 +912,116 @@ class Store(Backend):
     async def _put_first(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
         """Store in the first tier now; which keys it took."""
         first = self._tiers[0]
+        first.counters.offered.inc(len(keys))
         if not self._available(first):
             self._dropped(first, "tier_failing", f"skipped ({first.health.last_error})", len(keys))
             return [False] * len(keys)
+        return await self._put_in(first, keys, objs)
+
+    async def _put_in(
+        self, tier: _Tier, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]
+    ) -> list[bool]:
         nbytes = sum(obj.nbytes for obj in objs)
         try:
-            ok, _ = await self._call(first, "put", first.backend.batched_put(keys, objs), nbytes)
+            ok, _ = await self._call(tier, "put", tier.backend.batched_put(keys, objs), nbytes)
         except CapacityExceeded as error:
-            if len(keys) == 1:
-                self._dropped(first, "full", f"CapacityExceeded: {error}")
-                return [False]
-            # Which keys fitted is unknown: each is offered once more on its own.
-            return [all(await self._put_first([k], [o])) for k, o in zip(keys, objs, strict=True)]
+            stored = stored_keys(error, len(keys))
+            if stored is None and len(keys) > 1:
+                # Which keys fitted is unknown: each is offered once more on its own.
+                return [
+                    all(await self._put_in(tier, [k], [o])) for k, o in zip(keys, objs, strict=True)
+                ]
+            stored = stored or [False]
+            self._dropped(tier, "full", f"CapacityExceeded: {error}", stored.count(False))
+            kept = sum(obj.nbytes for obj, done in zip(objs, stored, strict=True) if done)
+            if kept:
+                self._wrote(tier, kept)
+            return stored
         if not ok:
-            self._dropped(first, "tier_error", f"{first.health.last_error}", len(keys))
+            self._dropped(tier, "tier_error", f"{tier.health.last_error}", len(keys))
             return [False] * len(keys)
-        first.counters.bytes_written.inc(nbytes)
+        self._wrote(tier, nbytes)
         return [True] * len(keys)
+
+    @staticmethod
+    def _outlives_process(tier: _Tier) -> bool:
+        """Whether ``tier`` keeps what it holds when this process dies (and can remove it)."""
+        capabilities = tier.backend.capabilities
+        return capabilities.remove and (
+            capabilities.persistent or capabilities.shared_across_processes
+        )
+
+    async def _invalidate(self, keys: Sequence[CacheKey], tiers: Sequence[_Tier]) -> dict[int, str]:
+        """Remove each key's value from each of ``tiers`` that outlives this process, now:
+        once a newer value is accepted, no older one may survive there, not even a crash of
+        this process before the write-behind got to it. Why it failed, by key index."""
+        tiers = [tier for tier in tiers if self._outlives_process(tier)]
+        failed: dict[int, str] = {}
+        if not tiers:
+            return failed
+
+        async def invalidate(tier: _Tier, index: int, key: CacheKey) -> None:
+            entry = self._pending.get(key)
+            if entry is not None and tier.index in entry.writes:
+                entry.writes.discard(tier.index)  # the older value queued is never written
+                self._settle(key)
+            await self._until_idle(key, tier)  # an older value being written lands first
+            if not self._available(tier):
+                failed[index] = f"{tier.name} is failing ({tier.health.last_error})"
+                return
+            ok, _ = await self._call(tier, "remove", tier.backend.remove(key))
+            if not ok:
+                failed[index] = f"{tier.name}: {tier.health.last_error}"
+
+        await asyncio.gather(
+            *(invalidate(tier, index, key) for tier in tiers for index, key in enumerate(keys))
+        )
+        return failed
+
+    async def _until_idle(self, key: CacheKey, tier: _Tier) -> None:
+        """Wait until no write or removal of ``key`` is in flight on ``tier``."""
+        while True:
+            entry = self._pending.get(key)
+            if entry is None or tier.index not in entry.busy:
+                return
+            self._progress.clear()
+            await self._progress.wait()
 
     async def offer(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
         """Store each object in the first tier now and queue it for the lower tiers; whether
-        each was accepted (stored or queued). Never waits for the lower tiers. Puts that were
-        not accepted are counted (``kvplug_store_rejected_puts``) and each tier's reason too."""
+        each was accepted (stored or queued).
+
+        Before a put is accepted, every tier that outlives this process (``persistent`` or
+        ``shared_across_processes``) and does not take the new value now has its older value
+        removed, so that no older value is served after a newer one was accepted, also after
+        a crash. A put for which that cannot be done (such a tier is failing) is not accepted,
+        though the tiers that took it keep it. Never waits for the lower tiers' writes. Puts
+        that were not accepted are counted (``kvplug_store_rejected_puts``) with each tier's
+        reason."""
+        return (await self._offer(keys, objs))[0]
+
+    async def _offer(
+        self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]
+    ) -> tuple[list[bool], dict[int, str]]:
+        """:meth:`offer`, and why each key whose older value may survive was refused."""
         self._ensure_usable()
         if len(keys) != len(objs):
             raise ValueError(f"a put got {len(keys)} keys but {len(objs)} objects.")
         for obj in objs:
             self._largest_object = max(self._largest_object, obj.nbytes)
         with self._changing(keys):
+            unsafe = await self._invalidate(keys, self._tiers[1:])
             in_first = await self._put_first(keys, objs)
+            missed = [index for index, stored in enumerate(in_first) if not stored]
+            if missed:  # the first tier may hold an older value of what it did not take
+                failed = await self._invalidate([keys[i] for i in missed], self._tiers[:1])
+                unsafe.update({missed[i]: reason for i, reason in failed.items()})
             if self.options.write_behind_wait and len(self._tiers) > 1:
                 await self._room_for(sum(obj.phy_size for obj in objs))
-            return self._accept(keys, objs, in_first)
+            accepted = self._accept(keys, objs, in_first)
+        accepted = [ok and index not in unsafe for index, ok in enumerate(accepted)]
+        self.metrics.rejected.inc(accepted.count(False))
+        return accepted, unsafe
 
     async def _room_for(self, nbytes: int) -> None:
         """Wait up to ``write_behind_wait`` seconds until the write-behind has ``nbytes`` of
@@ -871,7 +1052,6 @@ class Store(Backend):
                 # The first tier may hold an older value: it goes, readers skip it meanwhile.
                 self._queue_removal(self._entry(key), first, key)
             accepted.append(stored or queued)
-        self.metrics.rejected.inc(accepted.count(False))
         return accepted
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
@@ -881,22 +1061,23 @@ class Store(Backend):
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Store the objects: in the first tier before this returns, in the lower tiers through
         the write-behind queue. Raises :class:`~kvplug.errors.CapacityExceeded` (or
-        :class:`~kvplug.errors.BackendUnavailable` when a tier failed) naming the keys that no
-        tier accepted; the others are stored."""
-        accepted = await self.offer(keys, objs)
+        :class:`~kvplug.errors.BackendUnavailable` when a tier failed) naming the keys that were
+        not accepted, with ``stored`` telling which were; those are stored."""
+        accepted, unsafe = await self._offer(keys, objs)
         if all(accepted):
             return
         refused = [str(k) for k, ok in zip(keys, accepted, strict=True) if not ok]
-        reasons = "; ".join(
+        reasons = [
             f"{t.name}: {t.health.last_dropped}" for t in self._tiers if t.health.last_dropped
+        ]
+        reasons += sorted({f"an older value may survive in {reason}" for reason in unsafe.values()})
+        failing = unsafe or any(not t.health.healthy for t in self._tiers)
+        error = (BackendUnavailable if failing else CapacityExceeded)(
+            f"{len(refused)} of {len(keys)} puts were not accepted ({', '.join(refused[:3])}"
+            f"{', ...' if len(refused) > 3 else ''}): {'; '.join(reasons)}. Free room (release "
+            "objects, raise max_size or write_behind_size) or bring the failing tier back."
         )
-        failing = any(not t.health.healthy for t in self._tiers)
-        error = BackendUnavailable if failing else CapacityExceeded
-        raise error(
-            f"{len(refused)} of {len(keys)} puts were accepted by no tier ({', '.join(refused[:3])}"
-            f"{', ...' if len(refused) > 3 else ''}): {reasons}. Free room (release objects, "
-            "raise max_size or write_behind_size) or bring the failing tier back."
-        )
+        raise with_stored(error, accepted)
 
     def _flushed(self) -> bool:
         """Nothing left to write, and no removal left but those waiting for a tier that is
@@ -987,7 +1168,12 @@ class Store(Backend):
                     obj.release()
             raise
 
-    async def _read(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+    async def _read(
+        self, keys: Sequence[CacheKey], *, write_back_now: bool = False
+    ) -> list[MemoryObj | None]:
+        """Each tier, in order, is asked for the keys the faster ones missed; lower-tier hits
+        are written back (:meth:`_write_back`; ``write_back_now``: into every faster tier
+        before this returns)."""
         started = self._begin_read()
         results: list[MemoryObj | None] = [None] * len(keys)
         try:
@@ -1023,9 +1209,9 @@ class Store(Backend):
                 if hits < len(asked):
                     counters.misses.inc(len(asked) - hits)
                 missing = [i for i in missing if results[i] is None]
-                if hits and tier.index:
+                if hits and tier.index and (self.options.promote or write_back_now):
                     found = [(keys[i], obj) for i in asked if (obj := results[i]) is not None]
-                    await self._write_back(tier, found, started)
+                    await self._write_back(tier, found, started, now=write_back_now)
                 if short:
                     break
             if missing:
@@ -1045,9 +1231,11 @@ class Store(Backend):
         source: _Tier,
         hits: list[tuple[CacheKey, MemoryObj]],
         started: int,
+        *,
+        now: bool = False,
     ) -> None:
-        """Copy lower-tier hits into the faster tiers: at once into the first tier and into
-        host-memory tiers (no copy there), through the write-behind into the others. A key
+        """Copy lower-tier hits into the faster tiers: at once into host-memory tiers (no copy
+        there; every tier with ``now``), through the write-behind into the others. A key
         written or removed since the read began is left alone, and a value written back while
         such a write happened is taken out again (it may be the older one)."""
         for tier in self._tiers[: source.index]:
@@ -1060,7 +1248,7 @@ class Store(Backend):
             ]
             if not fresh or not self._available(tier):
                 continue
-            if not (tier.index == 0 or tier.backend.capabilities.zero_copy):
+            if not (now or tier.backend.capabilities.zero_copy):  # off the read path
                 for key, obj in fresh:
                     self._admit(key, obj, [tier], newer=False)
                 continue
@@ -1071,11 +1259,114 @@ class Store(Backend):
             except CapacityExceeded:
                 ok = False
             if ok:
-                tier.counters.bytes_written.inc(nbytes)
+                self._wrote(tier, nbytes)
             for key in keys:
                 if self._changed_since(key, started):
                     with contextlib.suppress(BackendError, OSError):
                         await tier.backend.remove(key)
+
+    async def _read_into(self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]) -> list[bool]:
+        """Each tier, in order, reads the keys the faster ones missed straight into ``dests``
+        (the caller's memory, no memory budget in between); lower-tier hits are promoted in
+        the background (:meth:`_promote`)."""
+        started = self._begin_read()
+        promoting = False
+        try:
+            found = [False] * len(keys)
+            missing = list(range(len(keys)))
+            if self._pending:
+                newest = {i: entry.obj for i in missing if (entry := self._pending.get(keys[i]))}
+                for i, obj in newest.items():
+                    if obj is not None:  # the newest value: the tiers may hold an older one
+                        found[i] = fill_into([obj.retain()], [dests[i]])[0]
+                missing = [i for i in missing if i not in newest or newest[i] is None]
+            promotions: list[tuple[_Tier, list[int]]] = []
+            for tier in self._tiers:
+                if not missing:
+                    break
+                asked = missing
+                if self._pending:
+                    asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
+                if not asked or not self._available(tier):
+                    continue
+                reading = tier.backend.batched_get_into(
+                    [keys[i] for i in asked], [dests[i] for i in asked]
+                )
+                ok, hits = await self._call(tier, "get", reading)
+                if not ok or hits is None:
+                    continue
+                got = [i for i, hit in zip(asked, hits, strict=True) if hit]
+                for i in got:
+                    found[i] = True
+                counters = tier.counters
+                if got:
+                    counters.hits.inc(len(got))
+                    counters.bytes_read.inc(sum(dests[i].nbytes for i in got))
+                    if tier.index and self.options.promote:
+                        promotions.append((tier, got))
+                if len(got) < len(asked):
+                    counters.misses.inc(len(asked) - len(got))
+                missing = [i for i in missing if not found[i]]
+            if missing:
+                self.metrics.store_misses.labels("absent").inc(len(missing))
+            for tier, got in promotions:
+                promoting |= self._schedule_promotion(
+                    tier, [keys[i] for i in got], sum(dests[i].nbytes for i in got), started
+                )
+            return found
+        finally:
+            if not promoting:
+                self._end_read(started)
+
+    def _schedule_promotion(
+        self, source: _Tier, keys: list[CacheKey], nbytes: int, started: int
+    ) -> bool:
+        """Promote ``keys`` (read from ``source`` by a read that began at ``started``) in the
+        background, while promotions in flight hold at most ``write_behind_limit`` bytes (one
+        always goes); False when it was skipped (counted)."""
+        if self._promoting_bytes and self._promoting_bytes + nbytes > self.write_behind_limit:
+            self.metrics.promotions_skipped.inc(len(keys))
+            return False
+        self._promoting_bytes += nbytes
+        self._reads[started] += 1  # the read stays open: a put meanwhile must win
+        task = asyncio.get_running_loop().create_task(self._promote(source, keys, nbytes, started))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return True
+
+    async def _promote(
+        self, source: _Tier, keys: list[CacheKey], nbytes: int, started: int
+    ) -> None:
+        """Read ``keys`` from ``source`` again, into the memory budget if it has room now, and
+        write them back into the faster tiers (:meth:`_write_back`)."""
+        hits: list[tuple[CacheKey, MemoryObj]] = []
+        try:
+            got, _ = await self._get_from(source, keys, time.monotonic())
+            hits = [(key, obj) for key, obj in zip(keys, got, strict=True) if obj is not None]
+            if hits:
+                await self._write_back(source, hits, started)
+        except (KvplugError, OSError) as error:  # a promotion that fails changes nothing
+            logger.debug("promoting %d keys from %s failed: %r", len(keys), source.name, error)
+        finally:
+            for _, obj in hits:
+                obj.release()
+            self._promoting_bytes -= nbytes
+            self._end_read(started)
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        """The bytes of ``key`` from the first tier that has it, read straight into ``dest``
+        (see :meth:`_read_into`)."""
+        self._ensure_usable()
+        return (await self._read_into([key], [dest]))[0]
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        """The bytes of each key read straight into its destination: each tier is asked once,
+        in order, for the keys the faster ones missed. A chunk a tier holds is never a miss
+        for want of kvplug's own memory: none is used."""
+        self._ensure_usable()
+        return await self._read_into(list(keys), list(dests))
 
     async def _get(self, key: CacheKey) -> MemoryObj | None:
         """The object from the first tier that has it (the caller releases it); ``None`` when
@@ -1137,7 +1428,7 @@ class Store(Backend):
         tier has; how many of them the first tier now holds."""
         self._ensure_usable()
         present = await self.batched_contains(keys)
-        objs = await self._read(list(keys[:present]))
+        objs = await self._read(list(keys[:present]), write_back_now=True)
         loaded = next((n for n, obj in enumerate(objs) if obj is None), len(objs))
         for obj in objs:
             if obj is not None:
@@ -1265,8 +1556,10 @@ class Store(Backend):
                 "bytes_written": value("kvplug_tier_written_bytes_total", tier=name),
                 "errors": sum(errors.values()),
                 "errors_by_op": errors,
+                "offered_puts": value("kvplug_tier_offered_puts_total", tier=name),
                 "dropped_puts": sum(dropped.values()),
                 "dropped_by_reason": dropped,
+                "starved": tier.starved,
                 "queued": len(tier.waiting),
                 "healthy": tier.health.healthy,
             }
@@ -1289,6 +1582,7 @@ class Store(Backend):
                 reason: value("kvplug_store_misses_total", reason=reason) for reason in MISS_REASONS
             },
             "rejected_puts": value("kvplug_store_rejected_puts_total"),
+            "promotions_skipped": value("kvplug_store_promotions_skipped_total"),
         }
 
     def prometheus_text(self) -> str:
@@ -1304,7 +1598,11 @@ class Store(Backend):
 
     async def _close(self) -> None:
         """Finish queued writes (up to ``close_timeout`` seconds; what is left is counted as
-        dropped), then close every tier."""
+        dropped), stop promotions, then close every tier."""
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._tiers and self._pending:
             with contextlib.suppress(TimeoutError):
                 await self.flush(self.options.close_timeout)
@@ -1370,6 +1668,8 @@ __all__ = [
     "Store",
     "StoreOptions",
     "TierHealth",
+    "layers",
     "open_store",
     "store_url",
+    "tiers_of",
 ]
