@@ -1662,8 +1662,10 @@ async def open_store(
 
 
 __all__ = [
+    "ADVICE",
     "DROP_REASONS",
     "MISS_REASONS",
+    "STARVED_AFTER",
     "MemoryTier",
     "Store",
     "StoreOptions",

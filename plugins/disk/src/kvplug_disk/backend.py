@@ -1448,7 +1448,22 @@ class DiskBackend(Backend):
         file was absent. A file that cannot be deleted raises
         (:class:`~kvplug_disk.fileops.WriteRefused` for a directory that refuses it) and the
         key stays stored."""
+        if self._directories_open and not self._may_hold(key):
+            return False
         return await self._run(f"remove of {key}", partial(self._remove_key, key))
+
+    def _may_hold(self, key: CacheKey) -> bool:
+        """Whether ``key`` is indexed or has a file (another instance's) in some directory:
+        a lookup and a ``stat`` or two, so that removing an absent key (every put through a
+        Store of several tiers does, to drop an older value) never waits behind file I/O."""
+        with self._lock:
+            if self._index.get(key) is not None:
+                return True
+        stem = digest(key.to_string())
+        return any(
+            os.path.lexists(os.path.join(directory.path, stem[:2], stem + SUFFIX))
+            for directory in self._probe_order(stem)
+        )
 
     async def _pin(self, key: CacheKey) -> bool:
         """Keep ``key`` from eviction for ``pin_ttl`` seconds or until :meth:`unpin`; pins
