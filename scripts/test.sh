@@ -1,12 +1,40 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh) and runs every check: lint, types, and the whole test
-# suite. Exits non-zero when anything fails or when no test ran.
+# Every check, from set-up to the last test: what CI runs (.ci/run). In order: the README's main
+# command verbatim (scripts/setup.sh, then `kvplug bench` at its defaults), every other kvplug
+# command at its documented default invocation, the engine venvs (scripts/setup-engines.sh),
+# lint, types, the whole test suite, the Mooncake tests in a network namespace, each engine
+# integration in its venv, a short fuzz run and the contract suite through the CLI. Exits
+# non-zero when anything fails or when no test ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-# The environment scripts/setup.sh built (KVPLUG_VENV names another than .venv).
+# The environment scripts/setup.sh builds (KVPLUG_VENV names another than .venv).
 VENV=${KVPLUG_VENV:-.venv}
 PY=$VENV/bin/python
+failed() {
+  echo "test: FAIL: $1 exited $2 (above: its output)." >&2
+  exit 1
+}
+
+echo "== the README's main command, verbatim: the main job's set-up, then kvplug bench"
+# A failure on the left of `&&` does not stop a `set -e` script: each command checks itself.
+if [ "$VENV" = .venv ]; then
+  bash scripts/setup.sh && .venv/bin/kvplug bench || failed "the README's main command" $?
+else
+  bash scripts/setup.sh && "$VENV/bin/kvplug" bench || failed "the main command in $VENV" $?
+fi
+
+echo "== every other kvplug command at its documented default invocation"
+default_invocation() {
+  echo "-- kvplug $*"
+  "$VENV/bin/kvplug" "$@" </dev/null || failed "kvplug $*" $?
+}
+default_invocation plugins
+default_invocation check
+default_invocation config
+default_invocation contract cpu://
+
+echo "== the engine venvs (scripts/setup-engines.sh)"
+bash scripts/setup-engines.sh
 
 echo "== ruff"
 "$VENV/bin/ruff" check .
@@ -48,7 +76,7 @@ redis_pid=
 valkey_pid=
 lm_pid=
 trap 'rm -rf "$acme_dir"; kill -9 $redis_pid $valkey_pid $lm_pid 2>/dev/null || true' EXIT
-"$VENV/bin/kvplug" contract cpu://
+# cpu:// ran above, as kvplug contract's documented default invocation.
 "$VENV/bin/kvplug" contract audit::cpu://
 "$VENV/bin/kvplug" contract blackhole:// --xfails-file plugins/blackhole/contract-xfails.txt
 "$VENV/bin/kvplug" contract "acme://$acme_dir/contract.sqlite"

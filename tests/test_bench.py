@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,16 @@ from kvplug_cpu.backend import CpuBackend
 from kvplug_testing import RedisServer
 
 SMALL = ["--shape", "2,2,16,64", "--count", "3"]
+MIB_CHUNK = ["--shape", "2,8,256,128"]
+"""1 MiB chunks."""
+TIER_LINE = re.compile(
+    r"^tier (\d+:\S+): (\d+) of (\d+) chunks stored, (\d+) returned, (\d+) puts dropped$", re.M
+)
+
+
+def tier_counts(output: str) -> dict[str, tuple[int, ...]]:
+    """Each tier's ``(stored, given, returned, dropped)`` from the bench's lines."""
+    return {m[1]: tuple(int(n) for n in m.groups()[1:]) for m in TIER_LINE.finditer(output)}
 
 
 class CorruptingCpu(CpuBackend):
@@ -161,3 +175,76 @@ def test_bench_against_redis_leaves_no_chunk_behind(tmp_path: Path) -> None:
         assert code == 0, output
         assert "verified 6 reads bit-exact" in output
         assert client.keys("*") == [b"an-engine-key"]
+
+
+@pytest.mark.slow
+def test_the_real_default_bench_passes_with_all_32_chunks_in_every_tier() -> None:
+    # The README's main job exactly: 32 chunks of 32 MiB (1 GiB) through cpu:// and file:// in
+    # a temporary directory; about 10-20 s here on 2 busy cores.
+    started = time.monotonic()
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("kvplug")), "bench"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    tiers = tier_counts(output)
+    assert [name.split("://")[0] for name in tiers] == ["0:cpu", "1:file"], output
+    assert set(tiers.values()) == {(32, 32, 32, 0)}, output
+    assert "verified 64 reads bit-exact" in output
+    assert time.monotonic() - started < 300
+
+
+def test_a_bench_that_offers_twice_what_its_write_behind_holds_keeps_every_chunk() -> None:
+    # The default tiers for 48 chunks of 1 MiB: a 96 MiB budget, so a 24 MiB write-behind.
+    code, output = invoke("bench", *MIB_CHUNK, "--count", "48")
+    assert code == 0, output
+    assert set(tier_counts(output).values()) == {(48, 48, 48, 0)}, output
+
+
+def test_the_write_behind_the_bench_outruns_holds_its_puts_back_and_fails_no_tier(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text(f"tiers: [cpu://, file://{tmp_path}/disk]\nwrite_behind_size: 1MiB\n")
+    code, output = invoke("bench", "--config", str(config), *MIB_CHUNK, "--count", "12")
+    assert code == 0, output
+    assert "FAIL" not in output and "write_behind_full" not in output
+    assert set(tier_counts(output).values()) == {(12, 12, 12, 0)}, output
+    waited = re.search(r"(\d+) of 12 puts waited for write-behind room", output)
+    assert waited is not None and int(waited[1]) >= 1, output
+    assert "method: puts wait up to 60 s for write-behind room" in output
+
+
+@pytest.mark.parametrize(
+    ("lower", "dropped", "fix"),
+    [
+        pytest.param(
+            "{url: 'cpu://', max_size: 4KiB}",
+            "(dropped: full 3)",
+            "to fix: raise the tier's max_size (or free its space): the objects do not fit in it "
+            "(one object is 8.0KiB)",
+            id="full",
+        ),
+        pytest.param(
+            "'audit://?fail_rate=1&fail_ops=batched_put::file://{tmp}/disk'",
+            "tier_error",
+            "; kvplug check URL tests the tier on its own",
+            id="failing-its-writes",
+        ),
+    ],
+)
+def test_a_lower_tier_that_takes_no_chunk_fails_the_bench_with_the_reason_and_the_fix(
+    tmp_path: Path, lower: str, dropped: str, fix: str
+) -> None:
+    config = tmp_path / "kvplug.yaml"
+    lower = lower.replace("{tmp}", str(tmp_path))
+    config.write_text(f"tiers:\n  - cpu://\n  - {lower}\n")
+    code, output = invoke("bench", "--config", str(config), *SMALL)
+    assert code == 1
+    flat = " ".join(output.split())
+    assert "FAIL tier 1:" in flat and "accepted 0 of 3 chunks and returned 0" in flat
+    assert "it took none of the 3 puts offered to it" in flat and dropped in flat
+    assert fix in flat

@@ -43,7 +43,7 @@ def test_check_round_trips_through_a_url() -> None:
     assert "zero_copy" in output
 
 
-def test_check_without_url_uses_the_configured_first_tier(tmp_path) -> None:
+def test_check_without_url_uses_the_configured_first_tier(tmp_path: Path) -> None:
     config = tmp_path / "kvplug.yaml"
     config.write_text("tiers:\n  - url: blackhole://\n  - cpu://\n")
     code, output = invoke("check", "--config", str(config))
@@ -71,7 +71,67 @@ def test_check_with_a_config_checks_every_tier_with_its_own_options(tmp_path: Pa
     assert "OK tier 0 cpu://" in flat
     assert f"check failed: tier 1 file://{tmp_path}/disk: put of a 32.0MiB object" in flat
     assert "check failed: tier 2 blackhole://" in flat
-    assert "check failed for 2 of 3 target(s)" in flat
+    # Through the whole Store too: the disk tier cannot take the chunk, the blackhole keeps none.
+    assert "check failed: the Store: tier 1:file://" in flat and "dropped: full 1" in flat
+    assert "check failed: the Store: tier 2:blackhole:// returned 0 of 3 objects" in flat
+    assert "check failed for 3 of 4 target(s)" in flat
+
+
+def test_check_without_url_also_round_trips_every_object_through_the_whole_store(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text(f"tiers:\n  - cpu://?max_size=256MiB\n  - file://{tmp_path}/disk\n")
+    code, output = invoke("check", "--config", str(config), "--rounds", "1")
+    assert code == 0, output
+    flat = " ".join(output.split())
+    assert (
+        "OK the Store of 2 tier(s): each of 3 objects put through it, flushed and read back "
+        "bit-exact from every tier" in flat
+    )
+
+
+def test_check_fails_naming_a_tier_the_store_never_writes_though_it_passes_alone(
+    tmp_path: Path,
+) -> None:
+    # The tier takes single puts but fails every batched one, which is how the Store writes.
+    failing = f"audit://?fail_rate=1&fail_ops=batched_put::file://{tmp_path}/disk"
+    config = tmp_path / "kvplug.yaml"
+    config.write_text(f"tiers:\n  - cpu://?max_size=256MiB\n  - '{failing}'\n")
+    code, output = invoke("check", "--config", str(config))
+    assert code == 1
+    flat = " ".join(output.split())
+    assert (
+        "OK tier 0 cpu://" in flat
+        and "OK tier 1 audit://?fail_rate=1&fail_ops=batched_put::" in flat
+    )
+    assert (
+        "check failed: the Store: tier 1:audit://?fail_rate=1&fail_ops=batched_put returned 0 "
+        "of 9 objects; missed 3 of 3 512B objects, 3 of 3 512.0KiB objects, 3 of 3 32.0MiB "
+        "objects; it took none of the 9 puts offered to it (dropped: " in flat
+    )
+    assert "tier_error" in flat
+    assert "last problem: BackendUnavailable: injected fault: audit (fail_rate=1.0)" in flat
+    assert "to fix: " in flat and "; kvplug check URL tests the tier on its own" in flat
+    assert "check failed for 1 of 3 target(s)" in flat
+
+
+def test_check_through_the_store_names_a_full_lower_tier_and_what_to_change(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers:\n  - cpu://\n  - {url: 'cpu://', max_size: 4KiB}\n")
+    code, output = invoke("check", "--config", str(config), "--shape", "2,4,256,128")
+    assert code == 1
+    flat = " ".join(output.split())
+    assert (
+        "check failed: the Store: tier 1:cpu:// returned 0 of 3 objects; missed 3 of 3 512.0KiB "
+        "objects; it took none of the 3 puts offered to it (dropped: full 3)" in flat
+    )
+    assert (
+        "to fix: raise the tier's max_size (or free its space): the objects do not fit in it "
+        "(one object is 512.0KiB)" in flat
+    )
 
 
 def test_check_of_small_objects_only_when_asked() -> None:
@@ -102,7 +162,7 @@ def test_check_reports_bad_input_clearly() -> None:
     assert code == 1 and "max_size" in output
 
 
-def test_config_prints_lmcache_keys_as_tiers_with_passwords_masked(tmp_path) -> None:
+def test_config_prints_lmcache_keys_as_tiers_with_passwords_masked(tmp_path: Path) -> None:
     config = tmp_path / "lmcache.yaml"
     config.write_text(
         "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2.0\n"

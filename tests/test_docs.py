@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,40 @@ def test_every_installed_scheme_is_documented() -> None:
     urls_doc = (ROOT / "docs" / "urls.md").read_text()
     for scheme in kvplug.available_schemes():
         assert f"`{scheme}://" in urls_doc or f"`{scheme}::" in urls_doc, scheme
+
+
+def _commands(path: Path) -> list[str]:
+    """The command lines of a shell script: no comments, no blank lines."""
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_ci_runs_the_readmes_main_command_verbatim_and_every_command_at_its_default() -> None:
+    main_command, test_command = re.findall(
+        r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.DOTALL
+    )[:2]
+    assert f"exec {test_command}" in _commands(ROOT / ".ci" / "run")
+    steps = _commands(ROOT / "scripts" / "test.sh")
+    # Verbatim, failing the run when it exits non-zero, and before anything beyond the main
+    # job's own set-up is built.
+    main_job = next(i for i, line in enumerate(steps) if line.startswith(f"{main_command} || "))
+    assert steps[main_job].startswith(f"{main_command} || failed ")
+    assert re.search(
+        r"^failed\(\) \{[^}]*\n  exit 1\n\}", (ROOT / "scripts" / "test.sh").read_text(), re.M
+    )
+    assert main_job < steps.index("bash scripts/setup-engines.sh")
+    for invocation in ("plugins", "check", "config", "contract cpu://"):
+        assert steps.index(f"default_invocation {invocation}") < steps.index(
+            "bash scripts/setup-engines.sh"
+        )
+
+
+def test_the_main_commands_set_up_builds_no_engine_venv_and_the_test_command_does() -> None:
+    setup = "\n".join(_commands(ROOT / "scripts" / "setup.sh"))
+    for engine_part in (".venv-", "tested-versions.txt", "lmcache", "sglang", "vllm", "g++"):
+        assert engine_part not in setup, engine_part
+    engines = "\n".join(_commands(ROOT / "scripts" / "setup-engines.sh"))
+    assert "tested-versions.txt" in engines and ".kvplug-stamp" in engines
+    assert "bash scripts/setup-engines.sh" in _commands(ROOT / "scripts" / "test.sh")
+    for script in ("setup.sh", "setup-engines.sh", "test.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)

@@ -22,15 +22,21 @@ import kvplug
 from kvplug.bench import (
     DEFAULT_COUNT,
     DEFAULT_SHAPE,
+    FLUSH_TIMEOUT,
+    METHOD,
     default_bench_config,
+    describe_drops,
+    drop_advice,
+    main_reason,
     run_bench,
 )
-from kvplug.config import load_config
+from kvplug.config import Config, load_config
 from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
 from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.store import open_store
 from kvplug.units import format_size
 
 T = TypeVar("T")
@@ -211,6 +217,115 @@ async def _check(
     return samples, backend.capabilities, details
 
 
+def _with_options(config: Config, extra: dict[str, Any]) -> Config:
+    """``config`` with ``extra`` options on every tier (``kvplug check -o``)."""
+    if not extra:
+        return config
+    data = config.to_dict()
+    data["tiers"] = [{"url": tier.url, **tier.options, **extra} for tier in config.tiers]
+    return Config.from_dict(data, source="the config with the -o options")
+
+
+async def _check_store(
+    config: Config, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, rounds: int
+) -> tuple[int, list[str]]:
+    """Round-trip each object through the whole Store of ``config``, one at a time: put it
+    through the Store, flush the write-behind, read it back from every tier, remove it. How
+    many objects went through, and one problem per tier that did not return each bit-exact
+    (with its drop reasons and what to change)."""
+    store = await open_store(config)
+    names = store.tier_names
+    missed: dict[str, dict[int, int]] = {name: {} for name in names}
+    """Per tier: objects it did not return, by size in bytes."""
+    wrong = dict.fromkeys(names, 0)
+    errors: dict[str, str] = {}
+    sizes: dict[int, int] = {}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for shape_index, shape in enumerate(shapes):
+            nbytes = nbytes_of(shape, dtype)
+            for round_index in range(rounds):
+                key = CacheKey(f"{CHECK_MODEL}/store", 1, 0, shape_index * rounds + round_index)
+                obj = store.allocate(shape, dtype, MemoryFormat.KV_2LTD)
+                if obj is None:
+                    raise KvplugError(
+                        f"the Store's memory budget ({format_size(store.budget.stats().capacity)})"
+                        f" has no room for a {format_size(nbytes)} object: raise the cpu tier's "
+                        "max_size or the config's buffer_size"
+                    )
+                obj.raw.copy_(
+                    torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=generator)
+                )
+                sizes[nbytes] = sizes.get(nbytes, 0) + 1
+                try:
+                    # A put refused is not raised: each tier's drop is counted, reported below.
+                    await store.offer([key], [obj])
+                    try:
+                        await store.flush(FLUSH_TIMEOUT)
+                    except TimeoutError:
+                        stalled = [n for n, t in store.stats()["tiers"].items() if t["queued"]]
+                        raise KvplugError(
+                            f"the Store's write-behind did not finish within {FLUSH_TIMEOUT:g} s "
+                            f"(still queued for {', '.join(stalled) or 'a tier'}): a lower "
+                            "tier is stalled"
+                        ) from None
+                    for name, backend in zip(names, store.tiers, strict=True):
+                        try:
+                            got = await backend.get(key)
+                        except (KvplugError, OSError) as error:
+                            errors[name] = f"get: {type(error).__name__}: {error}"
+                            got = None
+                        if got is None:
+                            missed[name][nbytes] = missed[name].get(nbytes, 0) + 1
+                            continue
+                        if (got.shape, got.dtype) != (obj.shape, obj.dtype) or not torch.equal(
+                            got.raw, obj.raw
+                        ):
+                            wrong[name] += 1
+                        got.release()
+                    with contextlib.suppress(NotSupported):
+                        await store.remove(key)
+                finally:
+                    obj.release()
+    finally:
+        await store.close()
+    total = sum(sizes.values())
+    stats = store.stats()["tiers"]
+    problems = []
+    for name, health in zip(names, store.health(), strict=True):
+        lost = sum(missed[name].values())
+        if not lost and not wrong[name]:
+            continue
+        tier = stats[name]
+        dropped = {reason: int(n) for reason, n in tier["dropped_by_reason"].items() if n}
+        offered = int(tier.get("offered_puts", total))
+        parts = [f"tier {name} returned {total - lost - wrong[name]} of {total} objects"]
+        if lost:
+            parts.append(
+                "missed "
+                + ", ".join(
+                    f"{n} of {sizes[nbytes]} {format_size(nbytes)} objects"
+                    for nbytes, n in sorted(missed[name].items())
+                )
+            )
+        if wrong[name]:
+            parts.append(f"{wrong[name]} read back with different bytes")
+        if dropped:
+            parts.append(describe_drops(offered, dropped, took_none=lost == total))
+        last = errors.get(name) or health.last_error or health.last_dropped
+        if last:
+            parts.append(f"last problem: {last}")
+        if dropped:
+            advice = drop_advice(
+                main_reason(dropped),
+                object_bytes=max(missed[name] or sizes),
+                write_behind_limit=store.write_behind_limit,
+            )
+            parts.append(f"to fix: {advice}")
+        problems.append("; ".join(parts))
+    return total, problems
+
+
 @main.command("check")
 @click.argument("url", required=False)
 @click.option(
@@ -247,14 +362,24 @@ def check_command(
     rounds: int,
     option_pairs: tuple[str, ...],
 ) -> None:
-    """Open URL (or every configured tier), round-trip objects bit-exact, report latency."""
+    """Open URL (or every configured tier), round-trip objects bit-exact, report latency.
+
+    With no URL, each configured tier is checked on its own, then the objects also go through
+    the whole configured Store, one at a time (put through the Store, flush its write-behind,
+    read every tier back): a tier that does not get an object through the Store (the
+    write-behind dropped it, the tier refused it) fails the check, named with the reason and
+    what to change.
+    """
     try:
         extra = _parse_options(option_pairs)
+        store_config = None
         if url is None:
+            config = load_config(config_path)
             targets = [
                 (f"tier {index} ", tier.url, {**tier.options, **extra})
-                for index, tier in enumerate(load_config(config_path).tiers)
+                for index, tier in enumerate(config.tiers)
             ]
+            store_config = _with_options(config, extra)
         else:
             targets = [("", url, extra)]
     except KvplugError as error:
@@ -285,12 +410,34 @@ def check_command(
         for name, value in details.items():
             console.print(f"{name}: {value}", markup=False, highlight=False)
         console.print(f"[green]OK[/green] {escape(label + mask_url(target))}")
+    if store_config is not None:
+        targets.append(("the Store", "", {}))
+        try:
+            total, problems = asyncio.run(
+                _check_store(store_config, shapes, KV_DTYPES[dtype], rounds)
+            )
+        except KvplugError as error:
+            total, problems = 0, [f"{type(error).__name__}: {error}"]
+        for problem in problems:
+            click.echo(f"check failed: the Store: {mask_text(problem)}", err=True)
+        if problems:
+            failed += 1
+        else:
+            console.print(
+                f"[green]OK[/green] the Store of {len(store_config.tiers)} tier(s): each of "
+                f"{total} objects put through it, flushed and read back bit-exact from every tier"
+            )
     if failed:
         click.echo(f"check failed for {failed} of {len(targets)} target(s)", err=True)
         sys.exit(1)
 
 
-@main.command("bench")
+@main.command(
+    "bench",
+    help="Store and read back KV chunks through the tiers, verify every byte, report GB/s.\n\n"
+    f"How it measures: {METHOD}. Exits 1 when a tier stores or returns fewer chunks than it "
+    "was given, naming the tier, the counts, why its puts were dropped and what to change.",
+)
 @click.option(
     "--config",
     "config_path",
@@ -313,7 +460,6 @@ def check_command(
     help="Number of chunks.",
 )
 def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, count: int) -> None:
-    """Store and read back KV chunks through the tiers, verify every byte, report GB/s."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     torch_dtype = KV_DTYPES[dtype]
@@ -348,8 +494,7 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
             click.echo(f"bench failed: {mask_text(str(error))}", err=True)
             sys.exit(1)
     table = Table(
-        title=f"kvplug bench: {count} chunks of {shape} {dtype} "
-        f"({chunk_bytes / 2**20:.1f} MiB each)"
+        title=f"kvplug bench: {count} chunks of {shape} {dtype} ({format_size(chunk_bytes)} each)"
     )
     for column in ("operation", "tier", "chunks", "GB/s", "p50 ms/call", "p99 ms/call", "misses"):
         table.add_column(
@@ -369,19 +514,38 @@ def bench_command(config_path: str | None, shape: tuple[int, ...], dtype: str, c
             str(row.misses),
         )
     console.print(table)
+
+    def say(line: str) -> None:  # one line each, never wrapped: tests and scripts read them
+        console.print(mask_text(line), markup=False, highlight=False, soft_wrap=True)
+
+    say(f"method: {METHOD}")
+    say(
+        f"sustained: {count} chunks ({format_size(count * chunk_bytes)}) into every tier "
+        f"in {result.put_seconds:.2f} s from the first put until flush() returned: "
+        f"{result.sustained_gb_per_s:.2f} GB/s; {result.waited_puts} of {count} puts waited for "
+        f"write-behind room ({result.waited_seconds:.2f} s in all; write_behind_size "
+        f"{format_size(result.write_behind_limit)})"
+    )
     for tier in result.tiers:
+        say(
+            f"tier {tier.tier}: {tier.stored} of {tier.given} chunks stored, {tier.returned} "
+            f"returned, {tier.dropped} puts dropped"
+        )
         if tier.removed is None:
-            console.print(
+            say(
                 f"tier {tier.tier} cannot delete: the chunks it stored stay under "
-                f"{result.namespace}@... until it evicts or expires them.",
-                markup=False,
-                highlight=False,
+                f"{result.namespace}@... until it evicts or expires them."
             )
     failures = result.shortfalls
+    if result.refused:
+        failures.append(
+            f"the store accepted {count - result.refused} of {count} puts (Store.offer); the "
+            "tiers' lines say why"
+        )
     if result.mismatches:
         failures.append(f"{result.mismatches} chunk(s) read back with wrong bytes")
     for line in failures:
-        console.print(f"[red]FAIL[/red] {escape(mask_text(line))}")
+        console.print(f"[red]FAIL[/red] {escape(mask_text(line))}", soft_wrap=True)
     if failures:
         sys.exit(1)
     console.print(f"[green]verified[/green] {result.verified} reads bit-exact")
