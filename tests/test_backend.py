@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+import concurrent.futures
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -12,16 +16,21 @@ import torch
 from kvplug import (
     BackendClosed,
     BackendTimeout,
+    BackendUnavailable,
     BytesBackend,
     CacheKey,
     Capabilities,
     FreeListAllocator,
     MemoryFormat,
+    MemoryObj,
     NotSupported,
     RefCountError,
     UnknownOption,
 )
 from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
+from kvplug.sync import SyncClient
+
+T = TypeVar("T")
 
 
 class DictBytes(BytesBackend):
@@ -131,7 +140,7 @@ def test_put_releases_its_reference_on_failure(allocator) -> None:
     backend = DictBytes(allocator=allocator)
     backend.fail_puts = True
     obj = filled(allocator, (4, 4), torch.float32, 3)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(BackendUnavailable, match="store went away"):
         run(backend.put(key(1), obj))
     assert obj.ref_count == 1
     obj.release()
@@ -172,7 +181,7 @@ def test_batched_get_releases_what_it_read_when_one_get_fails(allocator) -> None
     obj = filled(allocator, (64,), torch.float16, 0)
     run(backend.batched_put([key(1), key(3)], [obj, obj]))
     obj.release()
-    with pytest.raises(ConnectionError):
+    with pytest.raises(BackendUnavailable, match="lost"):
         run(backend.batched_get([key(1), key(2), key(3)]))
     assert allocator.stats().used == 0
 
@@ -356,7 +365,7 @@ def test_operation_stats_count_calls_hits_misses_bytes_and_errors(allocator) -> 
             if got is not None:
                 got.release()
         backend.fail_puts = True
-        with pytest.raises(ConnectionError):
+        with pytest.raises(BackendUnavailable):
             await backend.put(key(3), obj)
         assert await backend.batched_contains([key(1), key(2), key(1)]) == 1
 
@@ -415,7 +424,7 @@ def test_a_hook_that_waits_runs_to_its_result_its_error_or_its_cancellation() ->
     async def main() -> None:
         backend = Waits("dict://?timeout=30")
         assert await backend.get(key(1)) is None
-        with pytest.raises(ConnectionError, match="lost"):
+        with pytest.raises(BackendUnavailable, match="lost"):
             await backend.get(key(1, model="boom"))
         task = asyncio.ensure_future(backend.get(key(1, model="slow")))
         await asyncio.sleep(0.1)
@@ -610,3 +619,106 @@ def test_raw_values_read_and_overwrite_the_stored_frame(allocator) -> None:
     run(main())
     obj.release()
     assert isinstance(backend, RawValues)
+
+
+# -- counters under concurrency -------------------------------------------------------------------
+
+THREADS = 8
+ROUNDS = 1500
+
+
+@contextlib.contextmanager
+def frequent_thread_switches() -> Iterator[None]:
+    """Switch threads every microsecond, so that an unguarded ``+=`` loses updates."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def inline(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run an operation of a runs_inline backend on this thread, as SyncClient does."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coroutine.close()
+    raise AssertionError("an operation of cpu:// waited")
+
+
+@pytest.mark.parametrize("how", ["sync_client", "stepped", "own_loops"])
+def test_counters_are_exact_while_many_threads_operate_at_once(how: str) -> None:
+    """cpu:// runs its operations on the caller's thread (runs_inline), engine threads many at
+    a time: no call may be lost from the counters, and every snapshot taken meanwhile adds up
+    (each call counted once, with its outcome)."""
+    client = SyncClient("cpu://?max_size=16MiB")
+    backend = client.backend
+    assert backend.runs_inline
+    stored = MemoryObj.from_tensor(torch.ones(16))
+    client.put(key(0), stored).result()
+    torn: list[dict[str, object]] = []
+    running = threading.Event()
+    running.set()
+
+    def operate(thread: int) -> None:
+        def one_round(get: Callable[..., Any], contains: Callable[..., Any]) -> None:
+            got = get(key(0))
+            assert got is not None
+            got.release()
+            assert get(key(1000 + thread)) is None
+            assert contains(key(0))
+
+        if how == "sync_client":
+            for _ in range(ROUNDS):
+                one_round(lambda k: client.get(k).result(), lambda k: client.contains(k).result())
+        elif how == "stepped":
+            for _ in range(ROUNDS):
+                one_round(lambda k: inline(backend.get(k)), lambda k: inline(backend.contains(k)))
+        else:
+
+            async def rounds() -> None:
+                for _ in range(ROUNDS):
+                    got = await backend.get(key(0))
+                    assert got is not None
+                    got.release()
+                    assert await backend.get(key(1000 + thread)) is None
+                    assert await backend.contains(key(0))
+
+            asyncio.run(rounds())
+
+    def watch() -> None:
+        while running.is_set():
+            try:
+                snapshot = backend.operation_stats()
+            except Exception as error:  # "dictionary changed size during iteration"
+                torn.append({"operation_stats() raised": repr(error)})
+                continue
+            for name, stats in snapshot.items():
+                if name in ("get", "contains") and stats.calls != (
+                    stats.errors + stats.hits + stats.misses
+                ):
+                    torn.append({name: (stats.calls, stats.errors, stats.hits, stats.misses)})
+
+    with frequent_thread_switches():
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+            for done in [pool.submit(operate, n) for n in range(THREADS)]:
+                done.result()
+        running.clear()
+        watcher.join()
+    stats = backend.operation_stats()
+    client.close()
+    stored.release()
+    gets = 2 * THREADS * ROUNDS
+    assert (stats["get"].calls, stats["get"].hits, stats["get"].misses) == (
+        gets,
+        gets // 2,
+        gets // 2,
+    )
+    assert stats["get"].bytes == gets // 2 * stored.nbytes
+    assert (stats["contains"].calls, stats["contains"].hits) == (THREADS * ROUNDS,) * 2
+    assert stats["get"].errors == stats["contains"].errors == 0
+    assert torn == [], f"snapshots that failed or did not add up: {torn[:3]}"

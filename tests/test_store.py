@@ -335,8 +335,9 @@ def test_a_bug_in_a_tier_reaches_the_caller_instead_of_being_called_a_failing_ti
     async def main() -> None:
         allocator = FreeListAllocator(16 << 20, pin=False)
         store = Store(tiers=[BuggyTier(allocator=allocator)], allocator=allocator)
-        with pytest.raises(TypeError, match="unsupported operand"):
+        with pytest.raises(kvplug.UnexpectedBackendError, match="unsupported operand") as bug:
             await store.get(key(1))
+        assert isinstance(bug.value.__cause__, TypeError)
         assert store.health()[0].healthy
         await store.close()
 

@@ -10,10 +10,11 @@ through :class:`~kvplug.sync.SyncClient`, so vendors never write synchronous cod
 operation does, for every backend, what each would otherwise do by hand or forget: it checks the
 arguments, raises :class:`~kvplug.errors.BackendClosed` after ``close``, applies the deadline
 (``options.timeout``), holds a reference to the caller's object while the hook runs, checks what
-the hook returns, gates operations on the declared :class:`Capabilities`, and counts calls,
-errors, hits, misses, bytes and time (:meth:`Backend.operation_stats`). A subclass that defines
-a public operation itself is refused when the class is created, and so is one that declares a
-capability without its hook.
+the hook returns, turns an exception of the hook that is not a kvplug error into one
+(:meth:`Backend.translate_error`), gates operations on the declared :class:`Capabilities`, and
+counts calls, errors, hits, misses, bytes and time (:meth:`Backend.operation_stats`). A
+subclass that defines a public operation itself is refused when the class is created, and so is
+one that declares a capability without its hook.
 
 There are three bases to start from:
 
@@ -89,6 +90,7 @@ from typing import (
     Any,
     ClassVar,
     Generic,
+    NoReturn,
     Protocol,
     TypeVar,
     cast,
@@ -97,11 +99,14 @@ from typing import (
 
 from kvplug.errors import (
     BackendClosed,
+    BackendError,
     BackendTimeout,
     BackendUnavailable,
     CorruptObject,
+    KvplugError,
     NotSupported,
     RefCountError,
+    UnexpectedBackendError,
     UnknownOption,
 )
 from kvplug.keys import CacheKey
@@ -170,6 +175,26 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def error_text(error: BaseException, limit: int = 500) -> str:
+    """The text of ``error`` as a message of kvplug's shows it: secrets masked
+    (:func:`~kvplug.secrets.mask_text`) and cut to about ``limit`` characters, since a client
+    library may put a whole command, value and all, into its error.
+
+    Example::
+
+        >>> text = error_text(ValueError("redis://app:s3cret@h:1 refused: " + "x" * 900))
+        >>> text[:32], text[-12:], len(text)
+        ('redis://app:***@h:1 refused: xxx', 'xxx... (cut)', 509)
+    """
+    text = str(error)
+    if len(text) > 4 * limit:  # masking reads it all: the part shown, with room to spare
+        text = text[: 4 * limit]
+    text = mask_text(text)
+    if len(text) > limit:
+        text = f"{text[:limit]}... (cut)"
+    return text
+
+
 async def gather_all(operations: Iterable[Awaitable[T]]) -> list[T]:
     """Await ``operations`` concurrently; once every one has finished, raise the first error,
     else return the results in order. Nothing is left running when it raises."""
@@ -223,6 +248,16 @@ class Capabilities:
     """``list_keys`` enumerates stored keys. Hook: ``_list_keys``."""
     device_memory: bool = False
     """``get`` may return objects in GPU memory."""
+    releases_on_cancel: bool = False
+    """An operation that is cancelled (a caller's deadline) has stopped reading and writing the
+    caller's objects by the time its cancellation has finished: the caller may reuse a buffer
+    as soon as the cancelled call returns, and nothing the backend does afterwards touches it
+    (``put`` and ``get_into`` and their batched forms; a put that was cancelled stores nothing
+    read from the buffer after the cancellation). Engine integrations lend such a backend
+    their own buffers; others get a copy taken at submit (stores) and read into kvplug's own
+    memory (loads). A backend whose threads touch caller memory declares it only with
+    :class:`~kvplug.lease.Lease`: every access inside :meth:`~kvplug.lease.Lease.use`, and the
+    cancellation awaiting :meth:`~kvplug.lease.Lease.revoke`. The contract suite checks it."""
 
     def declared(self) -> tuple[str, ...]:
         """Names of the declared capabilities."""
@@ -231,7 +266,8 @@ class Capabilities:
 
 @dataclass
 class OperationStats:
-    """What one public operation of a backend has done so far."""
+    """What one public operation of a backend has done so far: its finished calls, each
+    counted once, with its outcome, when it returns or raises."""
 
     calls: int = 0
     errors: int = 0
@@ -476,6 +512,8 @@ class Backend(abc.ABC):
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._close_lock = threading.Lock()
         self._operation_stats: dict[str, OperationStats] = {}
+        # Operations of a runs_inline backend finish on many engine threads at once.
+        self._stats_lock = threading.Lock()
 
     @classmethod
     def parse_options(cls, url: BackendURL, explicit: dict[str, Any]) -> BackendOptions:
@@ -526,10 +564,14 @@ class Backend(abc.ABC):
         return self.options.timeout
 
     def operation_stats(self) -> dict[str, OperationStats]:
-        """Counters of each public operation called so far (a copy), by operation name."""
-        return {
-            name: OperationStats(**vars(stats)) for name, stats in self._operation_stats.items()
-        }
+        """Counters of each public operation called so far, by operation name: a consistent
+        copy, taken while no operation is being counted (each call is counted once, when it
+        returns or raises, so ``calls == errors + hits + misses`` for ``get``, ``contains``
+        and ``get_into``)."""
+        with self._stats_lock:
+            return {
+                name: OperationStats(**vars(stats)) for name, stats in self._operation_stats.items()
+            }
 
     def describe(self) -> dict[str, str]:
         """What ``kvplug check`` prints about this backend once it is open, beyond its URL and
@@ -544,14 +586,123 @@ class Backend(abc.ABC):
         if self._closed:
             raise BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
 
-    def _operation_counter(self, operation: str) -> OperationStats:
-        stats = self._operation_stats.get(operation)
-        if stats is None:
-            stats = self._operation_stats.setdefault(operation, OperationStats())
-        return stats
+    def _count_call(
+        self,
+        operation: str,
+        started: float | None,
+        hits: int = 0,
+        misses: int = 0,
+        nbytes: int = 0,
+        errors: int = 0,
+        calls: int = 1,
+    ) -> None:
+        """Count one finished call of ``operation`` (begun at ``started``, a
+        ``time.perf_counter()``; ``None``: no time) in one step under the lock, so that callers
+        on many threads at once (a :attr:`runs_inline` backend's) lose no update and a snapshot
+        never sees a call half counted."""
+        seconds = 0.0 if started is None else time.perf_counter() - started
+        lock = self._stats_lock
+        lock.acquire()  # half the cost of "with lock" (about 0.1 us here), once per call
+        try:
+            stats = self._operation_stats.get(operation)
+            if stats is None:
+                stats = self._operation_stats[operation] = OperationStats()
+            stats.calls += calls
+            stats.errors += errors
+            stats.hits += hits
+            stats.misses += misses
+            stats.bytes += nbytes
+            stats.seconds += seconds
+        finally:
+            lock.release()
+
+    def translate_error(
+        self, operation: str, error: Exception, args: Sequence[object] = ()
+    ) -> Exception:
+        """The kvplug error the template raises, ``from error``, when a hook of ``operation``
+        (called with ``args``, which name the keys) raised ``error``:
+
+        * a :class:`~kvplug.errors.KvplugError`: ``error`` itself;
+        * ``ConnectionError`` (refused, reset, broken pipe):
+          :class:`~kvplug.errors.BackendUnavailable`, retryable;
+        * ``TimeoutError``: :class:`~kvplug.errors.BackendTimeout`;
+        * any other ``OSError``: :class:`~kvplug.errors.BackendError`, a failing store;
+        * ``MemoryError``: ``error`` itself (the process is out of memory, not the backend
+          failing), and so is the ``RuntimeError`` of a hook that needs an event loop where
+          none runs (:class:`~kvplug.sync.SyncClient` reports it for a :attr:`runs_inline`
+          backend that waited);
+        * anything else (``AttributeError``, ``KeyError``, ``RuntimeError`` ...):
+          :class:`~kvplug.errors.UnexpectedBackendError`.
+
+        Messages name the operation, the backend's URL and the original error, masked
+        (:func:`~kvplug.secrets.mask_text`). A plugin that knows more (a client library's
+        error that means a failover) translates it in its hooks, before this sees it; one with
+        public methods of its own outside the template (a health check) may call this too.
+
+        Example::
+
+            >>> import kvplug
+            >>> backend = kvplug.create_backend("cpu://")
+            >>> key = kvplug.CacheKey("llama", 1, 0, 7)
+            >>> error = backend.translate_error("get", KeyError("slot 7"), [key])
+            >>> type(error).__name__
+            'UnexpectedBackendError'
+            >>> print(str(error)[:68])
+            get of llama@1@0@7@half on cpu:// failed: CpuBackend raised KeyError
+            >>> type(backend.translate_error("put", ConnectionResetError(104, "reset"))).__name__
+            'BackendUnavailable'
+        """
+        if isinstance(error, (KvplugError, MemoryError)) or _needs_a_loop(error):
+            return error
+        where = f"{operation}{_of_keys(args)} on {self.url}"
+        cause = f"{type(error).__name__}: {error_text(error)}"
+        if isinstance(error, ConnectionError):
+            return BackendUnavailable(
+                f"{where} failed: the connection to the store broke ({cause}). Retryable: "
+                "operations succeed again once the store answers; check it if this persists."
+            )
+        if isinstance(error, TimeoutError):
+            return BackendTimeout(
+                f"{where} timed out ({cause}): the store is slow or unreachable. Check it, or "
+                "raise the 'timeout' option."
+            )
+        if isinstance(error, OSError):
+            return BackendError(
+                f"{where} failed: the system refused it ({cause}). Check the device, path, "
+                "permissions or free space the backend uses."
+            )
+        owner = type(self).__module__.partition(".")[0]
+        return UnexpectedBackendError(
+            f"{where} failed: {type(self).__qualname__} raised {cause}, which is not a kvplug "
+            "error: a bug in the backend or its client library, or a failure it does not "
+            "translate (a connection closed under it during a failover, say); the original "
+            f"error is this one's cause. Retry; if it persists, report it to the maintainers "
+            f"of {owner} with this message."
+        )
+
+    def _hook_failed(
+        self, operation: str, args: Sequence[object], error: BaseException
+    ) -> NoReturn:
+        """Raise what a hook's ``error`` becomes (:meth:`translate_error`)."""
+        if isinstance(error, Exception):
+            translated = self.translate_error(operation, error, args)
+            if translated is not error:
+                raise translated from error
+        raise error
 
     async def _run_hook(self, operation: str, hook: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``hook(*args)`` as ``operation``: open check, deadline, counters."""
+        """Run ``hook(*args)`` as ``operation``: open check, deadline, the hook's exceptions as
+        kvplug errors, and one count of the call (calls, errors, time)."""
+        started = time.perf_counter()
+        result = await self._call_hook(operation, started, hook, *args)
+        self._count_call(operation, started)
+        return result
+
+    async def _call_hook(
+        self, operation: str, started: float, hook: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        """:meth:`_run_hook` without counting a success: the public operation counts it, once,
+        with what it found. A failure is counted here."""
         if self._closed:
             self.ensure_open()
         if self.loop_bound:
@@ -560,10 +711,9 @@ class Backend(abc.ABC):
             if home is None:
                 self._home_loop = loop
             elif home is not loop:
-                return await self._run_on_home_loop(home, self._run_hook(operation, hook, *args))
-        stats = self._operation_counter(operation)
-        stats.calls += 1
-        started = time.perf_counter()
+                return await self._run_on_home_loop(
+                    home, self._call_hook(operation, started, hook, *args)
+                )
         try:
             limit = self.deadline()
             if limit is None:
@@ -576,19 +726,41 @@ class Backend(abc.ABC):
                 awaited = coroutine.send(None)
             except StopIteration as done:
                 return cast(T, done.value)
+            deadline = asyncio.timeout_at(asyncio.get_running_loop().time() + limit)
             try:
-                async with asyncio.timeout_at(asyncio.get_running_loop().time() + limit):
+                async with deadline:
                     return await _Resumed(coroutine, awaited)
             except TimeoutError:
+                if not deadline.expired():
+                    raise  # the hook's own, not the deadline: translated below
                 raise BackendTimeout(
                     f"{operation}{_of_keys(args)} on {self.url} took longer than {limit} s; the "
                     "store is slow or unreachable. Raise the 'timeout' option or check the store."
                 ) from None
-        except BaseException:
-            stats.errors += 1
-            raise
-        finally:
-            stats.seconds += time.perf_counter() - started
+        except BaseException as error:
+            self._count_call(operation, started, errors=1)
+            self._hook_failed(operation, args, error)
+
+    def _refused_result(
+        self, operation: str, started: float, message: str, others: Iterable[object] = ()
+    ) -> TypeError:
+        """The error for a hook's result the template refuses (counted as a failed call),
+        once the objects in ``others`` are released."""
+        _release_objects(others)
+        self._count_call(operation, started, errors=1)
+        return TypeError(message)
+
+    def _check_result(
+        self, operation: str, started: float, obj: object, hook: str, others: Sequence[object] = ()
+    ) -> None:
+        if not isinstance(obj, _memory().MemoryObj):
+            raise self._refused_result(
+                operation,
+                started,
+                f"{type(self).__qualname__}.{hook} returned {type(obj).__name__}; it must "
+                "return a kvplug.MemoryObj (the caller's reference) or None for a miss.",
+                others,
+            )
 
     async def _run_on_home_loop(
         self, home: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]
@@ -602,12 +774,6 @@ class Backend(abc.ABC):
                 "loop running (kvplug.sync.SyncClient does)."
             )
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
-
-    def _count_found(self, operation: str, hits: int, misses: int, nbytes: int = 0) -> None:
-        stats = self._operation_counter(operation)
-        stats.hits += hits
-        stats.misses += misses
-        stats.bytes += nbytes
 
     async def open(self) -> None:
         """Connect or prepare (the ``_open`` hook), once; ``kvplug.open_backend`` calls it.
@@ -641,6 +807,8 @@ class Backend(abc.ABC):
                 self.url,
                 limit,
             )
+        except Exception as error:
+            self._hook_failed("close", (), error)
 
     async def get(self, key: CacheKey) -> MemoryObj | None:
         """The object stored under ``key``, or ``None`` for a miss.
@@ -654,12 +822,13 @@ class Backend(abc.ABC):
           removed (clause 6).
         """
         _check_key(key, "get")
-        obj = await self._run_hook("get", self._get, key)
+        started = time.perf_counter()
+        obj = await self._call_hook("get", started, self._get, key)
         if obj is None:
-            self._count_found("get", 0, 1)
+            self._count_call("get", started, 0, 1)
             return None
-        _check_result(self, obj, "_get")
-        self._count_found("get", 1, 0, obj.nbytes)
+        self._check_result("get", started, obj, "_get")
+        self._count_call("get", started, 1, 0, obj.nbytes)
         return obj
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
@@ -674,18 +843,20 @@ class Backend(abc.ABC):
         """
         _check_key(key, "put")
         _check_obj(obj, "put")
+        started = time.perf_counter()
         obj.retain()
         try:
-            await self._run_hook("put", self._put, key, obj)
+            await self._call_hook("put", started, self._put, key, obj)
         finally:
             obj.release()
-        self._count_found("put", 0, 0, obj.nbytes)
+        self._count_call("put", started, 0, 0, obj.nbytes)
 
     async def contains(self, key: CacheKey) -> bool:
         """Whether ``get`` would hit now (clause 7: no "exists but cannot be read")."""
         _check_key(key, "contains")
-        found = bool(await self._run_hook("contains", self._contains, key))
-        self._count_found("contains", int(found), int(not found))
+        started = time.perf_counter()
+        found = bool(await self._call_hook("contains", started, self._contains, key))
+        self._count_call("contains", started, int(found), int(not found))
         return found
 
     async def remove(self, key: CacheKey) -> bool:
@@ -726,13 +897,14 @@ class Backend(abc.ABC):
         """
         _check_key(key, "get_into")
         _check_obj(dest, "get_into")
+        started = time.perf_counter()
         dest.retain()
         try:
-            hit = bool(await self._run_hook("get_into", self._get_into, key, dest))
+            hit = bool(await self._call_hook("get_into", started, self._get_into, key, dest))
         finally:
             dest.release()
-        self._count_found("get_into", int(hit), int(not hit), dest.nbytes if hit else 0)
-        return bool(hit)
+        self._count_call("get_into", started, int(hit), int(not hit), dest.nbytes if hit else 0)
+        return hit
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """``get`` of each key; the result is aligned with ``keys`` (clause 4). If the
@@ -741,19 +913,22 @@ class Backend(abc.ABC):
         if not keys:
             self.ensure_open()
             return []
-        objs = list(await self._run_hook("batched_get", self._batched_get, keys))
+        started = time.perf_counter()
+        objs = list(await self._call_hook("batched_get", started, self._batched_get, keys))
         if len(objs) != len(keys):
-            _release_objects(objs)
-            raise TypeError(
+            raise self._refused_result(
+                "batched_get",
+                started,
                 f"{type(self).__qualname__}._batched_get returned {len(objs)} results for "
-                f"{len(keys)} keys; it must return one per key, None for a miss (clause 4)."
+                f"{len(keys)} keys; it must return one per key, None for a miss (clause 4).",
+                objs,
             )
         for obj in objs:
             if obj is not None:
-                _check_result(self, obj, "_batched_get", objs)
+                self._check_result("batched_get", started, obj, "_batched_get", objs)
         hits = [obj for obj in objs if obj is not None]
-        self._count_found(
-            "batched_get", len(hits), len(objs) - len(hits), sum(o.nbytes for o in hits)
+        self._count_call(
+            "batched_get", started, len(hits), len(objs) - len(hits), sum(o.nbytes for o in hits)
         )
         return objs
 
@@ -767,13 +942,14 @@ class Backend(abc.ABC):
         if not keys:
             self.ensure_open()
             return
+        started = time.perf_counter()
         held = [obj.retain() for obj in objs]
         try:
-            await self._run_hook("batched_put", self._batched_put, keys, objs)
+            await self._call_hook("batched_put", started, self._batched_put, keys, objs)
         finally:
             for obj in held:
                 obj.release()
-        self._count_found("batched_put", 0, 0, sum(obj.nbytes for obj in objs))
+        self._count_call("batched_put", started, 0, 0, sum(obj.nbytes for obj in objs))
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading keys are present: the prefix length up to the first miss
@@ -782,13 +958,16 @@ class Backend(abc.ABC):
         if not keys:
             self.ensure_open()
             return 0
-        count = await self._run_hook("batched_contains", self._batched_contains, keys)
+        started = time.perf_counter()
+        count = await self._call_hook("batched_contains", started, self._batched_contains, keys)
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= len(keys):
-            raise TypeError(
+            raise self._refused_result(
+                "batched_contains",
+                started,
                 f"{type(self).__qualname__}._batched_contains returned {count!r} for "
-                f"{len(keys)} keys; it must return the count of leading keys present (clause 4)."
+                f"{len(keys)} keys; it must return the count of leading keys present (clause 4).",
             )
-        self._count_found("batched_contains", count, int(count < len(keys)))
+        self._count_call("batched_contains", started, count, int(count < len(keys)))
         return count
 
     async def batched_get_into(
@@ -803,24 +982,27 @@ class Backend(abc.ABC):
         if not keys:
             self.ensure_open()
             return []
+        started = time.perf_counter()
         held = [dest.retain() for dest in dests]
         try:
             hits = [
                 bool(hit)
-                for hit in await self._run_hook(
-                    "batched_get_into", self._batched_get_into, keys, dests
+                for hit in await self._call_hook(
+                    "batched_get_into", started, self._batched_get_into, keys, dests
                 )
             ]
         finally:
             for dest in held:
                 dest.release()
         if len(hits) != len(keys):
-            raise TypeError(
+            raise self._refused_result(
+                "batched_get_into",
+                started,
                 f"{type(self).__qualname__}._batched_get_into returned {len(hits)} results for "
-                f"{len(keys)} keys; it must return one per key."
+                f"{len(keys)} keys; it must return one per key.",
             )
         nbytes = sum(dest.nbytes for dest, hit in zip(dests, hits, strict=True) if hit)
-        self._count_found("batched_get_into", sum(hits), len(hits) - sum(hits), nbytes)
+        self._count_call("batched_get_into", started, sum(hits), len(hits) - sum(hits), nbytes)
         return hits
 
     async def pin(self, key: CacheKey) -> bool:
@@ -839,11 +1021,33 @@ class Backend(abc.ABC):
         return bool(await self._run_hook("unpin", self._unpin, key))
 
     def list_keys(self) -> AsyncIterator[CacheKey]:
-        """Every stored key, in no particular order. Needs the ``list_keys`` capability."""
+        """Every stored key, in no particular order. Needs the ``list_keys`` capability.
+        The call is counted when it is made; an error while iterating counts as its error."""
         self.ensure_open()
         self._require_capability("list_keys", "cannot list keys")
-        self._operation_counter("list_keys").calls += 1
-        return self._list_keys()
+        started = time.perf_counter()
+        try:
+            keys = self._list_keys()
+        except BaseException as error:
+            self._count_call("list_keys", started, errors=1)
+            self._hook_failed("list_keys", (), error)
+        self._count_call("list_keys", started)
+        return self._listing(keys)
+
+    async def _listing(self, keys: AsyncIterator[CacheKey]) -> AsyncIterator[CacheKey]:
+        """``keys``, the hook's iterator, with its exceptions as kvplug errors; closed with
+        this one."""
+        try:
+            try:
+                async for key in keys:
+                    yield key
+            finally:
+                close = getattr(keys, "aclose", None)
+                if close is not None:
+                    await close()
+        except Exception as error:
+            self._count_call("list_keys", None, errors=1, calls=0)
+            self._hook_failed("list_keys", (), error)
 
     def _require_capability(self, capability: str, cannot: str) -> None:
         if not getattr(self.capabilities, capability):
@@ -901,8 +1105,22 @@ class Backend(abc.ABC):
         return objs
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        """``_put`` of each pair, concurrently; the first error once all have finished."""
-        await gather_all(self._put(k, o) for k, o in zip(keys, objs, strict=True))
+        """``_put`` of each pair, concurrently; once all have finished, the first error, which
+        tells which keys were stored (``stored``)."""
+        results = await asyncio.gather(
+            *(self._put(k, o) for k, o in zip(keys, objs, strict=True)), return_exceptions=True
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return
+        if not isinstance(error, Exception):
+            raise error
+        translated = self.translate_error("batched_put", error, [keys])
+        if isinstance(translated, BackendError) and translated.stored is None:
+            translated.stored = tuple(not isinstance(r, BaseException) for r in results)
+        if translated is error:
+            raise error
+        raise translated from error
 
     async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """The count of leading keys present, asking one key at a time."""
@@ -939,6 +1157,18 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.url)!r})"
+
+
+def _needs_a_loop(error: Exception) -> bool:
+    """Whether ``error`` is what a hook that waits meets when stepped on a thread where no event
+    loop runs (:class:`~kvplug.sync.SyncClient`'s inline path reports it as such)."""
+    if not (isinstance(error, RuntimeError) and "no running event loop" in str(error)):
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
 
 
 def _of_keys(args: Sequence[object]) -> str:
@@ -980,15 +1210,6 @@ def _check_obj(obj: object, operation: str) -> None:
         raise RefCountError(
             f"{operation} got a memory object that was already freed ({obj!r}); keep a "
             "reference until the operation returns."
-        )
-
-
-def _check_result(backend: Backend, obj: object, hook: str, others: Sequence[object] = ()) -> None:
-    if not isinstance(obj, _memory().MemoryObj):
-        _release_objects(others)
-        raise TypeError(
-            f"{type(backend).__qualname__}.{hook} returned {type(obj).__name__}; it must "
-            "return a kvplug.MemoryObj (the caller's reference) or None for a miss."
         )
 
 
@@ -1204,13 +1425,19 @@ class BytesBackend(Backend):
     async def read_raw(self, key: CacheKey) -> bytes | None:
         """:class:`RawValues`: the stored frame of ``key`` as it is."""
         self.ensure_open()
-        value = await self.get_bytes(self.key_string(key))
+        try:
+            value = await self.get_bytes(self.key_string(key))
+        except Exception as error:
+            self._hook_failed("read_raw", (key,), error)
         return None if value is None else bytes(value)
 
     async def write_raw(self, key: CacheKey, data: bytes) -> None:
         """:class:`RawValues`: overwrite the stored value of ``key`` with ``data``."""
         self.ensure_open()
-        await self.put_bytes(self.key_string(key), [data])
+        try:
+            await self.put_bytes(self.key_string(key), [data])
+        except Exception as error:
+            self._hook_failed("write_raw", (key,), error)
 
     async def _read(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj | None]
@@ -1306,6 +1533,7 @@ __all__ = [
     "StoredFiles",
     "Wrapper",
     "Wraps",
+    "error_text",
     "fill_into",
     "gather_all",
 ]

@@ -4,6 +4,32 @@ Every error kvplug raises on purpose derives from :class:`KvplugError`. Messages
 the cause and the fix, so that an operator reading a log line knows what to change.
 
 A *miss* is never an error: ``get`` returns ``None`` (contract clause 1).
+
+The hierarchy::
+
+    KvplugError
+    ├── ConfigError (also a ValueError)
+    │   ├── InvalidBackendURL
+    │   ├── UnknownScheme
+    │   └── UnknownOption
+    ├── PluginConflict
+    ├── PluginLoadError
+    ├── RefCountError
+    └── BackendError                 an operation on a backend failed
+        ├── BackendUnavailable       retryable: the store cannot be reached now
+        │   └── BackendTimeout       retryable: the deadline passed
+        ├── CorruptObject
+        ├── CapacityExceeded
+        ├── NotSupported
+        ├── BackendClosed
+        └── UnexpectedBackendError   a hook raised something that is not a kvplug error
+
+Every operation of a :class:`~kvplug.backend.Backend` raises kvplug errors only: the template
+turns an exception a backend's hook raises that is not a :class:`KvplugError` into one
+(:meth:`~kvplug.backend.Backend.translate_error`), with the original chained as its
+``__cause__``. Only ``asyncio.CancelledError``, ``KeyboardInterrupt``, ``SystemExit`` and
+``MemoryError`` (the task's or the process's condition, not the backend's) pass as they are;
+the ``TypeError``/``ValueError`` of a wrong argument is the caller's, raised before any hook.
 """
 
 from __future__ import annotations
@@ -42,7 +68,13 @@ class RefCountError(KvplugError):
 
 
 class BackendError(KvplugError):
-    """An operation on a backend failed."""
+    """An operation on a backend failed.
+
+    ``stored``: for a ``batched_put`` that failed part-way, which of its keys were stored (a
+    tuple aligned with the keys), where the backend knows; None when it does not, and then any
+    of them may or may not be stored."""
+
+    stored: tuple[bool, ...] | None = None
 
 
 class BackendUnavailable(BackendError):
@@ -69,6 +101,15 @@ class BackendClosed(BackendError):
     """The backend was closed; open a new one."""
 
 
+class UnexpectedBackendError(BackendError):
+    """A backend's hook raised an exception that is not a kvplug error (an ``AttributeError``,
+    a ``KeyError``, a ``RuntimeError`` ...): a bug in the backend or in its client library, or
+    a failure its plugin does not translate. The template raises this in its place, naming the
+    operation, the backend and the original error, which is its ``__cause__``. Not known to be
+    retryable; a plugin that knows a failure is transient raises
+    :class:`BackendUnavailable` itself."""
+
+
 __all__ = [
     "BackendClosed",
     "BackendError",
@@ -83,6 +124,7 @@ __all__ = [
     "PluginConflict",
     "PluginLoadError",
     "RefCountError",
+    "UnexpectedBackendError",
     "UnknownOption",
     "UnknownScheme",
 ]

@@ -82,6 +82,7 @@ from kvplug.errors import (
     InvalidBackendURL,
     KvplugError,
     NotSupported,
+    UnexpectedBackendError,
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
@@ -92,7 +93,6 @@ from kvplug.units import GiB, format_size, parse_size
 from kvplug.url import BackendURL, split_chain
 
 T = TypeVar("T")
-E = TypeVar("E", bound=BaseException)
 logger = logging.getLogger("kvplug.store")
 
 DEFAULT_BUFFER_SIZE = 2 * GiB
@@ -257,17 +257,11 @@ class _Pending:
 
 def stored_keys(error: BaseException, count: int) -> list[bool] | None:
     """Which of the ``count`` keys of a failed batched put were stored, when the error says
-    (its ``stored``); None when that is unknown."""
-    stored = getattr(error, "stored", None)
+    (:attr:`~kvplug.errors.BackendError.stored`); None when that is unknown."""
+    stored = error.stored if isinstance(error, BackendError) else None
     if stored is None or len(stored) != count:
         return None
-    return [bool(done) for done in stored]
-
-
-def with_stored(error: E, stored: Sequence[bool]) -> E:
-    """``error``, telling which keys of the batched put it ends were stored."""
-    error.stored = tuple(stored)  # type: ignore[attr-defined]
-    return error
+    return list(stored)
 
 
 async def _close_each(backends: Sequence[tuple[str, Backend]]) -> list[tuple[str, Exception]]:
@@ -601,8 +595,8 @@ class Store(Backend):
         start = time.perf_counter()
         try:
             result = await operation
-        except (BackendClosed, NotSupported, CapacityExceeded):
-            raise  # the caller's or the data's problem, not a failing tier
+        except (BackendClosed, NotSupported, CapacityExceeded, UnexpectedBackendError):
+            raise  # the caller's or the data's problem, or a bug: not a failing tier
         except (BackendError, OSError) as error:
             self._failed(tier, op, error)
             return False, None
@@ -1077,7 +1071,8 @@ class Store(Backend):
             f"{', ...' if len(refused) > 3 else ''}): {'; '.join(reasons)}. Free room (release "
             "objects, raise max_size or write_behind_size) or bring the failing tier back."
         )
-        raise with_stored(error, accepted)
+        error.stored = tuple(accepted)
+        raise error
 
     def _flushed(self) -> bool:
         """Nothing left to write, and no removal left but those waiting for a tier that is

@@ -354,20 +354,25 @@ class RedisBackend(BytesBackend):
                 ) from None
             raise
         except Exception as error:
-            raise self._translate(error, what) from error
+            translated = self._translate(error, what)
+            if translated is error:  # MemoryError, as the template leaves it
+                raise
+            raise translated from error
 
     def _translate(self, error: Exception, what: str) -> Exception:
         """The library's ``error`` as the kvplug error that tells the caller what to do
-        (:func:`~kvplug_redis.failures.translate`)."""
+        (:func:`~kvplug_redis.failures.translate`); one of no kind known there as the template
+        translates a hook's (:meth:`~kvplug.backend.Backend.translate_error`)."""
         if self.closed:
             return BackendClosed(f"{what} on {self.url} was cut short by close(); open a new one.")
-        return translate(
+        translated = translate(
             error,
             f"{what} on {self.url}",
             self._lib,
             env_prefix=self.env_prefix,
             no_master=self._no_master_hint(),
         )
+        return self.translate_error(what, error) if translated is error else translated
 
     def _no_master_hint(self) -> NoMasterHint:
         return NoMasterHint(

@@ -7,6 +7,12 @@ do, with the fact, the cause and the fix in its message.
 * a socket timeout: :class:`~kvplug.errors.BackendTimeout`;
 * an unreachable, restarting, loading or failing-over server, no master named by the
   sentinels, a cluster that is down: :class:`~kvplug.errors.BackendUnavailable` (retryable);
+* an exception of no library class raised inside the library (``AttributeError: 'NoneType'
+  object has no attribute 'writelines'``): :class:`~kvplug.errors.BackendUnavailable` too. The
+  library raises these when a connection is closed under an operation that is using it, which
+  a failover, a resharding or a restart does (the cluster client and ``disconnect()`` close
+  connections in use by other tasks); the library drops that connection, and the next
+  operation opens a new one;
 * any other error reply or library error: :class:`~kvplug.errors.BackendError`.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvplug.backend import error_text
 from kvplug.errors import BackendError, BackendTimeout, BackendUnavailable, CapacityExceeded
 from kvplug_redis.client_library import ClientLibrary
 
@@ -51,6 +58,22 @@ class NoMasterHint:
         )
 
 
+def raised_inside(error: BaseException, package: str) -> bool:
+    """Whether ``error`` was raised by the code of ``package`` (``"redis"``) or by code it
+    called (asyncio's streams), rather than by kvplug's: of the frames its traceback passes,
+    the innermost one of either belongs to ``package``."""
+    inside = False
+    frame = error.__traceback__
+    while frame is not None:
+        top = str(frame.tb_frame.f_globals.get("__name__", "")).partition(".")[0]
+        if top == package:
+            inside = True
+        elif top.startswith("kvplug"):
+            inside = False
+        frame = frame.tb_next
+    return inside
+
+
 def translate(
     error: Exception,
     where: str,
@@ -63,7 +86,8 @@ def translate(
     error that tells the caller what to do; an error of no known kind is returned as it is.
     ``env_prefix`` names the credential variables in hints."""
     errors = lib.exceptions
-    reason = f"{type(error).__name__}: {error}"
+    text = error_text(error)
+    reason = f"{type(error).__name__}: {text}"
 
     def classes(*names: str) -> tuple[type[Exception], ...]:
         return tuple(getattr(errors, name) for name in names if hasattr(errors, name))
@@ -78,13 +102,13 @@ def translate(
         isinstance(error, errors.ResponseError) and str(error).startswith("OOM")
     ):
         return CapacityExceeded(
-            f"{where} failed: the server is full ({error}). Raise its maxmemory, set an "
+            f"{where} failed: the server is full ({text}). Raise its maxmemory, set an "
             "eviction policy such as allkeys-lru, or use a ttl; reads keep working."
         )
     if isinstance(error, errors.ResponseError) and "invalid bulk length" in str(error):
         return CapacityExceeded(
             f"{where} failed: the server refused a value longer than its "
-            f"proto-max-bulk-len ({error}). Store smaller chunks, or raise proto-max-bulk-len "
+            f"proto-max-bulk-len ({text}). Store smaller chunks, or raise proto-max-bulk-len "
             "on the server (CONFIG SET proto-max-bulk-len); set max_value_size to the "
             "server's limit so such values are refused before they are sent."
         )
@@ -108,10 +132,18 @@ def translate(
             "this persists."
         )
     if isinstance(error, errors.ResponseError):
-        return BackendError(f"{where} was rejected by the server: {error}.")
+        return BackendError(f"{where} was rejected by the server: {text}.")
     if isinstance(error, lib.base_error):
         return BackendError(f"{where} failed in {lib.name} ({reason}).")
+    if raised_inside(error, errors.__name__.partition(".")[0]):
+        return BackendUnavailable(
+            f"{where} failed inside {lib.name} ({reason}): a connection was closed under the "
+            "operation, as a failover, a resharding or a server restart does. Operations "
+            "succeed again on a new connection once the server answers; if this persists "
+            f"while the server is healthy, report it with this message and the {lib.name} "
+            "version."
+        )
     return error
 
 
-__all__ = ["NoMasterHint", "translate"]
+__all__ = ["NoMasterHint", "raised_inside", "translate"]
