@@ -8,21 +8,28 @@ checked with ``kvplug contract --config FILE`` and driven by a ``SyncClient``.
 **Batched per tier.** ``batched_get`` asks each tier once for the keys still missing, in lookup
 order; ``batched_put`` hands the first tier one batched call and every lower tier batched calls
 from its write-behind queue; ``batched_contains`` counts the leading keys present in any tier.
-A hit in a lower tier is written back into the faster tiers, batched too.
+A hit in a lower tier is written back into the faster tiers, batched too, and off the read
+path except into host-memory tiers. ``get_into``/``batched_get_into`` read each tier straight
+into the caller's memory, with no budget in between, and promote lower-tier hits in the
+background, bounded in bytes.
 
 **One memory budget.** Every object the store hands out or reads lives in one allocator, fixed
 at open: the ``allocator`` given, else a buffer of the config's ``buffer_size``, else the cpu
-tier's own buffer (its ``max_size``), else 2 GiB. Every tier reads into it. When it is full, the
-cpu tier evicts entries that nobody but itself references (never an object someone is reading);
+tier's own buffer (its ``max_size``), else 2 GiB. Every tier's ``get`` reads into it. When it is
+full, the cpu tier evicts entries that nobody but itself references (never one being read);
 a get that still finds no room waits for memory up to its deadline (``timeout``) and then
 reports a miss counted as ``memory_short``.
 
 **Write-behind in bytes.** A put stores the object in the first tier before it returns and
 queues it for the lower tiers while the objects waiting hold at most ``write_behind_size``
-bytes (a quarter of the budget by default). A put is *accepted* when the first tier took it or
-it was queued; a lower tier that cannot take it is counted as a dropped put with its reason and
-has the key's older value removed, so an older value is never served after a newer one was
-accepted. A put accepted nowhere raises at once (:meth:`Store.offer` says it per key instead).
+bytes (a quarter of the budget by default; an empty write-behind takes any object). A put is
+*accepted* when the first tier took it or it was queued, and every tier that outlives this
+process and does not hold the new value yet had its older value removed first; a lower tier
+that cannot take it is counted as a dropped put with its reason and has the key's older value
+removed, so an older value is never served after a newer one was accepted, not even after a
+crash. A put not accepted raises at once, its ``stored`` telling which keys were
+(:meth:`Store.offer` says it per key instead). A tier that drops every put it is offered is
+warned about, with what to change.
 
 A tier that fails is isolated: its error is counted, the other tiers keep serving, and it is
 tried again after an exponential back-off; :meth:`Store.health` tells its state.
@@ -328,6 +335,9 @@ def _store_capabilities(backends: Sequence[Backend]) -> Capabilities:
         remove=all(c.remove for c in each),
         list_keys=all(c.list_keys for c in each),
         device_memory=any(c.device_memory for c in each),
+        # A cancelled read or put is cancelled in the tier it was in, before anything is
+        # queued; promotions read into the store's own memory.
+        releases_on_cancel=all(c.releases_on_cancel for c in each),
     )
 
 
