@@ -421,10 +421,16 @@ def test_bad_slot_mappings_are_rejected(
         gather(cache, slots, chunk, start=start, end=end)  # type: ignore[arg-type]
 
 
-def test_an_empty_range_copies_nothing(cache: PagedKVCache) -> None:
-    chunk = torch.zeros(cache.chunk_shape(0), dtype=torch.float16)
+def test_an_empty_range_copies_nothing() -> None:
+    layers = small_vllm()
+    cache = PagedKVCache.vllm_flash(layers)
+    before = [layer.clone() for layer in layers]
+    chunk = torch.full(cache.chunk_shape(0), 7.0, dtype=torch.float16)
     gather(cache, torch.arange(4), chunk, start=2, end=2)
+    assert chunk.shape == cache.chunk_shape(0) and chunk.numel() == 0
     scatter(chunk, cache, torch.tensor([], dtype=torch.int64))
+    scatter(chunk, cache, torch.arange(4), start=3, end=3)
+    assert all(torch.equal(layer, old) for layer, old in zip(layers, before, strict=True))
 
 
 def test_impl_cuda_on_a_cpu_cache_is_a_clear_error(cache: PagedKVCache) -> None:

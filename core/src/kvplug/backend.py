@@ -26,8 +26,8 @@ There are three bases to start from:
   allocation and damage handling; batched and zero-copy byte hooks are optional;
 * :class:`Wrapper` for a backend that wraps another (``audit::redis://h:6379``).
 
-The numbered clauses of the contract (DESIGN.md §4) are stated on the methods they govern; the
-``kvplug-contracts`` suite checks every one of them.
+The numbered clauses of the contract (docs/concepts.md, "Backends") are stated on the methods
+they govern; the ``kvplug-contracts`` suite checks every one of them.
 
 A minimal byte store, complete and correct::
 
