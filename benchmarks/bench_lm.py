@@ -23,7 +23,7 @@ the target is >= 1.0 against both). Every chunk read back is compared bit-exact 
 
     .venv-lmcache-0.5.6/bin/python benchmarks/bench_lm.py [--chunks 16] [--batch 8] [--repeat 5]
 
-Runs in the LMCache 0.5.6 venv that ``scripts/setup.sh`` builds (LMCache 0.5.7rc2 removed
+Runs in the LMCache 0.5.6 venv that ``scripts/setup-engines.sh`` builds (LMCache 0.5.7rc2 removed
 ``lm://``); kvplug and redis-py are installed there too, and redis-server comes from PATH.
 """
 

@@ -18,7 +18,8 @@ kvplug's time per pass; its median is the result (target >= 1.0).
 
     .venv-lmcache-0.5.7rc2/bin/python benchmarks/bench_lmcache.py [--chunks 16] [--repeat 5]
 
-Runs in a venv of the set-up's (``scripts/setup.sh`` builds one per tested LMCache release).
+Runs in a venv of the engine set-up (``scripts/setup-engines.sh`` builds one per tested LMCache
+release).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ whichever client is reading (docs/benchmarks.md).
         [--gib 2] [--repeat 3] [--batch 8] [--layers 32,24] [--dir DIR] [--json]
         [--torch-threads N]
 
-Runs in the LMCache 0.5.6 venv that ``scripts/setup.sh`` builds (kvplug and its plugins are
+Runs in the LMCache 0.5.6 venv that ``scripts/setup-engines.sh`` builds (kvplug and its plugins are
 installed there too); ``redis-server`` comes from PATH.
 """
 

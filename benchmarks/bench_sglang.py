@@ -22,8 +22,9 @@ With ``--cold`` the page cache is dropped before each prefetch, so both read fro
 
     .venv-sglang-0.5.23/bin/python benchmarks/bench_sglang.py [--pages 32] [--repeat 5]
 
-Runs in the SGLang venv of the set-up's (``scripts/setup.sh``); it uses the integration tests'
-harness (``integrations/sglang/tests/conftest.py``) to build SGLang's pools on a CPU machine.
+Runs in the SGLang venv of the engine set-up (``scripts/setup-engines.sh``); it uses the
+integration tests' harness (``integrations/sglang/tests/conftest.py``) to build SGLang's pools on
+a CPU machine.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ promotion (root), so both read from the disk. vLLM's ``fs`` tier uses O_DIRECT w
 
     .venv-vllm-0.33.0/bin/python benchmarks/bench_vllm.py [--chunks 32] [--repeat 5] [--cold]
 
-Runs in the vLLM venv of the set-up's (``scripts/setup.sh``); it drives vLLM's manager on a CPU
-machine with kvplug-vllm's harness (``kvplug_vllm.testing``), as the integration's tests do.
+Runs in the vLLM venv of the engine set-up (``scripts/setup-engines.sh``); it drives vLLM's
+manager on a CPU machine with kvplug-vllm's harness (``kvplug_vllm.testing``), as the
+integration's tests do.
 """
 
 from __future__ import annotations

@@ -133,7 +133,9 @@ def test_peer_benchmark_runs_every_path_against_lmcache_and_raw_and_cleans_up(
 
     python = lmcache_python()
     if python is None:
-        pytest.skip("no LMCache 0.5.6 venv (.venv-lmcache-0.5.6, built by scripts/setup.sh)")
+        pytest.skip(
+            "no LMCache 0.5.6 venv (.venv-lmcache-0.5.6, built by scripts/setup-engines.sh)"
+        )
     done = subprocess.run(
         [
             *(python, str(BENCHMARKS / "bench_peer.py"), "--dir", str(tmp_path), "--json"),

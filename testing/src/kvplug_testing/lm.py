@@ -119,7 +119,7 @@ class LMServerProcess(ControlledProcess):
 
 
 def lmcache_python() -> str | None:
-    """The interpreter of the LMCache 0.5.6 venv scripts/setup.sh builds
+    """The interpreter of the LMCache 0.5.6 venv scripts/setup-engines.sh builds
     (``.venv-lmcache-0.5.6`` at the repository root, or ``KVPLUG_LMCACHE_PYTHON``), or None."""
     import os
 
