@@ -1,10 +1,11 @@
 """Backends for the contract suite's self-test (``tests/test_contract_suite.py``).
 
 :class:`RefBackend` is a correct in-memory store that declares every capability it honours, so
-that every clause of DESIGN.md §4 applies to it. Each other class is a small subclass that
-breaks exactly one clause, the way real backends break it. The self-test writes this file into
-pytester's run directory, where a conftest registers every class under its :data:`BACKENDS`
-scheme and lets the suite pause and stop the simulated server through :data:`SERVER`.
+that every clause of the contract (docs/concepts.md, "Backends") applies to it. Each other
+class is a small subclass that breaks exactly one clause, the way real backends break it. The
+self-test writes this file into pytester's run directory, where a conftest registers every
+class under its :data:`BACKENDS` scheme and lets the suite pause and stop the simulated server
+through :data:`SERVER`.
 
 Every backend opened on one URL path (and ``max_size``) talks to one simulated :class:`Store`
 kept at class level, so data survives ``close`` and a reopen (``persistent``) and every backend
@@ -16,6 +17,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -756,6 +760,110 @@ class WritesFilesNamedByTheKey(RefBackend):
         return [path] if path is not None and path.is_file() else []
 
 
+# -- issue 34: what a backend leaves running after close ------------------------------------
+
+LEFT_RUNNING: list[Callable[[], object]] = []
+"""How to stop what the backends below start and never stop: the self-test's conftest calls
+each when its session ends, so that nothing outlives the self-test."""
+
+POLLER_THREAD = "kvplug-selftest-poller"
+
+
+class LeavesATaskRunning(RefBackend):
+    """Clause 11: open starts a heartbeat task on the caller's loop that close never cancels."""
+
+    async def _open(self) -> None:
+        await super()._open()
+        self.heartbeat = asyncio.ensure_future(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(POLL)
+
+
+class LeavesAThreadRunning(RefBackend):
+    """Clause 11: open starts a poller thread that close never stops (also what a client
+    library that keeps a thread by design looks like)."""
+
+    async def _open(self) -> None:
+        await super()._open()
+        stop = threading.Event()
+        thread = threading.Thread(target=stop.wait, name=POLLER_THREAD, daemon=True)
+        thread.start()
+
+        def stop_it() -> None:
+            stop.set()
+            thread.join(5)
+
+        LEFT_RUNNING.append(stop_it)
+
+
+class LeavesAProcessRunning(RefBackend):
+    """Clause 11: open starts a helper process that close never stops."""
+
+    async def _open(self) -> None:
+        await super()._open()
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+        def stop_it() -> None:
+            helper.kill()
+            helper.wait(5)
+
+        LEFT_RUNNING.append(stop_it)
+
+
+class LeavesAPortListening(RefBackend):
+    """Clause 11: open listens on a port (for callbacks from the server) that close never
+    closes."""
+
+    async def _open(self) -> None:
+        await super()._open()
+        listener = socket.create_server(("127.0.0.1", 0))
+        LEFT_RUNNING.append(listener.close)
+
+
+class RefusesAPutThenHangs(RefBackend):
+    """Clause 3 (any test that puts from many tasks at once): the third put is refused at once
+    and every later one waits for an answer that never comes (no deadline), so a test that
+    stops at the first error leaves the waiting tasks behind. Each waiting put writes
+    ``waits`` to ``trace_file``, and ``ended`` once it is cancelled."""
+
+    def deadline(self) -> float | None:
+        return None
+
+    async def _open(self) -> None:
+        await super()._open()
+        self.puts = 0
+        self.never = asyncio.Event()
+
+    def trace(self, line: str) -> None:
+        if self.options.trace_file:
+            with Path(self.options.trace_file).open("a") as trace:
+                trace.write(line + "\n")
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        self.puts += 1
+        if self.puts == 3:
+            raise BackendUnavailable(f"put on {self.url}: the server refused this one")
+        if self.puts > 3:
+            self.trace("waits")
+            try:
+                await self.never.wait()
+            finally:
+                self.trace("ended")
+        await super().put_bytes(key, parts)
+
+
+LEAVES_RUNNING: dict[str, type[RefBackend]] = {
+    "leaves-a-task-running": LeavesATaskRunning,
+    "leaves-a-thread-running": LeavesAThreadRunning,
+    "leaves-a-process-running": LeavesAProcessRunning,
+    "leaves-a-port-listening": LeavesAPortListening,
+    "refuses-a-put-then-hangs": RefusesAPutThenHangs,
+}
+"""Scheme -> a backend that leaves something running, or makes a careless test do so."""
+
+
 BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "get-raises-on-miss": (1, GetRaisesOnMiss),
     "flips-a-bit-on-read": (2, FlipsABitOnRead),
@@ -801,6 +909,7 @@ BACKENDS: dict[str, type[RefBackend]] = {
     "ref": RefBackend,
     **{scheme: cls for scheme, (_, cls) in BROKEN.items()},
     **REPORTING,
+    **LEAVES_RUNNING,
 }
 
 

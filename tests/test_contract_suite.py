@@ -1,7 +1,7 @@
-"""The contract suite's own tests (DESIGN.md §6): pytester runs ``pytest --pyargs
-kvplug_contracts`` against the correct reference backend of ``contract_backends.py``, which must
-keep every clause, and against each broken backend there, which must fail the clause it was
-built to violate, with a message that shows what was seen.
+"""The contract suite's own tests: pytester runs ``pytest --pyargs kvplug_contracts`` (the
+contract of docs/concepts.md, "Backends") against the correct reference backend of
+``contract_backends.py``, which must keep every clause, and against each broken backend there,
+which must fail the clause it was built to violate, with a message that shows what was seen.
 
 Every run is in-process, inside pytester's directory, where a conftest registers the backends at
 runtime; the registry is reset after each test so nothing leaks into other tests.
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +74,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def shorter_suite_limits():
-    from kvplug_contracts import plugin
+    from kvplug_contracts import leaks, plugin
     from kvplug_contracts.suite import lifecycle, model
 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in SHORTER_LIMITS.items():
             patch.setattr(lifecycle, name, value)
         patch.setattr(plugin, "CLOSE_LIMIT", SHORTER_LIMITS["CLOSE_LIMIT"])
+        # What a backend here leaves running never ends: the check need not wait long for it.
+        patch.setattr(leaks, "LEAK_GRACE", 1.0)
         # A broken backend is caught by the first failing example; shrinking it only costs time.
         no_shrink = [phase for phase in Phase if phase is not Phase.shrink]
         quick = settings(model.MACHINE_SETTINGS, phases=no_shrink, database=None)
@@ -91,6 +95,13 @@ def server_control():
     backends.SERVER.reset()
     yield backends.SERVER
     backends.SERVER.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_what_backends_left_running():
+    yield
+    for stop in backends.LEFT_RUNNING:
+        stop()
 '''
 
 
@@ -170,6 +181,7 @@ def test_reference_backend_keeps_every_clause(run_suite: RunSuite) -> None:
     # The only test it skips: objects over 2 GiB, checked only with --kvplug-large.
     assert run.rows[2]["n/a"] == 1
     assert sum(row["n/a"] for row in run.rows.values()) == 1, run.output
+    assert_nothing_left_behind(run)
 
 
 # -- each broken backend is caught by the clause it violates ----------------------------------
@@ -206,12 +218,16 @@ BROKEN = [
     Broken("remove-always-true", 7, "remove of a key never stored did not return False", True),
     Broken("contains-remembers-removed", 7, "contains is True after remove"),
     Broken("evicts-pinned-keys", 8, "pinned key 0 after"),
-    Broken("unpin-raises-when-not-pinned", 8, "unpin of a key never stored raised KeyError"),
+    Broken(
+        "unpin-raises-when-not-pinned",
+        8,
+        "unpin of a key never stored raised UnexpectedBackendError",
+    ),
     Broken("pins-never-expire", 8, "the pin never expired", True),
-    Broken("full-store-raises-runtime-error", 9, "put raised RuntimeError: store full"),
+    Broken("full-store-raises-runtime-error", 9, "raised RuntimeError: store full"),
     Broken("full-store-stops-reads", 9, "get raised CapacityExceeded"),
     Broken("no-deadline", 10, "get hung while the server was paused", True),
-    Broken("no-recovery-after-restart", 10, "raised ConnectionResetError"),
+    Broken("no-recovery-after-restart", 10, "ConnectionResetError"),
     Broken("close-blocks-the-loop", 11, "did not finish within"),
     Broken("works-after-close", 11, "did not raise BackendClosed", True, frozenset({5})),
     Broken("second-close-raises", 11, "a second close of a closed backend raised BackendClosed"),
@@ -223,7 +239,11 @@ BROKEN = [
     Broken("loses-concurrent-writes", 15, "missed after its put completed", True),
     Broken("keeps-first-write", 3, "returned the object of the earlier put: an overwrite must"),
     Broken("removes-in-two-steps", 15, "get during remove raised CorruptObject"),
-    Broken("binds-the-opening-loop", 15, "in another thread's asyncio.run raised RuntimeError"),
+    Broken(
+        "binds-the-opening-loop",
+        15,
+        "in another thread's asyncio.run raised UnexpectedBackendError",
+    ),
     Broken("truncates-hash-to-64-bits", 12, "a key escaped its namespace"),
     Broken("contains-ignores-key-prefix", 12, "the prefixes do not isolate"),
     Broken("writes-files-named-by-the-key", 12, "outside its root"),
@@ -395,6 +415,7 @@ def test_kvplug_contract_command_passes_cpu_and_fails_blackhole_by_clause(
         "known": _kvplug_contract(
             tmp_path, "blackhole://", "--xfails-file", str(xfails), *selected
         ),
+        "allowing": _kvplug_contract(tmp_path, "cpu://", "--allow-thread", "acme-", *selected),
     }
     done = {
         name: (process.communicate(timeout=120)[0], process.returncode)
@@ -419,6 +440,11 @@ def test_kvplug_contract_command_passes_cpu_and_fails_blackhole_by_clause(
     assert code == 0, output
     assert "kvplug contract blackhole://: PASS with clauses 3, 4, " in output
     assert "; of 15 clauses 1 kept, 1 with declared known failures" in output
+
+    output, code = done["allowing"]
+    assert code == 0, output
+    assert "left nothing behind (" in output
+    assert "; threads allowed by name prefix: acme-" in output
 
 
 # -- honest reporting (issue 15) --------------------------------------------------------------
@@ -567,3 +593,120 @@ def test_the_suite_depends_on_a_compatible_kvplug_release_not_an_exact_one() -> 
     assert kvplug == [f"kvplug~={major}.{minor}.0"]
     readme = (Path(__file__).parents[1] / "contracts/README.md").read_text()
     assert "## Versioning" in readme
+
+
+# -- nothing left running (issue 34) ----------------------------------------------------------
+
+LEFT_BEHIND = (
+    "*clause 11 (close is idempotent and bounded; later calls raise BackendClosed) violated: "
+    "1 s after the test ended and every backend it opened was closed, it left behind "
+)
+"""How the leak check's failure starts (the self-test's conftest gives it 1 s of grace)."""
+ONE_TEST = ("-k", "get_of_a_key_never_stored")
+ALLOWED = "kvplug-selftest-"
+"""A prefix of the name of the thread that leaves-a-thread-running:// keeps."""
+
+
+def assert_nothing_left_behind(run: SuiteRun) -> None:
+    """The leak check looked at every contract test that ran, and found nothing left."""
+    found = re.search(r"leak check: (\d+) contract test\(s\) left nothing behind", run.output)
+    assert found, run.output
+    outcomes = run.result.parseoutcomes()
+    ran = sum(outcomes.get(kind, 0) for kind in ("passed", "failed", "skipped", "xfailed"))
+    assert int(found.group(1)) == ran, run.output
+
+
+@pytest.mark.parametrize(
+    ("scheme", "named"),
+    [
+        (
+            "leaves-a-task-running",
+            "1 asyncio task(s) still pending on the suite's event loop: <Task pending "
+            "name='Task-*' coro=<LeavesATaskRunning._beat() running at *",
+        ),
+        (
+            "leaves-a-thread-running",
+            "1 thread(s) still running: 'kvplug-selftest-poller' (daemon, native id *)",
+        ),
+        (
+            "leaves-a-process-running",
+            "1 child process(es) still there: pid * (*python* -c import time; time.sleep(120))",
+        ),
+        ("leaves-a-port-listening", "1 port(s) still listening: 127.0.0.1:*"),
+    ],
+    ids=["task", "thread", "process", "port"],
+)
+def test_what_a_backend_leaves_running_after_close_fails_the_test_naming_it(
+    run_suite: RunSuite, scheme: str, named: str
+) -> None:
+    run = run_suite(f"{scheme}://", *ONE_TEST)
+    assert run.result.ret == pytest.ExitCode.TESTS_FAILED, run.output
+    assert run.verdicts()[11] == "FAIL", run.output
+    run.result.stdout.fnmatch_lines(
+        [
+            f"{LEFT_BEHIND}{named}. A backend's close must stop what the backend started*",
+            "leak check: 1 of 1 contract test(s) left something behind*",
+        ]
+    )
+    # The self-test's conftest stopped it when the session ended.
+    assert not [t for t in threading.enumerate() if t.name.startswith(ALLOWED)]
+
+
+@pytest.mark.parametrize("how", ["option", "ini", "marker"])
+def test_a_thread_kept_by_design_passes_when_its_name_prefix_is_allowed(
+    run_suite: RunSuite, pytester: pytest.Pytester, how: str
+) -> None:
+    if how == "option":
+        result = run_suite(
+            "leaves-a-thread-running://", *ONE_TEST, "--kvplug-allow-thread", ALLOWED
+        )
+        outcome = result.result
+    elif how == "ini":
+        pytester.makeini(f"[pytest]\nkvplug_allowed_threads =\n    {ALLOWED}\n")
+        result = run_suite("leaves-a-thread-running://", *ONE_TEST)
+        outcome = result.result
+    else:
+        pytester.makepyfile(
+            test_vendor=(
+                "import pytest\n"
+                "from kvplug_contracts.suite import MissContract\n\n"
+                f"@pytest.mark.kvplug_allow_threads({ALLOWED!r})\n"
+                "class TestPoller(MissContract):\n"
+                "    @pytest.fixture\n"
+                "    def kvplug_url(self):\n"
+                "        return 'leaves-a-thread-running://'\n"
+            )
+        )
+        outcome = pytester.runpytest("test_vendor.py", "-p", "no:cacheprovider", *ONE_TEST)
+    output = "\n".join(outcome.outlines + outcome.errlines)
+    assert outcome.ret == pytest.ExitCode.OK, output
+    outcome.stdout.fnmatch_lines(
+        [
+            f"leak check: 1 contract test(s) left nothing behind (*); threads allowed by name "
+            f"prefix: {ALLOWED}"
+        ]
+    )
+
+
+def test_the_built_in_cpu_backend_leaves_nothing_running(run_suite: RunSuite) -> None:
+    run = run_suite("cpu://")
+    assert run.result.ret == pytest.ExitCode.OK, run.output
+    assert_nothing_left_behind(run)
+
+
+def test_a_failed_put_among_many_leaves_none_of_the_others_running(
+    run_suite: RunSuite, pytester: pytest.Pytester
+) -> None:
+    """The test's other tasks, whose puts hang, are cancelled and awaited before it ends,
+    instead of being left pending when the first put fails."""
+    trace = pytester.path / "puts.log"
+    run = run_suite(
+        "refuses-a-put-then-hangs://",
+        *("-k", "concurrent_writers", "--kvplug-timeout", "1"),
+        *("--kvplug-option", f"trace_file={trace}"),
+    )
+    lines = trace.read_text().splitlines()
+    assert 0 < lines.count("waits") == lines.count("ended"), lines
+    assert run.result.ret == pytest.ExitCode.TESTS_FAILED, run.output
+    assert "<locals>.main() did not finish within 1 s" in run.output
+    assert_nothing_left_behind(run)

@@ -65,6 +65,15 @@ VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
     "(deadlines and recovery) runs for a server this command cannot stop.",
 )
 @click.option("--large", is_flag=True, help="Also round-trip objects larger than 2 GiB.")
+@click.option(
+    "--allow-thread",
+    "allowed_threads",
+    multiple=True,
+    metavar="PREFIX",
+    help="A thread whose name starts with PREFIX may outlive a test: a client library's "
+    "background thread kept by design (repeatable). Any other thread, asyncio task, child "
+    "process or listening port a test leaves behind fails it.",
+)
 @click.option("-k", "keyword", help="Only tests matching this pytest -k expression.")
 @click.option("-v", "--verbose", is_flag=True, help="List every test, not only failures.")
 def contract_command(
@@ -76,6 +85,7 @@ def contract_command(
     timeout: float,
     proxy: bool,
     large: bool,
+    allowed_threads: tuple[str, ...],
     keyword: str | None,
     verbose: bool,
 ) -> None:
@@ -130,6 +140,8 @@ def contract_command(
             args.append("--kvplug-proxy")
         if large:
             args.append("--kvplug-large")
+        for prefix in allowed_threads:
+            args += ["--kvplug-allow-thread", prefix]
         if keyword:
             args += ["-k", keyword]
         for line in describe_backend(url):

@@ -1,7 +1,8 @@
 """The pytest plugin of the conformance suite (registered through the ``pytest11`` entry point).
 
 It adds the ``--kvplug-*`` options, the fixtures the contract classes use, the report header
-naming the backend under test, the known-failures file, and a summary by clause.
+naming the backend under test, the known-failures file, a summary by clause, and the check
+after every contract test that it left nothing running (:mod:`kvplug_contracts.leaks`).
 
 Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a conftest):
 
@@ -45,6 +46,14 @@ from kvplug.secrets import mask_text, mask_url, remember_in
 from kvplug.store import Store
 from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.faultproxy import FaultProxy, upstream_of
+from kvplug_contracts.leaks import (
+    ALLOW_INI,
+    ALLOW_MARKER,
+    ALLOW_OPTION,
+    LeakCheck,
+    LeakTally,
+    allowed_thread_prefixes,
+)
 from kvplug_contracts.support import (
     CLAUSES,
     DEFAULT_TIMEOUT,
@@ -120,6 +129,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="write the per-clause summary to this JSON file",
     )
+    allowed_threads = (
+        "threads whose name starts with PREFIX may outlive a contract test (a client "
+        "library's background thread kept by design); every other thread, task, child "
+        "process or listening port a test leaves behind fails it"
+    )
+    group.addoption(
+        ALLOW_OPTION,
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help=f"{allowed_threads} (repeatable)",
+    )
+    parser.addini(ALLOW_INI, allowed_threads + ": one PREFIX a line", type="linelist")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -128,6 +150,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "kvplug_clause(*numbers, central=False): the backend-contract clauses a test checks; "
         "central: the clauses' verdicts rest on it",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{ALLOW_MARKER}(*prefixes): threads whose name starts with one of the prefixes may "
+        "outlive the contract tests it marks (a client library's thread kept by design)",
+    )
+    config.stash[_LEAKS] = LeakTally()
     config.pluginmanager.register(ClauseSummary(config), "kvplug-clause-summary")
     # Learn the secrets of the backend under test before any report could show them.
     pairs = (
@@ -140,6 +168,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _HYPOTHESIS_HOME = pytest.StashKey[bool]()
+_LEAKS = pytest.StashKey[LeakTally]()
 
 
 def _keep_hypothesis_files_in_a_temporary_directory(config: pytest.Config) -> None:
@@ -449,6 +478,9 @@ class ClauseSummary:
             if verdict in ("n/a", "not run"):
                 for reason in row["reasons"] or ["no test of this clause was collected"]:
                     terminalreporter.write_line(f"{'':>12}{reason}")
+        leaks = self.config.stash[_LEAKS].line()
+        if leaks:
+            terminalreporter.write_line(leaks)
         path = self.config.getoption("--kvplug-summary-json")
         if path:
             rows = [
@@ -485,6 +517,40 @@ def kvplug_runner(pytestconfig: pytest.Config) -> Iterator[LoopRunner]:
     runner = LoopRunner(pytestconfig.getoption("--kvplug-timeout"))
     yield runner
     runner.close()
+
+
+def _is_contract_test(item: pytest.Item) -> bool:
+    """A test of the suite's ``*Contract`` classes (also in a vendor's subclass, with the
+    vendor's own tests there), or one marked with :func:`~kvplug_contracts.support.clause`."""
+    if item.get_closest_marker("kvplug_clause") is not None:
+        return True
+    cls = getattr(item, "cls", None)
+    return cls is not None and any(
+        base.__module__.startswith("kvplug_contracts.suite") for base in cls.__mro__
+    )
+
+
+@pytest.fixture(autouse=True)
+def kvplug_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every contract test, and the close of every backend it opened: fail it (clause
+    11) when it left an asyncio task, a thread, a child process or a listening port behind
+    (see :mod:`kvplug_contracts.leaks` for what is allowed). Set up as the first
+    function-scoped fixture, so it is torn down last."""
+    item = request.node
+    if not isinstance(item, pytest.Item) or not _is_contract_test(item):
+        yield
+        return
+    tally = request.config.stash[_LEAKS]
+    allowed = allowed_thread_prefixes(item)
+    tally.allowed.update(allowed)
+    check = LeakCheck(request.getfixturevalue("kvplug_runner"), allowed)
+    yield
+    tally.checked += 1
+    try:
+        check.check()
+    except BaseException:
+        tally.leaking.append(item.nodeid)
+        raise
 
 
 NO_URL = (

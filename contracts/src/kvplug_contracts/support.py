@@ -10,14 +10,14 @@ import threading
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import pytest
 import torch
 
 from kvplug import Backend, CacheKey, MemoryFormat, MemoryObj
-from kvplug.backend import Wraps
 from kvplug.memory import Allocator
+from kvplug.store import layers
 
 T = TypeVar("T")
 Run = Callable[..., Any]
@@ -48,9 +48,24 @@ WEDGE_PROBE = 2.0
 """After an operation overran its budget: seconds the loop gets to run a no-op callback before
 the suite takes it for blocked (a hook called ``time.sleep`` or another blocking function)."""
 
+CANCEL_GRACE = 2.0
+"""After the suite cancelled an operation that overran its budget (or a task still running on
+a loop it closes): seconds the task gets to unwind before the suite takes it for one that
+ignores cancellation."""
+
 MAX_ABANDONED_LOOPS = 5
 """After the backend blocked this many event loops, the suite runs no more of its operations:
 the remaining tests are ``not run`` instead of each waiting out its budget."""
+
+EXECUTOR_THREADS = "kvplug-contract-executor"
+"""Name prefix of the threads of the default executor of the suite's event loop (what
+``asyncio.to_thread``, ``run_in_executor(None, ...)`` and ``getaddrinfo`` run on): the loop
+keeps them from one test to the next and shuts them down when it closes."""
+
+UNFINISHED: list[asyncio.Task[Any]] = []
+"""Tasks that were still pending when the suite gave up on them (their test failed, naming
+them): kept here so that they are never garbage collected, which asyncio would report as "Task
+was destroyed but it is pending!" in whichever later test happened to collect them."""
 
 NOT_APPLICABLE = "not applicable: "
 NOT_RUN = "not run: "
@@ -130,33 +145,104 @@ def _closing(coroutine: Coroutine[Any, Any, Any]) -> Backend | None:
     return owner if is_close and isinstance(owner, Backend) else None
 
 
+class Step(Generic[T]):
+    """A coroutine run as a task on a loop of another thread, as the calling thread sees it:
+    ``result`` is done once the task is, so the caller can tell a cancelled task that is still
+    unwinding from one that ended."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.task: asyncio.Task[T] | None = None
+        loop.call_soon_threadsafe(self._start, coroutine)
+
+    def _start(self, coroutine: Coroutine[Any, Any, T]) -> None:
+        self.task = self.loop.create_task(coroutine)
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            self.result.cancel()
+        elif (error := task.exception()) is not None:
+            self.result.set_exception(error)
+        else:
+            self.result.set_result(task.result())
+
+    def cancel(self) -> None:
+        """Cancel the task (from any thread; it starts before the cancel reaches it)."""
+        self.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def ended(self, wait: float) -> bool:
+        """Whether the task ended (or ends within ``wait`` seconds)."""
+        done, _ = concurrent.futures.wait([self.result], timeout=wait)
+        return bool(done)
+
+
+def _serve(loop: asyncio.AbstractEventLoop, executor: concurrent.futures.Executor) -> None:
+    """A loop thread: run ``loop`` until it is stopped, then cancel the tasks still pending on
+    it, let them unwind for :data:`CANCEL_GRACE` seconds, and close it. A loop left stopped with
+    tasks pending gets them garbage collected during some later test, which asyncio reports
+    there as "Task was destroyed but it is pending!" (also once an abandoned loop's thread comes
+    free, minutes later)."""
+    try:
+        loop.run_forever()
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_GRACE))
+        for task in pending:
+            if not task.done():
+                UNFINISHED.append(task)
+            elif not task.cancelled():
+                task.exception()  # its test failed already; asyncio need not log it again
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+        loop.close()
+
+
 class LoopRunner:
     """One event loop on its own thread. Tests stay synchronous: ``run(coro)`` waits for the
     result within a per-operation budget, so a backend that hangs fails the test, naming the
-    clause, the operation and its key, instead of hanging the suite. A backend that blocks the
-    loop's thread (``time.sleep`` in a hook) fails its test too; the suite then leaves that
-    loop behind and goes on with a new one, so the rest of the session is not wedged."""
+    clause, the operation and its key, instead of hanging the suite; the late operation is
+    cancelled and awaited before the test goes on. A backend that blocks the loop's thread
+    (``time.sleep`` in a hook) fails its test too; the suite then leaves that loop behind and
+    goes on with a new one, so the rest of the session is not wedged; the loop left behind
+    cancels its tasks and closes once its thread comes free."""
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
         self.abandoned_loops = 0
         self.blocking_closers: set[type[Backend]] = set()
         """Backend classes whose close blocked the loop: the suite stops closing them."""
-        self.loop, self._thread = self._start_loop()
+        self.threads: list[threading.Thread] = []
+        """The thread of every loop this runner started, those left behind included."""
+        self.loop = self._start_loop()
 
-    @staticmethod
-    def _start_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    def _start_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="kvplug-contract-loop", daemon=True)
-        thread.start()
-        return loop, thread
+        executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix=EXECUTOR_THREADS)
+        loop.set_default_executor(executor)
+        self._thread = threading.Thread(
+            target=_serve, args=(loop, executor), name="kvplug-contract-loop", daemon=True
+        )
+        self._thread.start()
+        self.threads.append(self._thread)
+        return loop
 
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Step[T]:
+        """Start ``coroutine`` as a task on the loop."""
+        return Step(coroutine, self.loop)
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Await ``coroutine`` on the loop; :class:`ContractTimeout` after ``timeout`` seconds
-        (default: the per-operation budget, ``--kvplug-timeout``)."""
+        (default: the per-operation budget, ``--kvplug-timeout``), once the late task was
+        cancelled and had :data:`CANCEL_GRACE` seconds to unwind."""
         if self.gave_up:
             coroutine.close()
             not_run(
@@ -164,32 +250,37 @@ class LoopRunner:
                 "the first failures), so the suite runs none of its operations any more"
             )
         limit = self.timeout if timeout is None else timeout
-        step = describe_step(coroutine)
+        what = describe_step(coroutine)
         closing = _closing(coroutine)
-        future = self.submit(coroutine)
+        step = self.submit(coroutine)
         try:
-            return future.result(limit)
+            return step.result.result(limit)
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            message = f"{step} did not finish within {limit:g} s (the suite's budget for one " + (
-                "operation; change it with --kvplug-timeout)"
-                if timeout is None
-                else "step of this test)"
+            step.cancel()
+        message = f"{what} did not finish within {limit:g} s (the suite's budget for one " + (
+            "operation; change it with --kvplug-timeout)"
+            if timeout is None
+            else "step of this test)"
+        )
+        if not self.responsive():  # the probe runs after the cancel: the loop is blocked
+            self._replace_loop()
+            if closing is not None:
+                self.blocking_closers.add(type(closing))
+            message += (
+                f"; the event loop then stayed blocked for {WEDGE_PROBE:g} s more: a hook "
+                "blocks the loop's thread (time.sleep, a synchronous join or socket call); "
+                "run blocking work in a thread (asyncio.to_thread). The suite left that "
+                "loop behind and goes on with a new one"
             )
-            if not self.responsive():
-                self._replace_loop()
-                if closing is not None:
-                    self.blocking_closers.add(type(closing))
-                message += (
-                    f"; the event loop then stayed blocked for {WEDGE_PROBE:g} s more: a hook "
-                    "blocks the loop's thread (time.sleep, a synchronous join or socket call); "
-                    "run blocking work in a thread (asyncio.to_thread). The suite left that "
-                    "loop behind and goes on with a new one"
-                )
-            number = RUNNING.clause
-            if number is not None:
-                message = f"clause {number} ({CLAUSES[number]}) violated: {message}"
-            raise ContractTimeout(message) from None
+        elif not step.ended(CANCEL_GRACE):
+            message += (
+                f"; cancelled then, it still ran {CANCEL_GRACE:g} s later: a hook catches "
+                "CancelledError, or waits where cancellation does not reach it"
+            )
+        number = RUNNING.clause
+        if number is not None:
+            message = f"clause {number} ({CLAUSES[number]}) violated: {message}"
+        raise ContractTimeout(message)
 
     @property
     def gave_up(self) -> bool:
@@ -205,18 +296,34 @@ class LoopRunner:
             return False
         return ran.wait(wait)
 
+    def pending_tasks(self, wait: float = WEDGE_PROBE) -> set[asyncio.Task[Any]] | None:
+        """The tasks not done on the loop, read on the loop's own thread; None when the loop
+        does not answer within ``wait`` seconds (something blocks its thread)."""
+        found: set[asyncio.Task[Any]] = set()
+        answered = threading.Event()
+
+        def read() -> None:
+            found.update(asyncio.all_tasks(self.loop))
+            answered.set()
+
+        try:
+            self.loop.call_soon_threadsafe(read)
+        except RuntimeError:  # the loop is closed
+            return None
+        return found if answered.wait(wait) else None
+
     def _replace_loop(self) -> None:
-        """Leave the blocked loop to stop by itself once its thread is free again."""
+        """Leave the blocked loop to stop, cancel its tasks and close by itself once its
+        thread is free again."""
         blocked = self.loop
         blocked.call_soon_threadsafe(blocked.stop)
         self.abandoned_loops += 1
-        self.loop, self._thread = self._start_loop()
+        self.loop = self._start_loop()
 
     def close(self) -> None:
+        """Stop the loop; its thread cancels what still runs there and closes it."""
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self.loop.close()
+        self._thread.join(CANCEL_GRACE + WEDGE_PROBE)
 
 
 class Keyspace:
@@ -282,14 +389,6 @@ def check_same(number: int, expected: MemoryObj, got: MemoryObj | None, what: st
         violated(number, f"{what}: {problem}")
 
 
-def layers(backend: Backend) -> list[Backend]:
-    """``backend`` and every backend it wraps (through ``inner``), outermost first."""
-    chain = [backend]
-    while isinstance(chain[-1], Wraps):
-        chain.append(chain[-1].inner)
-    return chain
-
-
 def innermost(backend: Backend) -> Backend:
     """The backend at the bottom of a ``wrapper::...::url`` chain."""
     return layers(backend)[-1]
@@ -302,12 +401,16 @@ def release_all(objs: Sequence[MemoryObj | None]) -> None:
 
 
 __all__ = [
+    "CANCEL_GRACE",
     "CLAUSES",
+    "EXECUTOR_THREADS",
     "MAX_ABANDONED_LOOPS",
+    "WEDGE_PROBE",
     "ContractTimeout",
     "Keyspace",
     "LoopRunner",
     "Run",
+    "Step",
     "check_same",
     "clause",
     "difference",

@@ -1,4 +1,4 @@
-"""The contract classes, one per group of clauses (see DESIGN.md §4)."""
+"""The contract classes, one per group of clauses (the contract: docs/concepts.md, "Backends")."""
 
 from kvplug_contracts.suite.basic import (
     BatchedContract,

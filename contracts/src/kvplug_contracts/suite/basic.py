@@ -11,6 +11,7 @@ import torch
 
 import kvplug
 from kvplug import Backend, BackendClosed, CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.backend import gather_all
 from kvplug.memory import KV_DTYPES
 from kvplug_contracts.support import (
     ContractTimeout,
@@ -329,7 +330,7 @@ class OverwriteContract:
 
         async def main() -> None:
             await backend.put(key, writers[0])
-            await asyncio.gather(*(write(w) for w in writers), *(read() for _ in range(6)))
+            await gather_all([*(write(w) for w in writers), *(read() for _ in range(6))])
 
         try:
             run(main())

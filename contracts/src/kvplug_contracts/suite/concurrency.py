@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
 from kvplug.sync import SyncClient
 from kvplug_contracts.support import (
+    CANCEL_GRACE,
     Keyspace,
     LoopRunner,
     Run,
@@ -52,21 +53,35 @@ def _compare(expected: MemoryObj, got: MemoryObj | None, what: str) -> str | Non
 def _on_another_loop(
     operation: Callable[[], Coroutine[Any, Any, list[str]]], where: str, limit: float
 ) -> list[str]:
-    """The problems ``operation`` reports when run by ``asyncio.run`` in a thread of its own
-    (a daemon thread: one that hangs is abandoned, not joined)."""
+    """The problems ``operation`` reports when run by ``asyncio.run`` in a thread of its own,
+    cancelled after ``limit`` seconds (a daemon thread: one whose loop a hook blocks is
+    abandoned, not joined)."""
     outcome: list[str] = []
+
+    async def within_limit() -> list[str]:
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await operation()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            return [f"a round trip {where} did not finish within {limit:g} s"]
 
     def in_a_thread() -> None:
         try:
-            outcome.extend(asyncio.run(operation()))
+            outcome.extend(asyncio.run(within_limit()))
         except Exception as error:
             outcome.append(f"a round trip {where} raised {type(error).__name__}: {error}")
 
     thread = threading.Thread(target=in_a_thread, name="kvplug-contract-other-loop", daemon=True)
     thread.start()
-    thread.join(limit)
+    thread.join(limit + CANCEL_GRACE)
     if thread.is_alive():
-        return [f"a round trip {where} did not finish within {limit:.0f} s"]
+        return [
+            f"a round trip {where} did not finish within {limit:g} s, nor end "
+            f"{CANCEL_GRACE:g} s after its cancel: a hook blocks that loop's thread"
+        ]
     return outcome
 
 
