@@ -170,6 +170,7 @@ class RefBackend(BytesBackend):
         native_batching=True,
         remove=True,
         list_keys=True,
+        releases_on_cancel=True,
     )
     Options: ClassVar[type[BackendOptions]] = RefOptions
     contract_small_options: ClassVar[dict[str, object] | None] = {"max_size": "4MiB"}
@@ -854,6 +855,46 @@ class RefusesAPutThenHangs(RefBackend):
         await super().put_bytes(key, parts)
 
 
+class LetsGoLate(RefBackend):
+    """Clause 13 (``releases_on_cancel``, declared): hands the caller's memory to a thread that
+    reads it (put) or writes it (get_into) a moment later, whether or not the call was
+    cancelled meanwhile, as a file backend whose worker threads outlive a cancellation does."""
+
+    LATE = 0.05
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        obj.retain()
+        loop = asyncio.get_running_loop()
+
+        def later() -> None:
+            time.sleep(self.LATE)
+            try:
+                asyncio.run_coroutine_threadsafe(RefBackend._put(self, key, obj), loop).result(5)
+            finally:
+                obj.release()
+
+        await asyncio.to_thread(later)
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        found = await self._get(key)
+        if found is None or found.nbytes != dest.nbytes:
+            if found is not None:
+                found.release()
+            return False
+        dest.retain()
+
+        def later() -> None:
+            time.sleep(self.LATE)
+            try:
+                dest.raw.copy_(found.raw)
+            finally:
+                dest.release()
+                found.release()
+
+        await asyncio.to_thread(later)
+        return True
+
+
 LEAVES_RUNNING: dict[str, type[RefBackend]] = {
     "leaves-a-task-running": LeavesATaskRunning,
     "leaves-a-thread-running": LeavesAThreadRunning,
@@ -890,6 +931,7 @@ BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "ignores-model-name": (12, IgnoresModelName),
     "ignores-worker-id": (12, IgnoresWorkerId),
     "declares-pin-but-cannot": (13, DeclaresPinButCannot),
+    "lets-go-late": (13, LetsGoLate),
     "undeclared-remove-works": (13, UndeclaredRemoveWorks),
     "forgets-on-close": (14, ForgetsOnClose),
     "loses-concurrent-writes": (15, LosesConcurrentWrites),

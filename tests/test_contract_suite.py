@@ -235,6 +235,7 @@ BROKEN = [
     Broken("ignores-worker-id", 12, "@2@0@7@half' was never written", True),
     Broken("declares-pin-but-cannot", 13, "declares 'pin' but pin of a stored key raised"),
     Broken("undeclared-remove-works", 13, "'remove' is not declared, so remove", True),
+    Broken("lets-go-late", 13, "still held 1 reference(s) to the caller's memory"),
     Broken("forgets-on-close", 14, "after close and reopen, contains of key 0 of 4 is False"),
     Broken("loses-concurrent-writes", 15, "missed after its put completed", True),
     Broken("keeps-first-write", 3, "returned the object of the earlier put: an overwrite must"),

@@ -8,6 +8,7 @@ from kvplug_contracts.suite.basic import (
     RemoveContract,
     RoundTripContract,
 )
+from kvplug_contracts.suite.cancellation import CancellationContract
 from kvplug_contracts.suite.concurrency import ConcurrencyContract
 from kvplug_contracts.suite.isolation import IsolationContract
 from kvplug_contracts.suite.lifecycle import (
@@ -39,6 +40,7 @@ class BackendContract(
     CloseContract,
     IsolationContract,
     CapabilityContract,
+    CancellationContract,
     PersistenceContract,
     ConcurrencyContract,
     ModelContract,
@@ -49,6 +51,7 @@ class BackendContract(
 __all__ = [
     "BackendContract",
     "BatchedContract",
+    "CancellationContract",
     "CapabilityContract",
     "CapacityContract",
     "CloseContract",
