@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvplug import Backend, BackendUnavailable, MemoryObj
+from kvplug.integration import keeps_objects
 from kvplug_contracts.suite.lifecycle import ServerControl
 from kvplug_contracts.support import (
     Keyspace,
@@ -72,6 +73,13 @@ async def _cancelled(
 def _applies(backend: Backend) -> None:
     if not backend.capabilities.releases_on_cancel:
         not_applicable("the backend does not declare 'releases_on_cancel'")
+
+
+def _borrows_puts(backend: Backend) -> bool:
+    """Whether a put only borrows the caller's memory: a backend that keeps the objects it is
+    given (a host-memory tier, a Store that writes behind) makes them its stored values, so
+    engines hand it copies and its puts are not checked here."""
+    return not keeps_objects(backend)
 
 
 def _check_released(counts: list[int], what: str) -> None:
@@ -157,6 +165,11 @@ class CancellationContract:
     ) -> None:
         backend = open_contract_backend()
         _applies(backend)
+        if not _borrows_puts(backend):
+            not_applicable(
+                "the backend keeps the objects it is given (zero_copy, or a Store that writes "
+                "behind): they become its stored values, so callers hand it copies"
+            )
         pairs: list[tuple[int, torch.Tensor]] = []
         for n, point in enumerate(CANCEL_POINTS):
             source = engine_buffer(100 + n)
@@ -201,10 +214,11 @@ class CancellationContract:
                 _cancelled(backend.get_into(keyspace.key(1), dest), [dest], seconds=PAUSED_FOR)
             )
             _check_released(counts, "get_into cancelled while the server was paused")
-            counts = run(
-                _cancelled(backend.put(keyspace.key(2), source), [source], seconds=PAUSED_FOR)
-            )
-            _check_released(counts, "put cancelled while the server was paused")
+            if _borrows_puts(backend):
+                counts = run(
+                    _cancelled(backend.put(keyspace.key(2), source), [source], seconds=PAUSED_FOR)
+                )
+                _check_released(counts, "put cancelled while the server was paused")
             dest.raw.fill_(SENTINEL)
             source.raw.fill_(SENTINEL)
         finally:
