@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 from typing import ClassVar
 
 import pytest
@@ -247,3 +248,32 @@ def test_an_open_that_runs_past_open_timeout_is_cancelled_and_closed(
     (backend,) = SlowToOpen.instances
     assert backend.closed and not backend.resource_held
     assert threads_started_since(before) == set()  # the IO thread is gone too
+
+
+class BlocksTheLoop(BlackholeBackend):
+    """A get that blocks the IO thread (a hook calling a blocking function)."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        time.sleep(1.5)
+        return None
+
+
+def test_close_is_bounded_when_an_operation_blocks_the_io_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kvplug.registry, "_registry", kvplug.registry.Registry())
+    kvplug.register_backend(BackendSpec("blocks", ("blocks",), f"{__name__}:BlocksTheLoop"))
+    before = set(threading.enumerate())
+    client = SyncClient("blocks://")
+    stuck = client.get(key(1))
+    time.sleep(0.1)  # the get holds the IO thread now
+    start = time.monotonic()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        client.close(timeout=0.3)
+    assert time.monotonic() - start < 1.2, "close waited for the blocked IO thread"
+    assert "did not stop within 0.3 s" in caplog.text
+    assert stuck.result(5) is None  # the thread ends by itself once the operation returns
+    deadline = time.monotonic() + 10
+    while threads_started_since(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threads_started_since(before) == set()

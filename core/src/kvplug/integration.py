@@ -1,11 +1,23 @@
-"""What every engine integration shares (kvplug-lmcache, kvplug-sglang, ...): opening kvplug
-from an engine's config, the rule for when an engine's buffers may be handed to kvplug without
-a copy, and waiting until kvplug has let go of them.
+"""What every engine integration shares (kvplug-lmcache, kvplug-sglang, kvplug-vllm): opening
+kvplug from an engine's config, and moving chunks between the engine's buffers and kvplug
+without ever breaking the engine boundary (:class:`EngineIO`).
 
-Engines own their buffers and reuse them as soon as an operation is reported done, so an
-integration reports a put or a read only once kvplug holds no reference to the engine's memory
-(:func:`until_released`), and copies into kvplug's own memory first where a backend keeps the
-object (:func:`needs_private_copy`)."""
+**The engine boundary.** An engine owns its buffers and reuses one as soon as the job that used
+it is reported finished, also when it is reported failed. So:
+
+* no job is reported while any part of kvplug can still read or write the engine's buffer;
+* a job past its deadline (``task_timeout``) is reported failed at once, and from then on kvplug
+  never touches the buffer again: the engine may rewrite it;
+* what kvplug stores for a key is exactly the bytes the engine handed over when it submitted
+  the store;
+* a chunk a tier holds is never reported missing because kvplug's own memory is full.
+
+:class:`EngineIO` keeps these rules for every backend. It lends the engine's buffer to a
+backend only where the backend returns it at once when an operation is cancelled (the
+``releases_on_cancel`` capability, which the contract suite checks) and keeps no reference after
+a put (not a host-memory tier, not a Store that writes behind); every other backend gets a copy
+taken when the store is submitted, and reads into memory of kvplug's own that is copied into the
+engine's buffer only while the job is still live."""
 
 from __future__ import annotations
 
@@ -14,10 +26,11 @@ import difflib
 import logging
 import math
 import threading
-import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from kvplug.backend import Backend
 from kvplug.config import Config
@@ -25,7 +38,7 @@ from kvplug.errors import BackendTimeout, BackendUnavailable, CapacityExceeded, 
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.secrets import mask_text
-from kvplug.store import Store
+from kvplug.store import store_of, tiers_of
 from kvplug.sync import SyncClient
 
 logger = logging.getLogger(__name__)
@@ -133,11 +146,6 @@ def open_client(
     return SyncClient(str(url), **dict(options or {}))
 
 
-def tiers_of(backend: Backend) -> list[Backend]:
-    """The backends that hold the bytes: a Store's tiers, else ``backend`` itself."""
-    return backend.tiers if isinstance(backend, Store) else [backend]
-
-
 PROBE_KEY = CacheKey("kvplug-probe", 1, 0, b"\x00", "uint8")
 """The key :func:`probe` asks for; never stored."""
 
@@ -148,10 +156,12 @@ def probe(client: SyncClient, timeout: float) -> None:
     a lookup even while a tier is down) or :class:`TimeoutError` after ``timeout`` seconds."""
     backend = client.backend
 
+    store = store_of(backend)
+
     async def ask() -> None:
         await backend.contains(PROBE_KEY)
-        if isinstance(backend, Store):
-            failing = [tier for tier in backend.health() if not tier.healthy]
+        if store is not None:
+            failing = [tier for tier in store.health() if not tier.healthy]
             if failing:
                 raise BackendUnavailable(
                     "; ".join(f"tier {t.name}: {t.last_error}" for t in failing)
@@ -165,26 +175,31 @@ def probe(client: SyncClient, timeout: float) -> None:
         raise
 
 
-def needs_private_copy(backend: Backend) -> bool:
-    """Whether a put must copy the engine's buffer into kvplug memory first.
+def keeps_objects(backend: Backend) -> bool:
+    """Whether ``backend`` (seen through wrappers) may hold a put object after its put
+    returned: a host-memory tier keeps it (``zero_copy``), a Store of several tiers writes it
+    behind."""
+    store = store_of(backend)
+    return backend.capabilities.zero_copy or (store is not None and len(store.tiers) > 1)
 
-    Engines reuse their buffers once a store is reported done. A backend that keeps the put
-    object itself (a ``cpu://`` tier: ``zero_copy``) or writes it to lower tiers later (a Store
-    of several tiers, which writes behind) would then hold memory the engine has moved on from;
-    every other backend is done with the object when its put returns, so it may read the
-    engine's buffer directly.
-    """
-    if backend.capabilities.zero_copy:
-        return True
-    return len(tiers_of(backend)) > 1
+
+def lends_for_store(backend: Backend) -> bool:
+    """Whether a store may hand ``backend`` the engine's buffer itself (no copy): it keeps no
+    reference after the put, and lets go at once when the put is cancelled."""
+    return backend.capabilities.releases_on_cancel and not keeps_objects(backend)
+
+
+def lends_for_load(backend: Backend) -> bool:
+    """Whether a load may let ``backend`` write into the engine's buffer itself: it stops
+    writing there at once when the read is cancelled."""
+    return backend.capabilities.releases_on_cancel
 
 
 def private_copies(backend: Backend, objs: Sequence[MemoryObj], target: str) -> list[MemoryObj]:
-    """Copies of ``objs`` (same shape, dtype and format) in ``backend``'s own memory, for a
-    backend that :func:`needs_private_copy`. Allocated through the backend where it can make
-    room (a Store's budget, a ``cpu://`` tier), else from its allocator; call it on the
-    backend's event loop. Raises :class:`~kvplug.errors.CapacityExceeded` naming ``target``
-    when no room can be made; nothing stays allocated then."""
+    """Copies of ``objs`` (same shape, dtype and format) in ``backend``'s own memory.
+    Allocated through the backend where it can make room (a Store's budget, a ``cpu://``
+    tier), else from its allocator. Raises :class:`~kvplug.errors.CapacityExceeded` naming
+    ``target`` when no room can be made; nothing stays allocated then."""
     allocate = getattr(backend, "allocate", None)
     if not callable(allocate):
         allocate = backend.allocator.allocate
@@ -206,30 +221,10 @@ def private_copies(backend: Backend, objs: Sequence[MemoryObj], target: str) -> 
     return copies
 
 
-RELEASE_POLL_SECONDS = 0.005
-
-
-async def until_released(objs: Sequence[MemoryObj], timeout: float, what: str) -> bool:
-    """Wait until kvplug holds no reference to ``objs`` beyond the caller's own (a put or read
-    that ran past its deadline may still be reading or writing the engine's memory). False,
-    with an error logged naming ``what``, when that takes longer than ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while any(obj.ref_count > 1 for obj in objs):
-        if time.monotonic() > deadline:
-            logger.error(
-                "%s: kvplug still holds the engine's buffers %s s after the operation ended; "
-                "reporting it anyway.",
-                what,
-                timeout,
-            )
-            return False
-        await asyncio.sleep(RELEASE_POLL_SECONDS)
-    return True
-
-
 async def within_deadline(work: Awaitable[T], timeout: float, what: str) -> T:
     """``await work``, cancelled after ``timeout`` seconds with a :class:`BackendTimeout` that
-    names ``what`` (``"a load on redis://h:6379"``) and the ``task_timeout`` setting."""
+    names ``what`` (``"a load on redis://h:6379"``) and the ``task_timeout`` setting. The
+    cancelled work has finished unwinding when this raises."""
     try:
         return await asyncio.wait_for(work, timeout)
     except TimeoutError:
@@ -237,6 +232,118 @@ async def within_deadline(work: Awaitable[T], timeout: float, what: str) -> T:
             f"{what} took longer than task_timeout={timeout} s. Check the store, or raise "
             "task_timeout."
         ) from None
+
+
+RELEASE_POLL_SECONDS = 0.005
+
+
+class EngineIO:
+    """Stores and loads between an engine's buffers and a backend, within a deadline, under
+    the engine boundary (see the module documentation). Run its coroutines on the backend's
+    event loop (a :class:`~kvplug.sync.SyncClient`'s IO thread).
+
+    ``what`` names the integration and target in errors and logs (``"KvplugTier on
+    file:///cache"``); ``timeout`` is the deadline of one job in seconds.
+
+    Example (a load that fails, then a store and a load that work)::
+
+        >>> import asyncio, torch, kvplug
+        >>> async def demo() -> list[object]:
+        ...     backend = await kvplug.open_backend("file:///tmp/kvplug-doctest-engineio")
+        ...     io = EngineIO(backend, timeout=5, what="a doctest on file://")
+        ...     key = kvplug.CacheKey("llama", 1, 0, 7)
+        ...     engine = torch.zeros(4096, dtype=torch.uint8)  # the engine's buffer
+        ...     view = kvplug.MemoryObj.from_tensor(engine)
+        ...     seen = [await io.load([key], [view]), io.lends_loads]
+        ...     engine.fill_(7)
+        ...     await io.store([key], [view])
+        ...     engine.fill_(0)
+        ...     seen += [await io.load([key], [view]), int(engine.sum()) == 7 * 4096]
+        ...     await backend.remove(key)
+        ...     await backend.close()
+        ...     return seen
+        >>> asyncio.run(demo())
+        [[False], True, [True], True]
+    """
+
+    def __init__(self, backend: Backend, *, timeout: float, what: str) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self.what = what
+        self.lends_stores = lends_for_store(backend)
+        """Stores hand the backend the engine's buffer (else a copy taken at submit)."""
+        self.lends_loads = lends_for_load(backend)
+        """Loads read into the engine's buffer (else into kvplug memory, then copied)."""
+
+    async def store(self, keys: Sequence[CacheKey], sources: Sequence[MemoryObj]) -> None:
+        """Store ``sources`` (the engine's buffers, wrapped) under ``keys``, within the
+        deadline. On return, or raising, kvplug holds no reference to the engine's buffers and
+        will not read them again. Raises the backend's error (its ``stored``, where set, tells
+        which keys were stored), or :class:`~kvplug.errors.BackendTimeout` past the deadline
+        (then nothing is known to be stored)."""
+        if not keys:
+            return
+        if self.lends_stores:
+            try:
+                await self._within_deadline(self.backend.batched_put(keys, sources), "a store")
+            finally:
+                await self._until_released(sources)
+            return
+        # The snapshot is taken before anything waits: what is stored is what was submitted.
+        copies = private_copies(self.backend, sources, self.what)
+        try:
+            await self._within_deadline(self.backend.batched_put(keys, copies), "a store")
+        finally:
+            for copy in copies:  # a put still in flight keeps its own reference
+                copy.release()
+
+    async def load(self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]) -> list[bool]:
+        """Read ``keys`` into ``dests`` (the engine's buffers, wrapped), within the deadline:
+        True for each destination that now holds its key's bytes exactly. On return, or
+        raising, kvplug holds no reference to the engine's buffers and will not write them
+        again. Raises the backend's error, or :class:`~kvplug.errors.BackendTimeout` past the
+        deadline; after that no destination is known to hold anything."""
+        if not keys:
+            return []
+        if self.lends_loads:
+            try:
+                return await self._within_deadline(
+                    self.backend.batched_get_into(keys, dests), "a load"
+                )
+            finally:
+                await self._until_released(dests)
+        # Memory of kvplug's own, outside any store's budget: a full budget is never a miss.
+        bounces = [MemoryObj.from_tensor(torch.empty(d.nbytes, dtype=torch.uint8)) for d in dests]
+        try:
+            found = await self._within_deadline(
+                self.backend.batched_get_into(keys, bounces), "a load"
+            )
+            for hit, bounce, dest in zip(found, bounces, dests, strict=True):
+                if hit:
+                    dest.raw.copy_(bounce.raw)
+            return found
+        finally:
+            for bounce in bounces:  # a read still in flight keeps its own reference
+                bounce.release()
+
+    async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
+        return await within_deadline(work, self.timeout, f"{what} on {self.what}")
+
+    async def _until_released(self, objs: Sequence[MemoryObj]) -> None:
+        """Wait until kvplug holds no reference to the engine's ``objs`` beyond the caller's.
+        A backend that declares ``releases_on_cancel`` has let go by now; one that has not
+        breaks its contract, and the engine's buffer is still not handed back before it lets
+        go (an error is logged, once per job)."""
+        if all(obj.ref_count <= 1 for obj in objs):
+            return
+        logger.error(
+            "%s: the backend still holds the engine's buffers after its operation ended, "
+            "though it declares releases_on_cancel; the job is reported once it lets go. "
+            "Report this to the backend's maintainers (kvplug contract checks it).",
+            self.what,
+        )
+        while any(obj.ref_count > 1 for obj in objs):
+            await asyncio.sleep(RELEASE_POLL_SECONDS)
 
 
 class CallHealth:
@@ -298,15 +405,17 @@ class CallHealth:
 __all__ = [
     "PROBE_KEY",
     "CallHealth",
+    "EngineIO",
     "check_keys",
     "check_target",
     "flag",
-    "needs_private_copy",
+    "keeps_objects",
+    "lends_for_load",
+    "lends_for_store",
     "open_client",
     "positive_seconds",
     "private_copies",
     "probe",
     "tiers_of",
-    "until_released",
     "within_deadline",
 ]

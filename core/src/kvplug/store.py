@@ -308,8 +308,13 @@ def tiers_of(backend: Backend) -> list[Backend]:
         >>> asyncio.run(demo())
         [['cpu', 'blackhole'], ['blackhole']]
     """
-    store = next((layer for layer in layers(backend) if isinstance(layer, Store)), None)
+    store = store_of(backend)
     return [layers(tier)[-1] for tier in (store.tiers if store is not None else [backend])]
+
+
+def store_of(backend: Backend) -> Store | None:
+    """The :class:`Store` that ``backend`` is or wraps (``audit::store://...``), or None."""
+    return next((layer for layer in layers(backend) if isinstance(layer, Store)), None)
 
 
 def _memory_tier(backend: Backend) -> MemoryTier | None:
@@ -1677,6 +1682,7 @@ __all__ = [
     "TierHealth",
     "layers",
     "open_store",
+    "store_of",
     "store_url",
     "tiers_of",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import Coroutine, Sequence
@@ -39,6 +40,7 @@ from kvplug.store import Store, open_store
 from kvplug.url import BackendURL
 
 T = TypeVar("T")
+logger = logging.getLogger("kvplug.sync")
 
 
 class SyncClient:
@@ -69,7 +71,7 @@ class SyncClient:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvplug-io", daemon=True
+            target=_serve, args=(self._loop,), name="kvplug-io", daemon=True
         )
         self._thread.start()
         if isinstance(backend, Backend):
@@ -225,7 +227,9 @@ class SyncClient:
         return self._call(self.backend.batched_contains(list(keys)))
 
     def close(self, timeout: float = 30.0) -> None:
-        """Close the backend and stop the IO thread. Idempotent."""
+        """Close the backend and stop the IO thread, each within ``timeout`` seconds.
+        Idempotent. An IO thread that does not stop in time (a backend blocks it) is left to
+        end by itself, with a warning."""
         with self._lock:
             if self._closed:
                 return
@@ -235,18 +239,45 @@ class SyncClient:
         try:
             self._submit(self.backend.close()).result(timeout)
         finally:
-            self._stop_loop()
+            self._stop_loop(timeout)
 
-    def _stop_loop(self) -> None:
+    def _stop_loop(self, timeout: float | None = None) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning(
+                "the IO thread of the SyncClient for %s did not stop within %s s: an operation "
+                "blocks it; it finishes what is left and ends by itself once it is free",
+                mask_url(str(self.backend.url)),
+                timeout,
+            )
 
     def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+FINISH_SECONDS = 5.0
+"""Seconds a stopped IO loop gives the tasks still on it (a close submitted while an operation
+blocked the loop) before it cancels them."""
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The IO thread: run ``loop`` until it is stopped, then let the tasks still there finish
+    (cancelled after :data:`FINISH_SECONDS`) and close it, so nothing is left pending."""
+    try:
+        loop.run_forever()
+    finally:
+        pending = asyncio.all_tasks(loop)
+        if pending:
+            _, late = loop.run_until_complete(asyncio.wait(pending, timeout=FINISH_SECONDS))
+            for task in late:
+                task.cancel()
+            if late:
+                loop.run_until_complete(asyncio.wait(late, timeout=FINISH_SECONDS))
+        loop.close()
 
 
 __all__ = ["SyncClient"]

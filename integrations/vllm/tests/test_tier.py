@@ -408,7 +408,7 @@ def test_an_unreachable_store_fails_the_start_unless_told_otherwise(
         manager = spec_manager({"url": url, "options": {"timeout": 1}, "check_on_start": False})
         try:
             (tier,) = manager.secondary_tiers
-            assert tier._present(chunk_keys(1)) == [False]
+            assert list(tier._lookups.batch_lookup(chunk_keys(1), ReqContext("x"))) == [False]
         finally:
             manager.shutdown()
     assert "KvplugTier on redis://" in caplog.text

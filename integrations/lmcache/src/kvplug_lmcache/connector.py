@@ -21,6 +21,17 @@ here: the connector logs an ERROR with kvplug's message and raises LMCache's
 LMCache lets an error through (``remote_url: plugin://kvplug``, ``basic_check``) and, for
 ``remote_storage_plugins``, makes LMCache log that it runs without this remote backend.
 
+**The engine boundary.** A put hands kvplug LMCache's memory object; LMCache drops its own
+reference when the put returns or raises. The connector lends that buffer to a backend only
+where :class:`kvplug.integration.EngineIO` says it may (the backend lets go at once when a put
+is cancelled and keeps no reference after it); every other backend gets a copy taken when the
+put starts, so what is stored is exactly what LMCache handed over. A put that passes its
+deadline is cancelled and raises. LMCache's in-process memory honours reference counts, so the
+connector also keeps one reference on the object until kvplug's side of the put has ended:
+LMCache never reuses the buffer while any part of kvplug could still read it. Reads go into
+kvplug's own memory and are copied into new LMCache objects, so they never write memory
+LMCache already holds.
+
 Module paths that moved between LMCache versions (``lmcache.v1.*`` in 0.5.6, the in-process
 modules under ``lmcache.inprocess.v1`` from 0.5.7) are resolved by :func:`inprocess_module`.
 """
@@ -33,6 +44,7 @@ import contextlib
 import importlib
 import importlib.util
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -46,7 +58,7 @@ from lmcache.v1.memory_management import MemoryFormat as LMCacheFormat
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplug.errors import BackendTimeout, BackendUnavailable, KvplugError, NotSupported
-from kvplug.integration import check_target, needs_private_copy, open_client, private_copies
+from kvplug.integration import EngineIO, check_target, open_client
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import install_log_filter, mask_text, mask_url
@@ -65,6 +77,9 @@ DEFAULT_PLUGIN_NAME = "kvplug"
 DEADLINE_SHARE = 0.9
 """Every wait on kvplug lasts at most this share of LMCache's ``blocking_timeout_secs``, so
 LMCache hears a miss or a failure before its own timeout, which would drop the connection."""
+IO_SHARE = 0.9
+"""A put is cancelled after this share of the connector's deadline, so that kvplug has let go
+of LMCache's buffer (and says why the put failed) before LMCache's wait ends."""
 PING_TIMEOUT = -1
 PING_FAILED = 1
 
@@ -106,12 +121,13 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
 
     * **Keys** are LMCache's ``CacheEngineKey``\\ s under the same string form
       (:func:`kvplug_lmcache.keys.engine_key_to_cache_key`).
-    * **Puts** hand LMCache's buffer to kvplug without a copy, unless the backend keeps the
-      object after the put (a ``cpu://`` tier or a write-behind Store,
-      :func:`kvplug.integration.needs_private_copy`): then it is copied into kvplug's memory
-      on kvplug's IO thread. The connector holds its own reference to LMCache's buffer until
-      kvplug is done with it, also after LMCache stopped waiting. A failed put raises with
-      kvplug's message (LMCache logs and counts it).
+    * **Puts** go through :class:`kvplug.integration.EngineIO`: LMCache's buffer is lent to
+      a backend that lets go of it at once when a put is cancelled and keeps nothing after
+      the put; every other backend (a ``cpu://`` tier, a write-behind Store, one without
+      ``releases_on_cancel``; seen through wrappers) gets a copy taken when the put starts.
+      A put is cancelled when its deadline passes; the connector holds its own reference to
+      LMCache's object until kvplug's side has ended, also after LMCache stopped waiting. A
+      failed put raises with kvplug's message (LMCache logs and counts it).
     * **Gets** copy into objects from ``local_cpu_backend.allocate`` (never waiting for memory
       on LMCache's event loop). A backend that is down or late reads as misses (``None``,
       ``False``, 0), never as an error, so LMCache keeps this connection and kvplug's own
@@ -124,8 +140,8 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
       are refused with the fix named.
 
     Attributes: ``target`` (the masked URL or tiers file), ``deadline`` (seconds),
-    ``copies_puts`` (whether puts copy); :meth:`stats` gives the counters, which :meth:`close`
-    also logs.
+    ``copies_puts`` (whether puts copy LMCache's buffer rather than lend it); :meth:`stats`
+    gives the counters, which :meth:`close` also logs.
 
     Example (what LMCache does with it)::
 
@@ -199,7 +215,12 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         )
         self._finalizer = weakref.finalize(self, _close_later, self._client)
         self._finalizer.atexit = False
-        self.copies_puts = needs_private_copy(self._client.backend)
+        self._io = EngineIO(
+            self._client.backend,
+            timeout=IO_SHARE * self.deadline,
+            what=f"KvplugConnector on {self.target}",
+        )
+        self.copies_puts = not self._io.lends_stores
         logger.info(
             "kvplug remote storage ready for LMCache: %s (%s puts, deadline %.1f s)",
             self.target,
@@ -277,12 +298,15 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
             if abandon is not None:
                 future.add_done_callback(lambda f: self._abandoned(f, abandon))
             if isinstance(error, TimeoutError):
-                raise BackendTimeout(
-                    f"{what} on {self.target} did not finish within {self.deadline:.1f} s "
-                    "(0.9 x LMCache's blocking_timeout_secs); the store is slow or unreachable."
-                ) from None
+                raise self._late(what) from None
             raise
         return future.result()
+
+    def _late(self, what: str) -> BackendTimeout:
+        return BackendTimeout(
+            f"{what} on {self.target} did not finish within {self.deadline:.1f} s "
+            "(0.9 x LMCache's blocking_timeout_secs); the store is slow or unreachable."
+        )
 
     @staticmethod
     def _abandoned(future: concurrent.futures.Future[T], abandon: Callable[[T], None]) -> None:
@@ -517,17 +541,16 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
     # -- writes ---------------------------------------------------------------------------------
 
     async def _store(self, keys: list[CacheKey], views: list[MemoryObj]) -> None:
-        """Runs on kvplug's IO thread: copy into kvplug memory when the backend keeps what it
-        stores, then one batched put."""
-        backend = self._client.backend
-        if not self.copies_puts:
-            await backend.batched_put(keys, views)
-            return
-        copies = private_copies(backend, views, self.target)
+        """Runs on kvplug's IO thread: one batched put, LMCache's buffers lent or copied (see
+        :class:`~kvplug.integration.EngineIO`), cancelled at the deadline. When this ends,
+        kvplug holds no reference to those buffers."""
+        started = time.monotonic()
         try:
-            await backend.batched_put(keys, copies)
-        finally:
-            self._release(copies)
+            await self._io.store(keys, views)
+        except BackendTimeout as error:
+            if time.monotonic() - started < self._io.timeout:
+                raise  # the backend's own timeout, which names its setting
+            raise self._late(f"put of {len(keys)} chunks") from error
 
     async def _write(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[Any]) -> None:
         if len(keys) != len(memory_objs):

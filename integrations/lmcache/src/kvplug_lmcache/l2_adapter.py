@@ -16,21 +16,34 @@ optionally ``options`` (kvplug backend or Store options), ``capacity``, ``task_t
 ``lock_ttl``, ``check_on_start`` and ``pin_locked``.
 
 How LMCache's calls map onto kvplug (one batched kvplug call per task, on the
-:class:`~kvplug.sync.SyncClient`'s IO thread, which is the adapter's own IO thread):
+:class:`~kvplug.sync.SyncClient`'s IO thread, which is the adapter's own IO thread), through
+:class:`kvplug.integration.EngineIO`:
 
-* **store**: one ``batched_put``. LMCache's L1 buffers are wrapped without a copy
-  (:meth:`kvplug.MemoryObj.from_tensor` over their bytes), except for backends that keep the
-  put objects (a ``cpu://`` tier, a Store of several tiers: ``needs_private_copy``), which get
-  one copy into the backend's own memory. A task is reported done only once kvplug holds no
-  reference to LMCache's buffers any more, also when it failed or timed out.
+* **store**: one ``batched_put`` of LMCache's L1 buffers (wrapped with
+  :meth:`kvplug.MemoryObj.from_tensor`, no copy). A backend that lets go of a buffer at once
+  when a put is cancelled and keeps no reference after it (``releases_on_cancel``, not a
+  ``cpu://`` tier, not a Store of several tiers, seen through wrappers such as ``audit::``) is
+  lent the buffer itself; every other backend gets a copy taken when the task starts, so what
+  is stored is what LMCache handed over, whatever LMCache writes into its buffer later.
 * **lookup and lock**: per-key presence, gathered concurrently in one coroutine; each lookup
   that finds a key takes one lock on it (two lookups, two locks).
-* **load**: one ``batched_get_into`` straight into LMCache's buffers (``file://`` reads there
-  and verifies the checksum in place; other backends copy once). A stored object whose size
-  differs from the buffer is a failed load for that key; nothing is written.
+* **load**: one ``batched_get_into``, straight into LMCache's buffers on a backend that stops
+  writing there at once when a read is cancelled (``releases_on_cancel``); every other backend
+  reads into kvplug's own memory (outside any store's budget, so a full budget is never a
+  miss), copied into LMCache's buffers only while the task is live. A stored object whose
+  size differs from the buffer is a failed load for that key; nothing is written.
 * **unlock**: gives back exactly the locks taken; a key never locked is ignored; never raises.
   A lock also ends by itself after ``lock_ttl`` seconds (300 by default), so a lookup whose
   result LMCache never collected (a request aborted meanwhile) does not hold its keys forever.
+
+**The engine boundary.** LMCache's MP L1 frees a buffer as soon as the store or load task
+that used it is reported done, successful or not, and hands it to other data. So a task is
+reported only once no part of kvplug can read or write LMCache's buffers any more, and within
+``task_timeout``: a task past it is reported failed, and nothing kvplug still does afterwards
+(a late disk write or read, a write-behind to a lower tier, a late network reply) touches
+those buffers. A store reported failed may still land later, but only ever with the bytes
+LMCache handed over; a load reported failed leaves nothing in LMCache's buffers that LMCache
+may use.
 
 Locked keys stay readable: on a backend that can pin (the ``cpu://`` tier) a locked key is
 pinned, so the backend does not evict it, until its last lock goes (or the backend's
@@ -53,7 +66,8 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -74,22 +88,20 @@ from kvplug.errors import (
 from kvplug.eviction import PinTable
 from kvplug.integration import (
     CallHealth,
+    EngineIO,
     check_keys,
     check_target,
     flag,
-    needs_private_copy,
     open_client,
     positive_seconds,
-    private_copies,
     probe,
     tiers_of,
-    until_released,
     within_deadline,
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_data, mask_text, mask_url
-from kvplug.store import Store, store_url
+from kvplug.store import Store, layers, store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
@@ -101,6 +113,9 @@ except ImportError:  # LMCache 0.5.6
 
 logger = logging.getLogger("kvplug.lmcache")
 T = TypeVar("T")
+Outcome = tuple[Any, BaseException | None]
+"""What a task coroutine returns: its result for LMCache, and why it failed (None: it did
+not)."""
 
 DEFAULT_TASK_TIMEOUT = 60.0
 """Seconds one store, lookup or load task may take before it is reported failed."""
@@ -274,35 +289,41 @@ def _byte_view(obj: Any) -> torch.Tensor:
 
 
 def _default_capacity(backend: Backend) -> int:
-    """The backend's ``max_size`` (the largest tier's for a Store), else 0 (unknown)."""
-    layers = tiers_of(backend)
-    sizes = [getattr(layer.options, "max_size", None) for layer in layers]
+    """The backend's ``max_size`` (the largest tier's for a Store), else 0 (unknown); seen
+    through wrappers (``audit::file://`` has ``file://``'s)."""
+    tiers = tiers_of(backend)
+    sizes = [getattr(tier.options, "max_size", None) for tier in tiers]
     known = [size for size in sizes if isinstance(size, int)]
     return max(known) if known and len(known) == len(sizes) else 0
 
 
 def _memory_tags(backend: Backend, shared: bool) -> Any:
-    """LMCache's tags for where the backend keeps its bytes: REMOTE where other hosts may see
-    them (LMCache's meaning), so not for ``file://``, whose directory the processes of one host
-    share (LMCache says ``shared`` for one on a network filesystem)."""
-    layers = tiers_of(backend)
+    """LMCache's tags for where the backend keeps its bytes, seen through wrappers: REMOTE
+    where other hosts may see them (LMCache's meaning), so not for ``file://``, whose directory
+    the processes of one host share (LMCache says ``shared`` for one on a network
+    filesystem)."""
+    tiers = tiers_of(backend)
     remote = shared or any(
-        layer.capabilities.shared_across_processes and layer.url.scheme != "file"
-        for layer in layers
+        tier.capabilities.shared_across_processes and tier.url.scheme != "file" for tier in tiers
     )
     residency = MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL
-    if all(layer.url.scheme in ("gds", "weka") for layer in layers):
+    if all(tier.url.scheme in ("gds", "weka") for tier in tiers):
         segment = MemorySegment.GDS
-    elif all(
-        layer.capabilities.zero_copy and not layer.capabilities.persistent for layer in layers
-    ):
+    elif all(tier.capabilities.zero_copy and not tier.capabilities.persistent for tier in tiers):
         segment = MemorySegment.DRAM
     else:
         segment = MemorySegment.STORAGE
     return MemoryTags(segment, residency)
 
 
-_FAILURES = ("failed_stores", "failed_lookups", "failed_loads", "failed_deletes")
+def _store_of(backend: Backend) -> Store | None:
+    """The Store that ``backend`` is or wraps (``audit::store://...``), if any."""
+    return next((layer for layer in layers(backend) if isinstance(layer, Store)), None)
+
+
+_KINDS = ("stores", "lookups", "loads")
+"""The kinds of task LMCache submits; each has a ``failed_<kind>`` counter."""
+_FAILURES = (*(f"failed_{kind}" for kind in _KINDS), "failed_deletes")
 
 
 class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is untyped
@@ -386,22 +407,30 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             raise
         self._client = client
         self._backend: Backend = backend
-        self._private_copy = needs_private_copy(backend)
+        what = f"KvplugL2Adapter on {config.target()}"
+        self._io = EngineIO(backend, timeout=config.task_timeout, what=what)
         self._pins = config.pin_locked and backend.capabilities.pin
-        self._touches = backend.capabilities.zero_copy and not isinstance(backend, Store)
+        # Reading a host-memory tier costs nothing, so a touch reads (its LRU sees the use).
+        self._touches = backend.capabilities.zero_copy and _store_of(backend) is None
         self._tags = _memory_tags(backend, shared=False) if MemoryTags is not None else None
 
         self._state = threading.Lock()
+        """Guards everything report_status shows, so that one snapshot is consistent: task
+        outcomes (result filed, counted, health) land together, under it."""
         self._closed = False
         self._task_ids = itertools.count()
-        self._done_stores: dict[int, Any] = {}
-        self._done_lookups: dict[int, Any] = {}
-        self._done_loads: dict[int, Any] = {}
+        self._done: dict[str, dict[int, Any]] = {kind: {} for kind in _KINDS}
+        """Results of finished tasks LMCache has not collected yet, by kind."""
+        self._finished = dict.fromkeys(_KINDS, 0)
+        self._submitted = 0
         self._in_flight = 0
-        self._health = CallHealth(f"KvplugL2Adapter on {config.target()}", _FAILURES, logger)
+        self._health = CallHealth(what, _FAILURES, logger)
+        """Updated only under :attr:`_state`."""
         self._size_mismatches = 0
         self._sizes: dict[ObjectKey, int] = {}
         """Bytes of each key this adapter stored (LMCache's usage accounting)."""
+        self._bytes = 0
+        """The sum of :attr:`_sizes`."""
         self._stamps: dict[ObjectKey, int] = {}
         """The :attr:`_stores_done` count when each key of :attr:`_sizes` was stored."""
         self._stores_done = 0
@@ -417,7 +446,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             "KvplugL2Adapter on %s (%s): %s, capacity %d bytes",
             config.target(),
             type(backend).__name__,
-            "copies into kvplug memory" if self._private_copy else "zero-copy puts",
+            "puts lend LMCache's buffers" if self._io.lends_stores else "puts copy at submit",
             capacity,
         )
 
@@ -448,31 +477,34 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     # -- task plumbing ------------------------------------------------------------------------
 
     def _submit(
-        self,
-        work: Coroutine[Any, Any, T],
-        done: str,
-        notifier: Any,
-        failed: Callable[[], Any],
+        self, work: Coroutine[Any, Any, Outcome], kind: str, notifier: Any, failed: Any
     ) -> int:
-        """Run ``work`` on the IO thread; its result (``failed()`` if it raised) is filed
-        under a new task id in the dict named ``done`` (looked up when the task ends: popping
-        replaces it) and ``notifier`` is signalled."""
+        """Run ``work`` on the IO thread. When it ends, its result (``failed`` if it raised)
+        is filed under a new task id for LMCache to collect, and the task is counted with its
+        error, if any, all in one step under :attr:`_state`; then ``notifier`` is signalled."""
         with self._state:
             if self._closed:
                 work.close()
                 raise BackendClosed("this KvplugL2Adapter is closed; LMCache must not use it.")
             task_id = next(self._task_ids)
+            self._submitted += 1
             self._in_flight += 1
 
-        def finish(future: concurrent.futures.Future[T]) -> None:
+        def finish(future: concurrent.futures.Future[Outcome]) -> None:
+            error: BaseException | None
             try:
-                result: Any = future.result()
-            except BaseException as error:  # a bug or a cancelled loop: never leave it pending
-                logger.error("KvplugL2Adapter task %d ended with %r", task_id, error)
-                result = failed()
+                result, error = future.result()
+            except BaseException as bug:  # a bug or a cancelled loop: never leave it pending
+                logger.error("KvplugL2Adapter task %d ended with %r", task_id, bug)
+                result, error = failed, bug
             with self._state:
                 self._in_flight -= 1
-                results = getattr(self, done)
+                self._finished[kind] += 1
+                if error is None:
+                    self._health.succeeded()
+                else:
+                    self._health.failed(f"failed_{kind}", error)
+                results = self._done[kind]
                 results[task_id] = result
                 if len(results) > MAX_UNCLAIMED:  # tasks of requests LMCache gave up on
                     del results[next(iter(results))]
@@ -485,10 +517,20 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             future = self._client.run(work)
         except BaseException:
             with self._state:
+                self._submitted -= 1
                 self._in_flight -= 1
             raise
         future.add_done_callback(finish)
         return task_id
+
+    def _collect(self, kind: str, task_id: int) -> Any:
+        with self._state:
+            return self._done[kind].pop(task_id, None)
+
+    def _failed(self, counter: str, error: BaseException) -> None:
+        """Count a failure outside a task (a delete)."""
+        with self._state:
+            self._health.failed(counter, error)
 
     async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
         return await within_deadline(work, self._timeout, f"{what} on {self._config.target()}")
@@ -503,8 +545,9 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 for key in keys
                 if key in self._sizes and (seen_at is None or self._stamps[key] <= seen_at)
             ]
-            for key, _ in gone:
+            for key, size in gone:
                 del self._stamps[key]
+                self._bytes -= size
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [size for _, size in gone])
 
@@ -513,52 +556,41 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> int:
         return self._submit(
             self._store(list(keys), list(objects)),
-            "_done_stores",
+            "stores",
             self._store_fd,
-            lambda: L2StoreResult(False, 0),
+            L2StoreResult(False, 0),
         )
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         with self._state:
-            done, self._done_stores = self._done_stores, {}
+            done, self._done["stores"] = self._done["stores"], {}
         return done
 
-    def _objects_for_put(self, sources: list[torch.Tensor]) -> list[MemoryObj]:
-        views = [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
-        if not self._private_copy:
-            return views
-        return private_copies(self._backend, views, self._config.target())
-
-    async def _until_released(self, objs: list[MemoryObj]) -> None:
-        await until_released(objs, self._timeout, f"KvplugL2Adapter on {self._config.target()}")
-
-    async def _store(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
+    async def _store(self, keys: list[ObjectKey], objects: list[Any]) -> Outcome:
         if len(keys) != len(objects):
-            self._health.failed(
-                "failed_stores",
-                KvplugError(f"a store task got {len(keys)} keys but {len(objects)} objects"),
-            )
-            return L2StoreResult(False, 0)
+            error = KvplugError(f"a store task got {len(keys)} keys but {len(objects)} objects")
+            return L2StoreResult(False, 0), error
         if not keys:
-            return L2StoreResult(True, 0)
-        put: list[MemoryObj] = []
+            return L2StoreResult(True, 0), None
+        sizes: list[int] = []
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
-            sources = [_byte_view(obj) for obj in objects]
-            put = self._objects_for_put(sources)
-            await self._within_deadline(self._backend.batched_put(cache_keys, put), "a store")
+            sources = [
+                MemoryObj.from_tensor(_byte_view(obj), MemoryFormat.BINARY_BUFFER)
+                for obj in objects
+            ]
+            sizes = [source.nbytes for source in sources]
+            await self._io.store(cache_keys, sources)
         except Exception as error:
-            self._health.failed("failed_stores", error)
-            return L2StoreResult(False, 0)
-        finally:
-            if put and not self._private_copy:
-                await self._until_released(put)
-            for obj in put:
-                obj.release()
-        self._health.succeeded()
-        sizes = [src.numel() for src in sources]
+            # A Store that refused some keys says which it did store: LMCache's usage and
+            # eviction know those (LMCache keeps the whole task's keys in L1 meanwhile).
+            stored = stored_keys(error, len(keys)) if sizes else None
+            if stored is not None and any(stored):
+                kept = [i for i, ok in enumerate(stored) if ok]
+                self._account_stored([keys[i] for i in kept], [sizes[i] for i in kept])
+            return L2StoreResult(False, 0), error
         self._account_stored(keys, sizes)
-        return L2StoreResult(True, sum(sizes))
+        return L2StoreResult(True, sum(sizes)), None
 
     def _account_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         new: dict[ObjectKey, int] = {}
@@ -577,6 +609,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 else:
                     same.append(key)
                 self._sizes[key] = size
+                self._bytes += size - (old or 0)
         if replaced:
             self._notify_keys_deleted(list(replaced), list(replaced.values()))
         if new:
@@ -589,19 +622,14 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, Any]
     ) -> int:
-        count = len(keys)
         return self._submit(
-            self._lookup_and_lock(list(keys)),
-            "_done_lookups",
-            self._lookup_fd,
-            lambda: Bitmap(count),
+            self._lookup_and_lock(list(keys)), "lookups", self._lookup_fd, Bitmap(len(keys))
         )
 
     def query_lookup_and_lock_result(self, task_id: int) -> Any:
-        with self._state:
-            return self._done_lookups.pop(task_id, None)
+        return self._collect("lookups", task_id)
 
-    async def _lookup_and_lock(self, keys: list[ObjectKey]) -> Any:
+    async def _lookup_and_lock(self, keys: list[ObjectKey]) -> Outcome:
         found = Bitmap(len(keys))
         seen_at = self._stores_done
         try:
@@ -613,37 +641,34 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 "a lookup",
             )
         except Exception as error:
-            self._health.failed("failed_lookups", error)
-            return found
+            return found, error
         failure = next((a for a in answers if isinstance(a, BaseException)), None)
-        if failure is not None:
-            self._health.failed("failed_lookups", failure)
-        else:
-            self._health.succeeded()
         present = [answer is True for answer in answers]
         async with self._lock_guard:
             for index, (key, cache_key, here) in enumerate(
                 zip(keys, cache_keys, present, strict=True)
             ):
-                if here and await self._lock(key, cache_key):
-                    found.set(index)
+                if not here:
+                    continue
+                try:
+                    if await self._lock(key, cache_key):
+                        found.set(index)
+                except Exception as error:
+                    failure = failure or error
         if failure is None:
             self._forget(
                 [key for key, here in zip(keys, present, strict=True) if not here], seen_at
             )
-        return found
+        return found, failure
 
     async def _lock(self, key: ObjectKey, cache_key: CacheKey) -> bool:
         """Take one lock on ``key``; the first lock pins it where the backend can pin.
-        False when the key went away before it could be pinned."""
+        False when the key went away before it could be pinned; raises when the pin
+        failed."""
         if self._pins and not self._locks.is_pinned(key):
             if key in self._pinned:  # its locks expired: renew the pin
                 await self._unpin(key)
-            try:
-                if not await self._within_deadline(self._backend.pin(cache_key), "a pin"):
-                    return False
-            except Exception as error:
-                self._health.failed("failed_lookups", error)
+            if not await self._within_deadline(self._backend.pin(cache_key), "a pin"):
                 return False
             self._pinned.add(key)
         self._locks.pin(key, self._config.lock_ttl)
@@ -676,57 +701,50 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     # -- load ---------------------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> int:
-        count = len(keys)
         return self._submit(
-            self._load(list(keys), list(objects)),
-            "_done_loads",
-            self._load_fd,
-            lambda: Bitmap(count),
+            self._load(list(keys), list(objects)), "loads", self._load_fd, Bitmap(len(keys))
         )
 
     def query_load_result(self, task_id: int) -> Any:
-        with self._state:
-            return self._done_loads.pop(task_id, None)
+        return self._collect("loads", task_id)
 
-    async def _load(self, keys: list[ObjectKey], objects: list[Any]) -> Any:
+    async def _load(self, keys: list[ObjectKey], objects: list[Any]) -> Outcome:
         loaded = Bitmap(len(keys))
         if len(keys) != len(objects):
-            self._health.failed(
-                "failed_loads",
-                KvplugError(f"a load task got {len(keys)} keys but {len(objects)} buffers"),
+            return loaded, KvplugError(
+                f"a load task got {len(keys)} keys but {len(objects)} buffers"
             )
-            return loaded
         seen_at = self._stores_done
-        dests: list[MemoryObj] = []
+        started = time.monotonic()
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
             dests = [
                 MemoryObj.from_tensor(_byte_view(buffer), MemoryFormat.BINARY_BUFFER)
                 for buffer in objects
             ]
-            found = await self._within_deadline(
-                self._backend.batched_get_into(cache_keys, dests), "a load"
-            )
-            # A False is a miss or a stored object of another size: only the latter is still
-            # there (asked only on this rare path).
-            failed = [cache_keys[i] for i, hit in enumerate(found) if not hit]
-            present = await self._within_deadline(
-                asyncio.gather(*(self._backend.contains(k) for k in failed)), "a load"
-            )
+            found = await self._io.load(cache_keys, dests)
         except Exception as error:
-            self._health.failed("failed_loads", error)
-            return loaded
-        finally:
-            if dests:  # a load past its deadline may still be writing into LMCache's buffers
-                await self._until_released(dests)
-        self._health.succeeded()
+            return loaded, error
+        # A False is a miss or a stored object of another size: only the latter is still
+        # there. Asked only on this rare path, within what is left of the task's deadline;
+        # unanswered, the keys are reported missing and nothing else is concluded.
+        failed = [cache_keys[i] for i, hit in enumerate(found) if not hit]
+        present: list[bool] | None = None
+        remaining = self._timeout - (time.monotonic() - started)
+        if failed and remaining > 0:
+            with contextlib.suppress(Exception):
+                present = await asyncio.wait_for(
+                    asyncio.gather(*(self._backend.contains(k) for k in failed)), remaining
+                )
         hits: list[ObjectKey] = []
         missing: list[ObjectKey] = []
-        still_there = iter(present)
+        still_there = iter(present or [])
         for index, (key, hit, dest) in enumerate(zip(keys, found, dests, strict=True)):
             if hit:
                 loaded.set(index)
                 hits.append(key)
+            elif present is None:
+                continue
             elif next(still_there):
                 self._size_mismatch(key, dest.nbytes)
             else:
@@ -734,7 +752,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         self._forget(missing, seen_at)
         if hits:
             self._notify_keys_accessed(hits)
-        return loaded
+        return loaded, None
 
     def _size_mismatch(self, key: ObjectKey, wanted: int) -> None:
         with self._state:
@@ -783,7 +801,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         try:
             self._client.run(self._delete(keys)).result(self._timeout + 5)
         except Exception as error:
-            self._health.failed("failed_deletes", error)
+            self._failed("failed_deletes", error)
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
         async with self._lock_guard:
@@ -797,11 +815,11 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                     "a delete",
                 )
             except Exception as error:
-                self._health.failed("failed_deletes", error)
+                self._failed("failed_deletes", error)
                 return
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            self._health.failed("failed_deletes", failure)
+            self._failed("failed_deletes", failure)
         # Absent now either way (and unpinned), unless its removal failed.
         gone = [
             k for k, r in zip(unlocked, results, strict=True) if not isinstance(r, BaseException)
@@ -823,7 +841,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         if not self._backend.capabilities.list_keys:
             raise NotImplementedError(
-                f"{self._config.target()} cannot list its keys (kvplug capability 'list')."
+                f"{self._config.target()} cannot list its keys (kvplug capability 'list_keys')."
             )
         if cursor is not None:
             try:
@@ -872,52 +890,66 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
 
     def report_status(self) -> dict[str, Any]:
         """Health and counters, with kvplug's own statistics where the backend has them;
-        URLs and errors are masked."""
-        health = self._health.snapshot()
+        URLs and errors are masked.
+
+        The adapter's own fields come from one snapshot (a task's result, its count and its
+        effect on health land together), so they agree with each other: ``tasks_submitted``
+        is ``stores_finished + lookups_finished + loads_finished + in_flight_tasks``, each
+        ``failed_<kind>`` counts some of ``<kind>_finished``, and ``bytes_used`` is the sum of
+        the sizes of the ``tracked_keys``. ``is_healthy`` (and ``healthy``, the same value) is
+        true exactly when the adapter's IO thread answers, the last task or delete did not
+        fail for an unreachable or late store, and no tier of a Store is failing
+        (``failing_tiers``); ``last_error`` is the last failure's reason."""
         with self._state:
-            health["size_mismatches"] = self._size_mismatches
+            calls = self._health.snapshot()
             status: dict[str, Any] = {
                 "type": "KvplugL2Adapter",
                 "target": self._config.target(),
                 "backend": type(self._backend).__name__,
                 "capabilities": list(self._backend.capabilities.declared()),
-                "zero_copy_puts": not self._private_copy,
+                "zero_copy_puts": self._io.lends_stores,
+                "zero_copy_loads": self._io.lends_loads,
                 "pins_locked_keys": self._pins,
                 "locked_keys": len(self._locks),
                 "tracked_keys": len(self._sizes),
+                "bytes_used": self._bytes,
+                "tasks_submitted": self._submitted,
                 "in_flight_tasks": self._in_flight,
+                **{f"{kind}_finished": count for kind, count in self._finished.items()},
+                **{name: calls[name] for name in _FAILURES},
+                "size_mismatches": self._size_mismatches,
+                "last_error": calls["last_error"],
                 "closed": self._closed,
             }
+        status["capacity_bytes"] = self.get_usage().total_capacity_bytes
+        store = _store_of(self._backend)
         stats = getattr(self._backend, "stats", None)
 
-        async def collect() -> Any:  # one round trip: the IO thread answers, with the stats
+        async def collect() -> tuple[Any, list[str]]:
+            # On the IO thread, which the Store's state belongs to: one round trip answers
+            # whether that thread is alive, with the stats and the failing tiers.
+            failing = [] if store is None else [t.name for t in store.health() if not t.healthy]
             if not callable(stats):
-                return None
+                return None, failing
             try:
-                return mask_data(stats())
+                return mask_data(stats()), failing
             except Exception as error:
-                return KvplugError(mask_text(f"{type(error).__name__}: {error}"))
+                return KvplugError(mask_text(f"{type(error).__name__}: {error}")), failing
 
         io_alive, collected = False, None
-        if not self._closed:
+        failing: list[str] = []
+        if not status["closed"]:
             with contextlib.suppress(Exception):
-                collected = self._client.run(collect()).result(5)
+                collected, failing = self._client.run(collect()).result(5)
                 io_alive = True
-        status["io_thread_alive"] = io_alive
-        status.update(health)
-        usage = self.get_usage()
-        status["bytes_used"] = usage.total_bytes_used
-        status["capacity_bytes"] = usage.total_capacity_bytes
-        if io_alive:
-            if isinstance(collected, KvplugError):
-                status["kvplug_error"] = str(collected)
-            elif collected is not None:
-                status["kvplug"] = collected
-            if isinstance(self._backend, Store):
-                unhealthy = [t.name for t in self._backend.health() if not t.healthy]
-                status["failing_tiers"] = unhealthy
-                health["healthy"] = health["healthy"] and not unhealthy
-        status["is_healthy"] = io_alive and health["healthy"]
+        if isinstance(collected, KvplugError):
+            status["kvplug_error"] = str(collected)
+        elif collected is not None:
+            status["kvplug"] = collected
+        if store is not None and io_alive:
+            status["failing_tiers"] = failing
+        healthy = io_alive and calls["healthy"] and not failing
+        status.update(io_thread_alive=io_alive, healthy=healthy, is_healthy=healthy)
         return status
 
     # -- close ----------------------------------------------------------------------------------

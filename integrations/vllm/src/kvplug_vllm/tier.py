@@ -22,16 +22,29 @@ weights; see :mod:`kvplug_vllm.keys`), ``on_reset`` (``"forget"``, the default, 
 ``max_queued_chunks`` (chunks of store jobs in flight before new ones are refused, default half
 the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``) and ``enable_kv_events``.
 
-How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``);
-kvplug writes them from and reads them into those rows with no copy (a ``cpu://`` tier or a
-Store of several tiers keeps what it is given, so it gets a private copy first), one batched
-kvplug call per job, on kvplug's IO thread. Lookups are batched once per scheduler step on a
-background thread (vLLM's ``AsyncLookupManager``): a key answers RETRY until its batch is back.
+How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``),
+one batched kvplug call per job, on kvplug's IO thread, through
+:class:`kvplug.integration.EngineIO`. A backend that declares ``releases_on_cancel`` (it lets go
+of a caller's memory as soon as a cancelled operation returns: ``file://``, ``redis://``) is
+lent the rows themselves, with no copy; one that keeps what it is given (``cpu://``, a Store of
+several tiers, also behind a wrapper such as ``audit::``) stores a private copy taken when the
+job starts, and one that does not declare it reads into kvplug's own memory, copied into the
+rows only while the job is live. Lookups are batched once per scheduler step on a background
+thread (vLLM's ``AsyncLookupManager``): a key answers RETRY until its batch is back.
+
+The engine boundary: vLLM reuses a job's rows as soon as the job is reported finished, also when
+it is reported failed. A job is reported only once kvplug no longer reads or writes its rows,
+and a job past ``task_timeout`` is cancelled and reported failed then: a late read never lands
+in a row vLLM reused, and a store never persists what vLLM wrote into the row after the report
+(a key holds the row as it was when the store started, or nothing). A load reports the chunks it
+read whole (``successful_keys``). :meth:`KvplugTier.drain_jobs` and :meth:`KvplugTier.shutdown`
+wait at most ``task_timeout`` plus :data:`UNWIND_SECONDS` for the jobs in flight, and never for
+lookups; should a backend break its contract and keep rows after the deadline, they raise
+instead of returning, so that vLLM neither reuses nor unmaps memory kvplug may still touch.
 
 Failures never reach vLLM's scheduler as exceptions: a store that is down, slow or full makes
-lookups answer MISS and jobs finish failed (a load reports which chunks it did read), the first
-failure is logged, and later calls try again. A job is reported finished only once kvplug holds
-no reference to the primary tier's memory, so a slot vLLM reuses is never written late.
+lookups answer MISS and jobs finish failed, the first failure is logged, and later calls try
+again.
 
 Cache resets (``reset_prefix_cache(reset_connector=True)``, which vLLM's
 ``pause_generation(clear_cache=True)`` uses around in-place weight updates) call
@@ -46,7 +59,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import queue
 import secrets
 import threading
@@ -79,16 +91,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
     CallHealth,
+    EngineIO,
     check_keys,
     check_target,
     flag,
-    needs_private_copy,
     open_client,
     positive_seconds,
-    private_copies,
     probe,
     tiers_of,
-    until_released,
     within_deadline,
 )
 from kvplug.keys import CacheKey
@@ -108,6 +118,12 @@ DEFAULT_TASK_TIMEOUT = 60.0
 """Seconds one store or load job may take before it finishes failed."""
 DEFAULT_LOOKUP_TIMEOUT = 5.0
 """Seconds one batch of lookups may take before its keys answer MISS."""
+UNWIND_SECONDS = 5.0
+"""Seconds past ``task_timeout`` that :meth:`KvplugTier.drain_jobs` and
+:meth:`KvplugTier.shutdown` wait for a job to finish: a job ends at its deadline, once the
+operation it cancelled has let go of the primary tier's memory, which takes far less."""
+CLOSE_SECONDS = 5.0
+"""Seconds :meth:`KvplugTier.shutdown` gives kvplug to close the store once no job is left."""
 ON_RESET = ("forget", "keep")
 
 KVPLUG_KEYS = {
@@ -277,14 +293,36 @@ def _namespace(spec: OffloadingSpec, row_bytes: int, identity: str | None) -> Ch
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vllm is untyped
-    """vLLM's per-step batched lookups, answered by the tier's store."""
+    """vLLM's per-step batched lookups, answered by the tier's store. Once shut down, the
+    lookup in flight is abandoned and the batches still queued answer MISS at once, so that a
+    cache reset or a shutdown never waits for a slow store's lookups."""
 
     def __init__(self, tier: KvplugTier) -> None:
-        super().__init__(tier_type=tier.tier_type)
         self._tier = tier
+        self._guard = threading.Lock()
+        self._stopped = False
+        self._asking: concurrent.futures.Future[list[bool]] | None = None
+        super().__init__(tier_type=tier.tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier._present(keys)
+        return self._tier._present(keys, self)
+
+    def asking(self, future: concurrent.futures.Future[list[bool]] | None) -> bool:
+        """Note the lookup in flight (None: it is over); False once shut down (then
+        ``future`` is cancelled)."""
+        with self._guard:
+            self._asking = None if self._stopped else future
+            stopped = self._stopped
+        if stopped and future is not None:
+            future.cancel()
+        return not stopped
+
+    def shutdown(self) -> None:
+        with self._guard:
+            self._stopped, asking = True, self._asking
+        if asking is not None:
+            asking.cancel()
+        super().shutdown()
 
 
 class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
@@ -367,7 +405,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             url=parsed.url, config=parsed.config, options=parsed.options, what=_WHAT
         )
         try:
-            self._private_copy = needs_private_copy(self._client.backend)
+            self._io = EngineIO(self._client.backend, timeout=parsed.task_timeout, what=self._what)
             if all(tier.url.scheme == "cpu" for tier in tiers_of(self._client.backend)):
                 self.medium = Medium.CPU
                 self.cache_hit_source = CacheHitSource.HOST
@@ -413,13 +451,6 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             for chunk in chunk_ids
         ]
 
-    async def _let_go(self, objs: Sequence[MemoryObj]) -> None:
-        """Return once kvplug holds no reference to ``objs`` (rows of vLLM's primary tier),
-        however long that takes: a slot vLLM reuses must never be read or written late."""
-        if not await until_released(objs, self._settings.task_timeout, self._what):
-            await until_released(objs, math.inf, self._what)
-            logger.info("%s: kvplug let go of the primary tier's memory at last.", self._what)
-
     def _submit(self, job: TransferJob, work: Any, chunks: int) -> None:
         """Run coroutine ``work`` (which returns the job's JobResult) on kvplug's IO thread and
         queue its result for :meth:`get_finished_jobs`."""
@@ -456,34 +487,41 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
 
     # -- lookups --------------------------------------------------------------------------------
 
-    async def _contains_each(
-        self, keys: Sequence[CacheKey], timeout: float, what: str
-    ) -> list[bool]:
+    async def _contains_each(self, keys: Sequence[CacheKey]) -> list[bool]:
         """Whether each of ``keys`` is stored (not a prefix count: vLLM asks per key), asked
-        at once and within ``timeout`` seconds; ``what`` names the operation for the error."""
+        at once."""
         backend = self._client.backend
-        found = await within_deadline(
-            asyncio.gather(*(backend.contains(key) for key in keys)),
-            timeout,
-            f"{what} on {self._target}",
-        )
+        found = await asyncio.gather(*(backend.contains(key) for key in keys))
         return [bool(hit) for hit in found]
 
-    def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Whether each key is stored (runs on the lookup thread; MISS on any failure)."""
+    async def _lookup(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """:meth:`_contains_each` within ``lookup_timeout``."""
+        return await within_deadline(
+            self._contains_each(keys), self._settings.lookup_timeout, f"a lookup on {self._target}"
+        )
+
+    def _present(self, keys: Sequence[OffloadKey], lookups: _Lookups) -> list[bool]:
+        """Whether each key is stored (runs on the lookup thread of ``lookups``; MISS on any
+        failure, and at once after ``lookups`` is shut down)."""
         if not keys:
             return []
-        ask = self._contains_each(self._keys(keys), self._settings.lookup_timeout, "a lookup")
         try:
-            asking = self._client.run(ask)
-            try:
-                answer = asking.result(self._settings.lookup_timeout + 1)
-            except concurrent.futures.TimeoutError:
-                asking.cancel()
-                raise
+            asking = self._client.run(self._lookup(self._keys(keys)))
         except Exception as error:
             self._calls.failed("failed_lookups", error)
             return [False] * len(keys)
+        if not lookups.asking(asking):
+            return [False] * len(keys)
+        try:
+            answer = asking.result(self._settings.lookup_timeout + 1)
+        except concurrent.futures.CancelledError:  # shut down meanwhile
+            return [False] * len(keys)
+        except Exception as error:
+            asking.cancel()
+            self._calls.failed("failed_lookups", error)
+            return [False] * len(keys)
+        finally:
+            lookups.asking(None)
         self._calls.succeeded()
         return answer
 
@@ -541,41 +579,38 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
 
     async def _store(self, job: TransferJob) -> JobResult:
         started = time.perf_counter()
-        backend = self._client.backend
-        keys, chunk_ids = list(job.keys), list(job.chunk_ids)
-        cache_keys = self._keys(keys)
         try:
-            present = await self._contains_each(cache_keys, self._settings.task_timeout, "a store")
-            wanted = [index for index, hit in enumerate(present) if not hit]
-            views = self._views([chunk_ids[index] for index in wanted])
-            copies: list[MemoryObj] = []
-            try:
-                if self._private_copy and views:
-                    copies = private_copies(backend, views, self._target)
-                if views:
-                    await within_deadline(
-                        backend.batched_put([cache_keys[i] for i in wanted], copies or views),
-                        self._settings.task_timeout,
-                        f"a store on {self._target}",
-                    )
-            finally:
-                if not copies:
-                    await self._let_go(views)
-                for obj in (*copies, *views):
-                    obj.release()
+            stored = await within_deadline(
+                self._store_missing(list(job.keys), list(job.chunk_ids)),
+                self._settings.task_timeout,
+                f"a store on {self._target}",
+            )
         except Exception as error:
             self._calls.failed("failed_stores", error)
             return JobResult(job_id=job.job_id, success=False)
         self._calls.succeeded()
         with self._state:
-            self._counts["chunks_stored"] += len(wanted)
-            self._counts["chunks_skipped"] += len(keys) - len(wanted)
+            self._counts["chunks_stored"] += stored
+            self._counts["chunks_skipped"] += len(job.keys) - stored
         return JobResult(
             job_id=job.job_id,
             success=True,
             transfer_time=time.perf_counter() - started,
-            transfer_bytes=len(wanted) * self._row_bytes,
+            transfer_bytes=stored * self._row_bytes,
         )
+
+    async def _store_missing(self, keys: list[OffloadKey], chunk_ids: list[int]) -> int:
+        """Store the rows of ``keys`` that the store does not hold yet; how many it stored."""
+        cache_keys = self._keys(keys)
+        present = await self._contains_each(cache_keys)
+        wanted = [index for index, hit in enumerate(present) if not hit]
+        views = self._views([chunk_ids[index] for index in wanted])
+        try:
+            await self._io.store([cache_keys[index] for index in wanted], views)
+        finally:
+            for view in views:
+                view.release()
+        return len(wanted)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's keys into its primary rows, one batched kvplug read; the result names
@@ -588,22 +623,15 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
 
     async def _load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
         started = time.perf_counter()
-        backend = self._client.backend
         views = self._views(job.chunk_ids)
         try:
-            try:
-                found = await within_deadline(
-                    backend.batched_get_into(self._keys(keys), views),
-                    self._settings.task_timeout,
-                    f"a load on {self._target}",
-                )
-            finally:
-                await self._let_go(views)
-                for obj in views:
-                    obj.release()
+            found = await self._io.load(self._keys(keys), views)
         except Exception as error:
             self._calls.failed("failed_loads", error)
             return JobResult(job_id=job.job_id, success=False)
+        finally:
+            for view in views:
+                view.release()
         self._calls.succeeded()
         loaded = [key for key, hit in zip(keys, found, strict=True) if hit]
         with self._state:
@@ -650,17 +678,35 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             events, self._events = self._events, []
             yield from events
 
-    def _wait_for_jobs(self) -> None:
+    def _wait_for_jobs(self, during: str, consequence: str) -> None:
+        """Wait until every job in flight has finished, up to :data:`UNWIND_SECONDS` past
+        ``task_timeout``; then raise :class:`KvplugError` naming ``during`` (what waits) and
+        ``consequence`` if one still holds rows of the primary tier."""
         with self._state:
             futures = list(self._in_flight.values())
-        concurrent.futures.wait(futures)
+        timeout = self._settings.task_timeout
+        _, going = concurrent.futures.wait(futures, timeout + UNWIND_SECONDS)
+        if going:
+            raise KvplugError(
+                f"{self._what}: {len(going)} job(s) still use rows of vLLM's primary tier "
+                f"{timeout + UNWIND_SECONDS:g} s into {during}, though each was cancelled at its "
+                f"task_timeout of {timeout:g} s: the backend did not let go of the memory of a "
+                f"cancelled operation. {consequence} Report this to the backend's maintainers "
+                "(kvplug's contract suite checks that a cancelled operation lets go)."
+            )
 
     def drain_jobs(self) -> None:
         """Block until every submitted job has finished (its result is queued for
-        :meth:`get_finished_jobs`) and kvplug holds none of the primary tier's memory. vLLM
+        :meth:`get_finished_jobs`) and kvplug holds none of the primary tier's memory: at most
+        ``task_timeout`` plus :data:`UNWIND_SECONDS`, since each job ends at its deadline. vLLM
         calls this on a cache reset; with ``on_reset="forget"`` the tier then starts a new key
-        epoch, so nothing stored before is served again."""
-        self._wait_for_jobs()
+        epoch, so nothing stored before is served again. Raises :class:`KvplugError` if a job
+        still holds rows then (a backend that breaks its contract), so that vLLM does not reuse
+        them."""
+        self._wait_for_jobs(
+            "a cache reset",
+            "The reset stops here, so that vLLM does not reuse rows kvplug may still touch.",
+        )
         if self._settings.on_reset == "forget":
             self._namespace = dataclasses.replace(self._base_namespace, epoch=secrets.token_hex(8))
             previous, self._lookups = self._lookups, _Lookups(self)
@@ -680,11 +726,25 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         return TierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
 
     def shutdown(self) -> None:
-        """Wait for the jobs in flight (they use the primary tier's memory, which vLLM releases
-        next), stop the lookup thread and close kvplug. Idempotent."""
-        self._wait_for_jobs()
+        """Stop the lookup thread, wait for the jobs in flight (each ends at its deadline,
+        after which kvplug no longer touches the primary tier's memory, which vLLM unmaps next)
+        and close kvplug: within ``task_timeout`` plus :data:`UNWIND_SECONDS` and
+        :data:`CLOSE_SECONDS`. Raises :class:`KvplugError` if a job still holds rows then (a
+        backend that breaks its contract): vLLM then keeps the primary tier mapped. Idempotent.
+        """
         self._lookups.shutdown()
-        self._client.close()
+        self._wait_for_jobs(
+            "shutdown", "vLLM keeps the primary tier mapped, since kvplug may still touch it."
+        )
+        try:
+            self._client.close(CLOSE_SECONDS)
+        except Exception as error:  # no job is left: nothing touches the primary tier
+            logger.warning(
+                "%s: closing kvplug at shutdown failed (%s); no job uses vLLM's memory, so "
+                "vLLM shuts down anyway.",
+                self._what,
+                mask_text(f"{type(error).__name__}: {error}"),
+            )
         # vLLM unmaps the primary tier next, which it can only do once no view of it is left.
         self._rows = torch.empty(0, 0, dtype=torch.uint8)
 
@@ -692,4 +752,11 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         return f"KvplugTier({self._target})"
 
 
-__all__ = ["DEFAULT_LOOKUP_TIMEOUT", "DEFAULT_TASK_TIMEOUT", "KvplugTier", "TierHealth"]
+__all__ = [
+    "CLOSE_SECONDS",
+    "DEFAULT_LOOKUP_TIMEOUT",
+    "DEFAULT_TASK_TIMEOUT",
+    "UNWIND_SECONDS",
+    "KvplugTier",
+    "TierHealth",
+]
