@@ -20,6 +20,7 @@ from kvplug import (
     BytesBackend,
     CacheKey,
     Capabilities,
+    CapacityExceeded,
     FreeListAllocator,
     MemoryFormat,
     MemoryObj,
@@ -722,3 +723,24 @@ def test_counters_are_exact_while_many_threads_operate_at_once(how: str) -> None
     assert (stats["contains"].calls, stats["contains"].hits) == (THREADS * ROUNDS,) * 2
     assert stats["get"].errors == stats["contains"].errors == 0
     assert torn == [], f"snapshots that failed or did not add up: {torn[:3]}"
+
+
+class FillsUp(DictBytes):
+    """Takes two values, then refuses every put as full."""
+
+    async def put_bytes(self, key: str, parts: Sequence[Buffer]) -> None:
+        if len(self.values) >= 2:
+            raise CapacityExceeded(f"{key}: this store holds two values; nothing was stored")
+        await super().put_bytes(key, parts)
+
+
+def test_a_batched_put_that_stored_part_of_its_keys_says_which(allocator) -> None:
+    backend = FillsUp(allocator=allocator)
+    objs = [filled(allocator, (4, 4), torch.float32, n) for n in range(4)]
+    with pytest.raises(CapacityExceeded, match="2 stored and 2 not") as refused:
+        run(backend.batched_put([key(n) for n in range(4)], objs))
+    assert refused.value.stored == (True, True, False, False)
+    assert isinstance(refused.value.__cause__, CapacityExceeded)
+    assert [run(backend.contains(key(n))) for n in range(4)] == [True, True, False, False]
+    for obj in objs:
+        obj.release()

@@ -104,3 +104,35 @@ def test_many_threads_and_a_revoke_never_write_after_it() -> None:
     lease.end()
     assert len(stop_marks) == 8
     assert obj.ref_count == 1
+
+
+def test_a_revoke_cancelled_meanwhile_still_waits_for_the_access_then_raises() -> None:
+    obj = caller_object()
+    lease = Lease(obj)
+    inside, finish = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        try:
+            with lease.use() as lent:
+                inside.set()
+                finish.wait(5)
+                lent.raw.fill_(4)
+        finally:
+            lease.end()
+
+    async def main() -> None:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        await asyncio.to_thread(inside.wait, 5)
+        revoking = asyncio.ensure_future(lease.revoke())
+        await asyncio.sleep(0.02)
+        revoking.cancel()  # a deadline on top of the caller's cancellation
+        await asyncio.sleep(0.05)
+        assert not revoking.done(), "the revoke gave up while the worker still wrote"
+        finish.set()
+        with pytest.raises(asyncio.CancelledError):
+            await revoking
+        assert obj.ref_count == 1
+        thread.join(5)
+
+    asyncio.run(main())

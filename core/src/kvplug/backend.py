@@ -205,6 +205,38 @@ async def gather_all(operations: Iterable[Awaitable[T]]) -> list[T]:
     return cast(list[T], results)
 
 
+async def _put_each(
+    backend: Backend, keys: Sequence[object], puts: Iterable[Awaitable[None]]
+) -> None:
+    """Await ``puts`` (one per key) concurrently; once all have finished, raise the first error
+    as a kvplug error (:meth:`Backend.translate_error`) whose ``stored`` tells which keys were
+    stored, and whose message says so when some were."""
+    results = await asyncio.gather(*puts, return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is None:
+        return
+    if not isinstance(error, Exception):
+        raise error
+    translated = backend.translate_error("batched_put", error, [keys])
+    stored = tuple(not isinstance(r, BaseException) for r in results)
+    if isinstance(translated, BackendError) and translated.stored is None and any(stored):
+        position = results.index(error)
+        message = (
+            f"batched_put of {len(keys)} objects into {backend.url}: {sum(stored)} stored and "
+            f"{stored.count(False)} not; the stored ones stay stored and readable. The first "
+            f"failure, of {keys[position]} (position {position}): {translated}"
+        )
+        try:
+            translated = type(translated)(message)
+        except TypeError:  # a plugin's error class with arguments of its own
+            translated = BackendError(message)
+    if isinstance(translated, BackendError) and translated.stored is None:
+        translated.stored = stored
+    if translated is error:
+        raise error
+    raise translated from error
+
+
 def fill_into(found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj]) -> list[bool]:
     """Copy each object of ``found`` into the ``dests`` object at its position when the sizes
     match (one that already is its destination is left as it is), release every object of
@@ -1107,20 +1139,7 @@ class Backend(abc.ABC):
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``_put`` of each pair, concurrently; once all have finished, the first error, which
         tells which keys were stored (``stored``)."""
-        results = await asyncio.gather(
-            *(self._put(k, o) for k, o in zip(keys, objs, strict=True)), return_exceptions=True
-        )
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is None:
-            return
-        if not isinstance(error, Exception):
-            raise error
-        translated = self.translate_error("batched_put", error, [keys])
-        if isinstance(translated, BackendError) and translated.stored is None:
-            translated.stored = tuple(not isinstance(r, BaseException) for r in results)
-        if translated is error:
-            raise error
-        raise translated from error
+        await _put_each(self, keys, (self._put(k, o) for k, o in zip(keys, objs, strict=True)))
 
     async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """The count of leading keys present, asking one key at a time."""
@@ -1401,8 +1420,11 @@ class BytesBackend(Backend):
     async def batched_put_bytes(
         self, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
     ) -> None:
-        """:meth:`put_bytes` of each pair; default: concurrently, one call each."""
-        await gather_all(self.put_bytes(k, v) for k, v in zip(keys, values, strict=True))
+        """:meth:`put_bytes` of each pair; default: concurrently, one call each, and the first
+        error once all have finished, telling which keys were stored (``stored``)."""
+        await _put_each(
+            self, keys, (self.put_bytes(k, v) for k, v in zip(keys, values, strict=True))
+        )
 
     async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`contains_bytes` of each key, aligned; default: concurrently, one call each."""

@@ -108,17 +108,25 @@ class Lease:
     async def revoke(self) -> None:
         """Take the memory back: no access starts from now on, and this returns once the
         accesses in progress have ended, with the lease's reference given back (unless the
-        work had ended first). Idempotent."""
+        work had ended first). Idempotent. A cancellation of the awaiting task meanwhile (a
+        deadline on top of a caller's cancellation) does not cut the wait short: it is raised
+        once the memory is back."""
         with self._lock:
             self._revoked = True
+        interrupted: asyncio.CancelledError | None = None
         while True:
             with self._lock:
                 if not self._using:
                     returned, self._returned = self._returned, True
                     break
-            await asyncio.sleep(REVOKE_POLL_SECONDS)
+            try:
+                await asyncio.sleep(REVOKE_POLL_SECONDS)
+            except asyncio.CancelledError as error:
+                interrupted = error
         if not returned:
             self.obj.release()
+        if interrupted is not None:
+            raise interrupted
 
 
 __all__ = ["Lease", "Revoked"]

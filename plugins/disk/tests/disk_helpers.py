@@ -1,23 +1,29 @@
-"""What the disk and GDS tier tests share: keys, seeded objects, a leak-checked allocator and
-the object files on disk.
+"""What the disk and GDS tier tests share: keys, seeded objects, a leak-checked allocator, the
+object files on disk and small real filesystems.
 
 On ``sys.path`` through ``pythonpath`` in the pytest configuration (pyproject.toml)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import torch
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.store import Store
-from kvplug_disk.layout import OBJECT_NAME
+from kvplug_disk.layout import BLOCK, OBJECT_NAME
 
 T = TypeVar("T")
+MiB = 1 << 20
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -76,3 +82,55 @@ async def put_seeded(
         await target.put(k, obj)
     finally:
         obj.release()
+
+
+@contextlib.contextmanager
+def small_filesystem(kind: str, where: Path, size: int = 24 * MiB) -> Iterator[Path]:
+    """A filesystem of ``size`` bytes and ``kind`` (``ext4`` on a loop-mounted image, or
+    ``tmpfs``) mounted at ``where``; skips, saying why, where this machine cannot mount it."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip(f"mounting a small {kind} needs root and mount(8)")
+    where.mkdir(mode=0o700)
+    if kind == "ext4":
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip("mkfs.ext4 (e2fsprogs) is not installed")
+        image = where.with_suffix(".img")
+        with image.open("wb") as file:
+            file.truncate(size)
+        # No blocks reserved for root: this test runs as root, which could write into them.
+        made = subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode:
+            pytest.fail(f"mkfs.ext4 failed: {made.stderr.strip()}")
+        command = ["mount", "-o", "loop", str(image), str(where)]
+    else:
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(where)]
+    mounted = subprocess.run(command, capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a {kind} here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
+
+
+def fill(mount: Path) -> Path:
+    """Fill the filesystem at ``mount`` to 0 bytes free with one file; its path."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for size in (1 * MiB, 64 << 10, BLOCK, 512, 1):
+            chunk = bytes(size)
+            with contextlib.suppress(OSError):
+                while os.write(fd, chunk) == size:
+                    pass
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.sync()
+    free = shutil.disk_usage(mount).free
+    assert free < BLOCK, f"{free} bytes are still free on {mount}"
+    return filler

@@ -26,6 +26,7 @@ from disk_helpers import (
     key,
     leak_checked_allocator,
     object_files,
+    put_seeded,
     read_back,
     run,
     seeded,
@@ -78,16 +79,6 @@ async def open_disk(url: str, allocator: FreeListAllocator, **options: Any) -> D
     backend = await kvplug.open_backend(url, allocator=allocator, **options)
     assert isinstance(backend, DiskBackend)
     return backend
-
-
-async def put_seeded(
-    backend: DiskBackend, allocator: FreeListAllocator, k: CacheKey, nbytes: int, seed: int
-) -> None:
-    obj = seeded(allocator, nbytes, seed)
-    try:
-        await backend.put(k, obj)
-    finally:
-        obj.release()
 
 
 # -- layout and round trips --------------------------------------------------------------------
@@ -863,28 +854,35 @@ async def settled(condition: Callable[[], bool], within: float = 60.0) -> bool:
 
 
 class Stall:
-    """Replaces an ``os`` call with one that waits for :meth:`release` first."""
+    """Replaces an ``os`` call with one that waits for :meth:`release` first (at most
+    ``limit`` seconds)."""
 
-    def __init__(self, real: Callable[..., int]) -> None:
+    def __init__(self, real: Callable[..., int], limit: float = 120) -> None:
         self.real = real
+        self.limit = limit
         self.entered = threading.Event()
+        self.returned = threading.Event()
         self.gate = threading.Event()
 
     def __call__(self, *args: Any) -> int:
         self.entered.set()
-        self.gate.wait(120)
-        return self.real(*args)
+        self.gate.wait(self.limit)
+        try:
+            return self.real(*args)
+        finally:
+            self.returned.set()
 
     def release(self) -> None:
         self.gate.set()
 
 
-def test_a_put_past_its_deadline_times_out_and_its_write_keeps_the_object_until_done(
+def test_a_put_past_its_deadline_waits_only_for_the_write_call_in_progress_and_stores_nothing(
     tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The deadline ends the wait, not the write on its thread, which holds a reference of
-    its own until it is done (and then the object is stored)."""
-    stall = Stall(os.pwritev)
+    """The deadline ends the put. A write system call in progress reads the object until it
+    returns (here 1.5 s in, past the 1 s deadline), so the timeout is raised once it has; the
+    object is then the caller's alone, and the abandoned write stores nothing."""
+    stall = Stall(os.pwritev, limit=1.5)
 
     async def scenario() -> None:
         disk = await open_disk(f"file://{tmp_path}", allocator, timeout=1.0)
@@ -895,24 +893,24 @@ def test_a_put_past_its_deadline_times_out_and_its_write_keeps_the_object_until_
                 await disk.put(key(1), obj)
             assert str(raised.value).startswith("put of ")
             assert str(tmp_path) in str(raised.value)
-            assert stall.entered.wait(60)
-            assert obj.ref_count == 2  # the caller's and the write's
+            assert stall.returned.is_set() and obj.ref_count == 1
         finally:
             stall.release()
-        assert await settled(lambda: obj.ref_count == 1)
-        obj.release()
+            obj.release()
         monkeypatch.setattr(os, "pwritev", stall.real)
-        back = await read_back(disk, key(1))
-        assert back is not None and torch.equal(back, seeded_bytes(9000, 1))
+        assert await settled(lambda: temp_files(tmp_path) == [])
+        assert not await disk.contains(key(1)) and object_files(tmp_path) == []
         await disk.close()
 
     run(scenario())
 
 
-def test_a_get_into_past_its_deadline_keeps_the_destination_until_its_read_is_done(
+def test_a_get_into_past_its_deadline_waits_only_for_the_read_call_in_progress(
     tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stall = Stall(os.preadv)
+    """As for a put: the timeout is raised once the read system call in progress returned,
+    and from then on nothing writes into the destination."""
+    stall = Stall(os.preadv, limit=1.5)
 
     async def scenario() -> None:
         disk = await open_disk(f"file://{tmp_path}", allocator, timeout=1.0)
@@ -923,14 +921,13 @@ def test_a_get_into_past_its_deadline_keeps_the_destination_until_its_read_is_do
         try:
             with pytest.raises(BackendTimeout, match=r"^get_into of "):
                 await disk.get_into(key(1), dest)
-            assert stall.entered.wait(60)
-            assert dest.ref_count == 2  # the caller's and the read's: still written into
+            assert stall.returned.is_set() and dest.ref_count == 1
+            dest.raw.fill_(7)
         finally:
             stall.release()
-        assert await settled(lambda: dest.ref_count == 1)
-        assert torch.equal(dest.raw, seeded_bytes(9000, 1))
+        await disk.close()  # waits for the file I/O in flight
+        assert bool((dest.raw == 7).all())
         dest.release()
-        await disk.close()
 
     run(scenario())
 
@@ -947,7 +944,7 @@ def test_opening_has_no_deadline_and_an_operation_that_opens_keeps_one_for_its_w
         real_rebuild(self)
 
     monkeypatch.setattr(DiskBackend, "_rebuild", slow_rebuild)
-    stall = Stall(os.pwritev)
+    stall = Stall(os.pwritev, limit=1.0)  # the put waits for the write call in progress
 
     async def scenario() -> None:
         opened = await open_disk(f"file://{tmp_path}/a", allocator, timeout=0.3)

@@ -12,20 +12,25 @@ the tests also watch to see how object files are opened.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
-import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
-from disk_helpers import key, leak_checked_allocator, put_seeded, read_back, run, seeded_bytes
+from disk_helpers import (
+    fill,
+    key,
+    leak_checked_allocator,
+    put_seeded,
+    read_back,
+    run,
+    seeded_bytes,
+    small_filesystem,
+)
 
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
@@ -35,7 +40,7 @@ from kvplug_disk import directories
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.directories import DirectIO, Directory
 from kvplug_disk.fileops import open_object as real_open_object
-from kvplug_disk.layout import BLOCK, TEMP_NAME, digest
+from kvplug_disk.layout import TEMP_NAME, digest
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -145,58 +150,6 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # -- a real full disk --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def small_filesystem(kind: str, where: Path) -> Iterator[Path]:
-    """A 24 MiB filesystem of ``kind`` (``ext4`` on a loop-mounted image, or ``tmpfs``)
-    mounted at ``where``; skips, saying why, where this machine cannot mount it."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip(f"mounting a small {kind} needs root and mount(8)")
-    where.mkdir(mode=0o700)
-    if kind == "ext4":
-        if shutil.which("mkfs.ext4") is None:
-            pytest.skip("mkfs.ext4 (e2fsprogs) is not installed")
-        image = where.with_suffix(".img")
-        with image.open("wb") as file:
-            file.truncate(24 * MiB)
-        # No blocks reserved for root: this test runs as root, which could write into them.
-        made = subprocess.run(
-            ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)],
-            capture_output=True,
-            text=True,
-        )
-        if made.returncode:
-            pytest.fail(f"mkfs.ext4 failed: {made.stderr.strip()}")
-        command = ["mount", "-o", "loop", str(image), str(where)]
-    else:
-        command = ["mount", "-t", "tmpfs", "-o", "size=24m,mode=700", "tmpfs", str(where)]
-    mounted = subprocess.run(command, capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a {kind} here: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
-
-
-def fill(mount: Path) -> Path:
-    """Fill the filesystem at ``mount`` to 0 bytes free with one file; its path."""
-    filler = mount / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        for size in (1 * MiB, 64 * KiB, BLOCK, 512, 1):
-            chunk = bytes(size)
-            with contextlib.suppress(OSError):
-                while os.write(fd, chunk) == size:
-                    pass
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.sync()
-    free = shutil.disk_usage(mount).free
-    assert free < BLOCK, f"{free} bytes are still free on {mount}"
-    return filler
 
 
 @pytest.mark.parametrize("kind", ["ext4", "tmpfs"])

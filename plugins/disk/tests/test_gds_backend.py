@@ -25,13 +25,15 @@ from typing import Any
 import pytest
 import torch
 from disk_helpers import (
+    fill,
     key,
     leak_checked_allocator,
     object_files,
+    put_seeded,
     read_back,
     run,
-    seeded,
     seeded_bytes,
+    small_filesystem,
 )
 from gds_standin import PosixStandIn
 
@@ -73,16 +75,6 @@ async def open_gds(
     )
     assert isinstance(backend, GdsBackend)
     return backend
-
-
-async def put_seeded(
-    backend: kvplug.Backend, allocator: FreeListAllocator, k: CacheKey, nbytes: int, seed: int
-) -> None:
-    obj = seeded(allocator, nbytes, seed)
-    try:
-        await backend.put(k, obj)
-    finally:
-        obj.release()
 
 
 # -- without a GPU -----------------------------------------------------------------------------
@@ -573,6 +565,50 @@ def test_the_mount_of_a_path_is_the_longest_mount_point_holding_it(tmp_path: Pat
     assert mount_of("/mnt/wekaish/kv", str(mounts)) == ("/mnt/wekaish", "tmpfs")
     assert mount_of("/srv", str(mounts)) == ("/", "ext4")
     assert mount_of("/srv", str(tmp_path / "absent")) is None
+
+
+def test_a_full_disk_at_open_is_told_apart_from_a_filesystem_refusing_o_direct(
+    tmp_path: Path, allocator: FreeListAllocator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real filesystem with no byte free when the tier opens: the O_DIRECT probe and the
+    cuFile probe cannot run, which says nothing about either. weka:// (which needs O_DIRECT)
+    refuses to open saying so and to free space, never that the filesystem refuses O_DIRECT;
+    gds:// opens with a warning, ``describe()`` shows the directory's state and its cause,
+    and once space is freed puts and gets work."""
+    with small_filesystem("tmpfs", tmp_path / "mnt") as mount:
+        root = mount / "kv"
+        root.mkdir(mode=0o700)
+        filler = fill(mount)
+
+        async def scenario() -> None:
+            with pytest.raises(ConfigError) as refused:
+                await kvplug.open_backend(
+                    f"weka://{root}?allow_non_weka=true",
+                    allocator=allocator,
+                    file_io=PosixStandIn(),
+                )
+            message = str(refused.value)
+            assert "could not run" in message and "ENOSPC" in message, message
+            assert "free space" in message and "refuse" not in message, message
+            assert "WekaFS mount" not in message, message
+
+            caplog.clear()
+            gds = await open_gds(f"gds://{root}", allocator)
+            try:
+                described = gds.describe()["directories"]
+                assert described.startswith(str(root)) and "ENOSPC" in described, described
+                assert "buffered for now" in described, described
+                assert any(
+                    "cuFile I/O could not be tried" in r.getMessage() for r in caplog.records
+                )
+                filler.unlink()
+                await put_seeded(gds, allocator, key(1), 5000, seed=1)
+                back = await read_back(gds, key(1))
+                assert back is not None and torch.equal(back, seeded_bytes(5000, 1))
+            finally:
+                await gds.close()
+
+        run(scenario())
 
 
 def test_weka_refuses_a_directory_that_is_not_on_wekafs(

@@ -63,12 +63,12 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import numpy as np
 import torch
@@ -87,6 +87,7 @@ from kvplug.errors import (
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.index import EvictableIndex, Reservation
 from kvplug.keys import CacheKey, InvalidKey
+from kvplug.lease import Lease, Revoked
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj, nbytes_of
 from kvplug.options import BackendOptions
 from kvplug.url import BackendURL
@@ -101,6 +102,7 @@ from kvplug_disk.fileio.base import FileIO, Payload, synchronize
 from kvplug_disk.fileio.posix import PosixFileIO
 from kvplug_disk.fileops import (
     O_DIRECT,
+    Access,
     Deleted,
     LiveWriters,
     NotAnObject,
@@ -157,7 +159,7 @@ RETRY_UNDELETABLE = 30.0
 TEMP_RECHECK = 60.0
 """Seconds between looks at temporary files of other live writers (also done whenever a put
 needs the room they hold)."""
-_WRITE_LEFT = "Nothing was stored and no partial file was left; reads keep working."
+_WRITE_LEFT = "This object was not stored and no partial file of it was left; reads keep working."
 _DELETE_LEFT = (
     "The object is still stored and still served, and its bytes still count against max_size."
 )
@@ -218,8 +220,27 @@ def _computed(checksum: int, payload: Any) -> int:
     return checksum
 
 
-def _device_checksum(payload: torch.Tensor) -> int:
-    return payload_checksum(byte_view(payload.cpu()))
+def _checksum(access: Access, host: memoryview) -> int:
+    with access():
+        return payload_checksum(host)
+
+
+def _device_checksum(access: Access, payload: torch.Tensor) -> int:
+    with access():
+        host = payload.cpu()
+    return payload_checksum(byte_view(host))
+
+
+def _positions(indexes: Sequence[int]) -> str:
+    """``positions 0, 2 and 3`` (at most 8 named), for messages about a batch."""
+    if not indexes:
+        return "none"
+    shown = [str(i) for i in indexes[:8]]
+    if len(indexes) > len(shown):
+        return f"positions {', '.join(shown)} and {len(indexes) - len(shown)} more"
+    if len(shown) == 1:
+        return f"position {shown[0]}"
+    return f"positions {', '.join(shown[:-1])} and {shown[-1]}"
 
 
 # -- the backend ----------------------------------------------------------------------------
@@ -276,7 +297,17 @@ class DiskBackend(Backend):
     counted in :attr:`eviction_failures` and the first one per directory and cause is logged.
     A disk with less free space than an object needs, or a write that fails with ENOSPC or
     EDQUOT, raises :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does
-    not affect reads.
+    not affect reads. Each write claims its size of the disk's free space while it runs, so
+    writes that start together never all begin on room for some of them. A ``batched_put``
+    that stores some of its objects says which, in ``stored`` and in its message.
+
+    **Cancellation** (``releases_on_cancel``). ``put`` and ``get_into`` lend the caller's
+    object to the file I/O threads in a :class:`~kvplug.lease.Lease`: every system call, copy
+    and hash touching it runs inside the lease, and a cancelled operation takes it back before
+    its cancellation finishes, waiting only for the access in progress. The thread abandons
+    the work at its next access: a cancelled put leaves no file and no index entry (the rename
+    into place and the index update run inside the lease, after the last read), a cancelled
+    get_into writes nothing more into the destination.
 
     **Errors.** Every ``OSError`` of a put or a remove becomes a kvplug error naming the
     directory, the cause and the fix (:func:`kvplug_disk.fileops.classify_os_error`). A
@@ -305,7 +336,12 @@ class DiskBackend(Backend):
     """
 
     capabilities = Capabilities(
-        pin=True, persistent=True, shared_across_processes=True, remove=True, list_keys=True
+        pin=True,
+        persistent=True,
+        shared_across_processes=True,
+        remove=True,
+        list_keys=True,
+        releases_on_cancel=True,
     )
     Options: ClassVar[type[BackendOptions]] = DiskOptions
     # What the contract suite opens to fill the store (clauses 8, 9).
@@ -676,8 +712,17 @@ class DiskBackend(Backend):
         """Whether payloads in device memory are checksummed too (copied to the host)."""
         return False
 
-    def _plan(self, obj: MemoryObj, length: int, o_direct: bool, writing: bool) -> Payload:
-        """How ``obj``'s payload (``length`` bytes on disk, block-padded) moves."""
+    def _plan(
+        self,
+        obj: MemoryObj,
+        length: int,
+        o_direct: bool,
+        writing: bool,
+        access: Access = nullcontext,
+    ) -> Payload:
+        """How ``obj``'s payload (``length`` bytes on disk, block-padded) moves. ``access``
+        wraps each step that touches ``obj``'s memory (the copies here, and the payload's
+        :attr:`~kvplug_disk.fileio.Payload.access` when it moves that memory itself)."""
         nbytes = obj.nbytes
         io = self.io
         if not length:
@@ -687,8 +732,11 @@ class DiskBackend(Backend):
             if block is not None and io.accepts(block):  # the fast path: no copy at all
                 self._using_block(obj)
                 if writing and length > nbytes:
-                    block[nbytes:].zero_()  # the block's padding: never leak stale memory
-                return _whole(block, nbytes, o_direct)
+                    with access():
+                        block[nbytes:].zero_()  # the block's padding: never leak stale memory
+                payload = _whole(block, nbytes, o_direct)
+                payload.access = access
+                return payload
             bounce = self._staging_block(length)
             if bounce is None and not io.moves_host_views:  # it takes no host views: a copy
                 bounce = FreeListAllocator(length, alignment=BLOCK, pin=False).allocate(
@@ -697,7 +745,12 @@ class DiskBackend(Backend):
             if bounce is not None:
                 raw = bounce.raw
                 if writing:
-                    raw[:nbytes].copy_(obj.raw.reshape(-1))
+                    try:
+                        with access():
+                            raw[:nbytes].copy_(obj.raw.reshape(-1))
+                    except BaseException:
+                        bounce.release()
+                        raise
                     raw[nbytes:].zero_()
                 payload = _whole(raw, nbytes, o_direct)
                 payload.bounce = bounce
@@ -706,17 +759,20 @@ class DiskBackend(Backend):
                 return payload
         # Buffered I/O takes any host memory; device memory goes through a host copy.
         staging: torch.Tensor | None = None
+        moves: Access = nullcontext
         if obj.device.type == "cpu":
             view = byte_view(obj.raw)
+            moves = access
         elif writing:
-            view = byte_view(obj.raw.cpu())
+            with access():
+                view = byte_view(obj.raw.cpu())
         else:
             staging = torch.empty(nbytes, dtype=torch.uint8)
             view = byte_view(staging)
         buffers = [view]
         if writing and length > nbytes:
             buffers.append(memoryview(_ZEROS)[: length - nbytes])
-        return Payload(buffers, False, view, staging=staging)
+        return Payload(buffers, False, view, staging=staging, access=moves)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -808,7 +864,12 @@ class DiskBackend(Backend):
             "cannot be deleted. Unpin keys, raise max_size, or add a directory."
         )
 
-    def _check_free_space(self, directory: Directory, length: int) -> None:
+    @contextlib.contextmanager
+    def _room_on_disk(self, directory: Directory, length: int) -> Iterator[None]:
+        """Claim ``length`` bytes of the free space of ``directory``'s disk while a write of
+        that size runs there. Raises CapacityExceeded, before anything is written, when the
+        free space less what the writes in flight there claimed is short: writes that start
+        together never all begin on room for some of them and all run out of it half-way."""
         try:
             free = shutil.disk_usage(directory.path).free
         except OSError as error:
@@ -816,13 +877,19 @@ class DiskBackend(Backend):
                 f"{self.url}: cannot check the free space of {directory.path}: "
                 f"{reason(error)}. Check that the directory still exists."
             ) from None
-        if free < length:
+        claimed = directory.claim(length, free)
+        if claimed is not None:
+            writing = f", {claimed} of them claimed by writes in flight there," if claimed else ""
             raise CapacityExceeded(
-                f"the disk holding {directory.path} has {free} bytes free, and an object file "
-                f"needs {length}; nothing was stored and reads keep working. Free space on that "
-                f"disk, lower max_size (now {self.max_size}) below what the disk can hold, or "
-                "add a directory on another disk."
+                f"the disk holding {directory.path} has {free} bytes free{writing} and an "
+                f"object file needs {length}; this object was not stored and reads keep "
+                f"working. Free space on that disk, lower max_size (now {self.max_size}) below "
+                "what the disk can hold, or add a directory on another disk."
             )
+        try:
+            yield
+        finally:
+            directory.unclaim(length)
 
     def _write_failed(self, error: OSError, subdir: str, length: int) -> BackendError:
         """The kvplug error for ``error`` of a put writing into ``subdir``; a refused write is
@@ -836,15 +903,31 @@ class DiskBackend(Backend):
         return failure
 
     def _write_file(
-        self, directory: Directory, stem: str, key_text: str, obj: MemoryObj, length: int
-    ) -> str:
-        """Write ``obj`` to a temporary file (through :attr:`io`) and rename it into place;
-        the final path."""
+        self,
+        key: CacheKey,
+        key_text: str,
+        directory: Directory,
+        stem: str,
+        source: Lease,
+        reservation: Reservation,
+    ) -> None:
+        """Write the object ``source`` lends to a temporary file (through :attr:`io`), then
+        rename it into place and index it under ``reservation``.
+
+        Every read of the caller's memory happens inside ``source.use()``; so do the rename
+        and the index update, together, after the last read: a put cancelled before that
+        point leaves no file and no index entry (its temporary file is deleted here when the
+        next access raises :class:`~kvplug.lease.Revoked`), and the cancellation of one that
+        has reached it waits for it, so the object is then stored whole."""
+        obj = source.obj
+        length = reservation.nbytes
         subdir = os.path.join(directory.path, stem[:2])
         final = os.path.join(subdir, stem + SUFFIX)
         temp = os.path.join(subdir, temp_name(stem, self._writer))
         nbytes = obj.nbytes
-        payload = self._plan(obj, length - BLOCK, directory.o_direct_for_write(), writing=True)
+        payload = self._plan(
+            obj, length - BLOCK, directory.o_direct_for_write(), writing=True, access=source.use
+        )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags()
         flags |= O_DIRECT if payload.o_direct else 0
         fd = -1
@@ -853,9 +936,11 @@ class DiskBackend(Backend):
         header_flags = 0
         checksum: concurrent.futures.Future[int] | None = None
         if payload.host is not None:
-            checksum = self._workers.hashers.submit(payload_checksum, payload.host)
+            checksum = self._workers.hashers.submit(_checksum, payload.access, payload.host)
         elif payload.tensor is not None and self._checksums_device_memory():
-            checksum = self._workers.hashers.submit(_device_checksum, payload.tensor[:nbytes])
+            checksum = self._workers.hashers.submit(
+                _device_checksum, payload.access, payload.tensor[:nbytes]
+            )
         else:
             header_flags = FLAG_NO_PAYLOAD_CHECKSUM
 
@@ -885,9 +970,28 @@ class DiskBackend(Backend):
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            self._publish(temp, final)
+            entry = IndexEntry(
+                stem,
+                directory,
+                length,
+                obj.shape,
+                obj.dtype,
+                obj.fmt,
+                nbytes,
+                next(self._generations),
+            )
+            with source.use():  # the point of no return (see above)
+                self._publish(temp, final)
+                created = False
+                with self._lock:
+                    old = self._index.commit(reservation, key, entry)
             if self.options.fsync:
-                fsync_dir(subdir)
+                try:
+                    fsync_dir(subdir)
+                except OSError:
+                    self._forget(key, entry)  # not durable as promised: not stored at all
+                    unlink_quietly(final)
+                    raise
         except BaseException as error:
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -902,44 +1006,33 @@ class DiskBackend(Backend):
                 checksum.cancel()
                 concurrent.futures.wait([checksum])  # never release memory it still reads
             payload.close()
-        return final
+        if old is not None and old.path != final:
+            unlink_quietly(old.path)  # it lived in another directory
 
     def _open_flags(self) -> int:
         """Flags of every object file opened for :attr:`io` (O_NOFOLLOW unless it refuses
         such descriptors; O_EXCL already refuses to follow a link when creating)."""
         return os.O_CLOEXEC if self.io.refuses_nofollow else OPEN_FLAGS
 
-    def _write(self, key: CacheKey, key_text: str, obj: MemoryObj, length: int) -> None:
-        """The whole put, on a worker thread; releases the reference ``put`` took."""
+    def _write(self, key: CacheKey, key_text: str, length: int, source: Lease) -> None:
+        """The whole put of the object ``source`` lends, on a worker thread; ends the lease."""
         try:
             self._check_open_worker()
+            if source.revoked:  # cancelled while queued: make no room for it
+                raise Revoked("the put was cancelled before it started")
             stem = digest(key_text)
             directory = self._shard(stem)
             with self._stripe(stem):
                 reservation = self._reserve(key, length)
                 try:
-                    self._check_free_space(directory, length)
-                    path = self._write_file(directory, stem, key_text, obj, length)
+                    with self._room_on_disk(directory, length):
+                        self._write_file(key, key_text, directory, stem, source, reservation)
                 except BaseException:
                     with self._lock:
                         self._index.cancel(reservation)
                     raise
-                with self._lock:
-                    entry = IndexEntry(
-                        stem,
-                        directory,
-                        length,
-                        obj.shape,
-                        obj.dtype,
-                        obj.fmt,
-                        obj.nbytes,
-                        next(self._generations),
-                    )
-                    old = self._index.commit(reservation, key, entry)
-                if old is not None and old.path != path:
-                    unlink_quietly(old.path)  # it lived in another directory
         finally:
-            obj.release()
+            source.end()
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -1064,11 +1157,16 @@ class DiskBackend(Backend):
             return header
         if header.payload_checksummed:  # else written from GPU memory by gds://: length only
             if payload.host is not None:
-                known = None if checksum is None else partial(_computed, checksum)
-                verify_payload(header.frame, payload.host, known)
+                if checksum is not None:  # hashed while it was read
+                    verify_payload(header.frame, payload.host, partial(_computed, checksum))
+                else:
+                    with payload.access():
+                        verify_payload(header.frame, payload.host)
             elif payload.tensor is not None and self._checksums_device_memory():
                 nbytes = header.frame.payload_len
-                verify_payload(header.frame, byte_view(payload.tensor[:nbytes].cpu()))
+                with payload.access():
+                    host = payload.tensor[:nbytes].cpu()
+                verify_payload(header.frame, byte_view(host))
         return None
 
     def _reads_in_pieces(self, payload: Payload) -> bool:
@@ -1104,27 +1202,30 @@ class DiskBackend(Backend):
         length = buffer.nbytes
         # At most one piece per reader thread and this one: more would wait for a thread.
         piece = max(READ_PIECE, padded(-(-length // (READ_HELPERS + 1))))
+        access = payload.access
         later: list[tuple[int, int, concurrent.futures.Future[int] | None]] = []
         try:
             for start in range(piece, length, piece):
                 end = min(start + piece, length)
-                later.append((start, end, self._read_piece(fd, buffer[start:end], start)))
+                later.append((start, end, self._read_piece(fd, buffer[start:end], start, access)))
             first = min(piece, length)
-            total = read_all(fd, [head, buffer[:first]], 0)
+            total = read_all(fd, [head, buffer[:first]], 0, access)
             short = total != BLOCK + first
             hasher = xxhash.xxh3_64()
             if not short:
-                hasher.update(host[: min(first, nbytes)])
+                with access():
+                    hasher.update(host[: min(first, nbytes)])
             for start, end, future in later:
                 count = (
                     future.result()
                     if future is not None
-                    else read_all(fd, [buffer[start:end]], BLOCK + start)
+                    else read_all(fd, [buffer[start:end]], BLOCK + start, access)
                 )
                 total += count
                 short = short or count != end - start
                 if not short and start < nbytes:
-                    hasher.update(host[start : min(end, nbytes)])
+                    with access():
+                        hasher.update(host[start : min(end, nbytes)])
             return total, None if short else hasher.intdigest()
         finally:
             pending = [future for _, _, future in later if future is not None]
@@ -1133,12 +1234,12 @@ class DiskBackend(Backend):
             concurrent.futures.wait(pending)  # never release memory a reader still fills
 
     def _read_piece(
-        self, fd: int, view: memoryview, start: int
+        self, fd: int, view: memoryview, start: int, access: Access
     ) -> concurrent.futures.Future[int] | None:
         """Read ``view`` from payload offset ``start`` on a reader thread; None when the
         readers are shut down (by close): the caller reads it itself."""
         try:
-            return self._workers.readers.submit(read_all, fd, [view], BLOCK + start)
+            return self._workers.readers.submit(read_all, fd, [view], BLOCK + start, access)
         except RuntimeError:
             return None
 
@@ -1160,10 +1261,10 @@ class DiskBackend(Backend):
         return obj
 
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: IndexEntry, into: MemoryObj | None
+        self, key: CacheKey, key_text: str, entry: IndexEntry, into: Lease | None
     ) -> MemoryObj | ObjectHeader | None:
-        """Read ``entry`` into a new object, or into ``into`` (the caller's, never released
-        here) when its size is the stored object's."""
+        """Read ``entry`` into a new object, or into the caller's object ``into`` lends (never
+        released here) when its size is the stored object's."""
         return self._read_path(key, key_text, entry, entry.path, into)
 
     def _read_path(
@@ -1172,19 +1273,25 @@ class DiskBackend(Backend):
         key_text: str,
         entry: IndexEntry,
         path: str,
-        into: MemoryObj | None = None,
+        into: Lease | None = None,
     ) -> MemoryObj | ObjectHeader | None:
-        """Read ``entry``'s object from ``path`` (its file, or a link to it)."""
-        if into is not None and nbytes_of(entry.shape, entry.dtype) != into.nbytes:
-            return None
-        obj = into if into is not None else self._allocate_for(key, entry)
+        """Read ``entry``'s object from ``path`` (its file, or a link to it), into a new
+        object or into the one ``into`` lends, every write there inside ``into.use()``."""
+        access: Access = nullcontext
+        if into is not None:
+            if nbytes_of(entry.shape, entry.dtype) != into.obj.nbytes:
+                return None
+            obj: MemoryObj | None = into.obj
+            access = into.use
+        else:
+            obj = self._allocate_for(key, entry)
         if obj is None:
             return None
-        keep = obj is into
+        keep = into is not None
         payload: Payload | None = None
         try:
             payload = self._plan(
-                obj, padded(entry.payload_len), entry.directory.o_direct, writing=False
+                obj, padded(entry.payload_len), entry.directory.o_direct, False, access
             )
             try:
                 fd = open_object(path, O_DIRECT if payload.o_direct else 0)
@@ -1210,7 +1317,8 @@ class DiskBackend(Backend):
             if other is not None:
                 return other
             if payload.staging is not None:
-                obj.raw.copy_(payload.staging)
+                with access():
+                    obj.raw.copy_(payload.staging)
             keep = True
             return obj
         finally:
@@ -1220,9 +1328,10 @@ class DiskBackend(Backend):
                 obj.release()
 
     def _read(
-        self, key: CacheKey, entry: IndexEntry, into: MemoryObj | None = None
+        self, key: CacheKey, entry: IndexEntry, into: Lease | None = None
     ) -> MemoryObj | None:
-        """The whole get (into a new object, or into ``into``), on a worker thread."""
+        """The whole get (into a new object, or into the one ``into`` lends), on a worker
+        thread."""
         self._check_open_worker()
         key_text = key.to_string()
         result: MemoryObj | None = None
@@ -1334,9 +1443,9 @@ class DiskBackend(Backend):
             return None
         return self._read(key, entry)
 
-    def _read_key_into(self, key: CacheKey, dest: MemoryObj) -> bool:
-        """The whole get_into, on a worker thread; releases the reference ``_get_into``
-        took for it."""
+    def _read_key_into(self, key: CacheKey, dest: Lease) -> bool:
+        """The whole get_into of the object ``dest`` lends, on a worker thread; ends the
+        lease."""
         try:
             entry = self._known(key)
             if entry is None:
@@ -1345,7 +1454,7 @@ class DiskBackend(Backend):
                 return False
             return self._read(key, entry, dest) is not None
         finally:
-            dest.release()
+            dest.end()
 
     def _remove_key(self, key: CacheKey) -> bool:
         """The whole remove, on a worker thread (a key not indexed is looked for on disk)."""
@@ -1380,9 +1489,21 @@ class DiskBackend(Backend):
         return deleted is Deleted.DONE
 
     # -- the contract's hooks -------------------------------------------------------------
-    #
-    # Memory handed to a worker thread is retained for it here: the template's reference
-    # ends when the hook's await does (a deadline may end it while the thread still runs).
+
+    async def _lend(self, what: str, obj: MemoryObj, work: Callable[[Lease], T]) -> T:
+        """Run ``work`` on the pool (see :meth:`_run`) with the caller's ``obj`` lent to it
+        in a :class:`~kvplug.lease.Lease`: ``work`` reads and writes ``obj``'s memory only
+        inside ``lease.use()`` and ends the lease when it is done. Cancelled (a deadline),
+        this takes the memory back before it raises: it waits for the access in progress, if
+        any (one system call, copy or hash), never for the rest of the work, which finds the
+        lease revoked at its next access and abandons (the ``releases_on_cancel``
+        capability)."""
+        lease = Lease(obj)
+        try:
+            return await self._run(what, partial(work, lease), not_run=lease.end)
+        except BaseException:
+            await lease.revoke()
+            raise
 
     async def _get(self, key: CacheKey) -> MemoryObj | None:
         """The stored object, read into a new object of :attr:`allocator` (the caller owns it),
@@ -1394,11 +1515,9 @@ class DiskBackend(Backend):
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """The stored bytes read straight into ``dest`` (with O_DIRECT when ``dest`` is
-        block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`."""
-        dest.retain()
-        return await self._run(
-            f"get_into of {key}", partial(self._read_key_into, key, dest), not_run=dest.release
-        )
+        block-aligned), checksum verified there; see :meth:`kvplug.backend.Backend.get_into`.
+        Cancelled, nothing is written into ``dest`` once the cancellation has finished."""
+        return await self._lend(f"get_into of {key}", dest, partial(self._read_key_into, key))
 
     async def _batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
@@ -1425,12 +1544,41 @@ class DiskBackend(Backend):
                 f"{length} bytes is larger than the tier's max_size of {self.max_size} bytes. "
                 "Raise max_size or store smaller chunks."
             )
-        obj.retain()
-        await self._run(
-            f"put of {key}",
-            partial(self._write, key, key_text, obj, length),
-            not_run=obj.release,
+        await self._lend(f"put of {key}", obj, partial(self._write, key, key_text, length))
+
+    async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """:meth:`_put` of each pair, concurrently on the file I/O threads. When some fail,
+        the error (of the first failure's kind) tells which keys were stored, in its message
+        and in ``stored`` (aligned with ``keys``); those stay stored."""
+        results = await asyncio.gather(
+            *(self._put(k, o) for k, o in zip(keys, objs, strict=True)), return_exceptions=True
         )
+        failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failures:
+            return
+        for _, failure in failures:
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled, or the process is going down
+        index, first = failures[0]
+        error = self.translate_error("put", cast(Exception, first), [keys[index]])
+        if error is not first:
+            error.__cause__ = first
+        if not isinstance(error, BackendError):
+            raise error
+        stored = tuple(not isinstance(r, BaseException) for r in results)
+        if len(keys) == 1:
+            error.stored = stored
+            raise error
+        kept = [i for i, done in enumerate(stored) if done]
+        lost = [i for i, done in enumerate(stored) if not done]
+        summary = type(error)(
+            f"batched_put of {len(keys)} objects into {self.url}: {len(kept)} stored "
+            f"({_positions(kept)}) and {len(lost)} not ({_positions(lost)}); the stored ones "
+            f"stay stored and readable. The first failure, of {keys[index]} (position "
+            f"{index}): {error}"
+        )
+        summary.stored = stored
+        raise summary from error
 
     async def _contains(self, key: CacheKey) -> bool:
         """Whether the key's file is there (also one another instance wrote after open)."""

@@ -92,7 +92,25 @@ class Directory:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     probed_at: float = field(default=0.0, repr=False)
     """``time.monotonic()`` of the last O_DIRECT probe."""
+    claimed: int = field(default=0, repr=False)
+    """Bytes of free disk space claimed by this backend's writes in flight here."""
     _probing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _room: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self, length: int, free: int) -> int | None:
+        """Claim ``length`` bytes of the ``free`` bytes the disk has for a write starting
+        here: None when they are claimed (give them back with :meth:`unclaim`), else the
+        bytes other writes in flight here claimed, which left too little."""
+        with self._room:
+            if free - self.claimed < length:
+                return self.claimed
+            self.claimed += length
+            return None
+
+    def unclaim(self, length: int) -> None:
+        """The write that claimed ``length`` bytes ended."""
+        with self._room:
+            self.claimed -= length
 
     def describe(self) -> str:
         """The directory and how its files move, for ``kvplug check``."""

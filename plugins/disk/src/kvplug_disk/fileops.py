@@ -39,7 +39,8 @@ import os
 import stat
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -352,6 +353,11 @@ class LiveWriters:
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 """``os.O_DIRECT`` where the platform has it, else 0."""
+Access = Callable[[], AbstractContextManager[object]]
+"""How one step of file I/O (a system call, a copy, a hash) gets at the memory it moves: each
+step runs inside ``access()``. ``contextlib.nullcontext`` for memory of kvplug's own; for a
+caller's memory lent to the I/O threads, :meth:`kvplug.lease.Lease.use`, which raises
+:class:`kvplug.lease.Revoked` instead once the caller's operation was cancelled."""
 _thread_state = threading.local()
 
 
@@ -374,12 +380,16 @@ def _advance(views: list[memoryview], count: int) -> list[memoryview]:
     return views
 
 
-def write_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    """Write every byte of ``buffers`` at ``offset`` (``pwritev`` until done); the count."""
+def write_all(
+    fd: int, buffers: Sequence[memoryview], offset: int, access: Access = nullcontext
+) -> int:
+    """Write every byte of ``buffers`` at ``offset`` (``pwritev`` until done); the count.
+    Each system call runs inside ``access()`` (see :data:`Access`)."""
     views = [view for view in buffers if view.nbytes]
     total = 0
     while views:
-        count = os.pwritev(fd, views, offset + total)
+        with access():
+            count = os.pwritev(fd, views, offset + total)
         if count <= 0:
             raise OSError(errno.EIO, "the file system accepted no bytes")
         total += count
@@ -387,12 +397,16 @@ def write_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def read_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    """Fill ``buffers`` from ``offset`` (``preadv`` until done or end of file); the count."""
+def read_all(
+    fd: int, buffers: Sequence[memoryview], offset: int, access: Access = nullcontext
+) -> int:
+    """Fill ``buffers`` from ``offset`` (``preadv`` until done or end of file); the count.
+    Each system call runs inside ``access()`` (see :data:`Access`)."""
     views = [view for view in buffers if view.nbytes]
     total = 0
     while views:
-        count = os.preadv(fd, views, offset + total)
+        with access():
+            count = os.preadv(fd, views, offset + total)
         if count <= 0:
             break
         total += count
@@ -455,6 +469,7 @@ def fsync_dir(path: str) -> None:
 
 __all__ = [
     "O_DIRECT",
+    "Access",
     "Deleted",
     "LiveWriters",
     "NotAnObject",

@@ -12,14 +12,14 @@ import contextlib
 import errno
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from kvplug.memory import MemoryObj
-from kvplug_disk.fileops import read_all, write_all
+from kvplug_disk.fileops import Access, read_all, write_all
 from kvplug_disk.layout import BLOCK
 
 
@@ -41,6 +41,10 @@ class Payload:
     """After a read: bytes still to be copied into the object."""
     bounce: MemoryObj | None = field(default=None, repr=False)
     """Staging memory this payload borrowed, released by :meth:`close`."""
+    access: Access = field(default=nullcontext, repr=False)
+    """Wraps every step that reads or writes the payload's memory (see
+    :data:`~kvplug_disk.fileops.Access`): the caller's lease when that memory is the caller's
+    object, lent to the I/O thread; ``nullcontext`` when it is kvplug's own."""
 
     @property
     def length(self) -> int:
@@ -92,6 +96,12 @@ class FileIO(abc.ABC):
 
     Implementations must be thread-safe: the engine calls them from its worker threads.
     Failures are ``OSError`` (the engine turns them into kvplug errors).
+
+    Every call that reads or writes a payload's memory runs inside ``payload.access()``, one
+    call at a time, and lets what it raises propagate: the payload may be a caller's buffer
+    lent to the I/O thread (:mod:`kvplug.lease`), which the caller takes back when its
+    operation is cancelled; :meth:`write` and :meth:`read` are wrapped so by the defaults of
+    :meth:`write_object` and :meth:`read_object`, and an override does the same.
     """
 
     name: str = "?"
@@ -156,7 +166,8 @@ class FileIO(abc.ABC):
                 raise ValueError(_NO_TENSOR.format(self.name))
             handle = self.open(fd)
             try:
-                written = self.write(handle, payload.tensor, BLOCK)
+                with payload.access():
+                    written = self.write(handle, payload.tensor, BLOCK)
                 if written != payload.length:
                     raise OSError(errno.EIO, f"wrote {written} of {payload.length} payload bytes")
                 if write_all(fd, [header()], 0) != BLOCK:
@@ -183,7 +194,7 @@ class FileIO(abc.ABC):
         if payload.tensor is None:
             raise ValueError(_NO_TENSOR.format(self.name))
         opener = handle if handle is not None else default_payload_handle(self, fd)
-        with opener() as opened:
+        with opener() as opened, payload.access():
             return count + self.read(opened, payload.tensor, BLOCK)
 
     # -- registration ---------------------------------------------------------------------

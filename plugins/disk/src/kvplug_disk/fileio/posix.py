@@ -50,7 +50,7 @@ class PosixFileIO(FileIO):
         return write_all(handle, [self._view(base, size, offset)], file_offset)
 
     def write_object(self, fd: int, payload: Payload, header: Callable[[], memoryview]) -> None:
-        written = write_all(fd, [header(), *payload.buffers], 0)
+        written = write_all(fd, [header(), *payload.buffers], 0, payload.access)
         if written != BLOCK + payload.length:
             raise OSError(
                 errno.EIO, f"wrote {written} of {BLOCK + payload.length} bytes of the object"
@@ -63,7 +63,7 @@ class PosixFileIO(FileIO):
         payload: Payload,
         handle: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> int:
-        return read_all(fd, [header, *payload.buffers], 0)
+        return read_all(fd, [header, *payload.buffers], 0, payload.access)
 
 
 __all__ = ["PosixFileIO"]

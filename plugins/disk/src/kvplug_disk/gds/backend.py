@@ -54,12 +54,13 @@ from pydantic import Field, field_validator
 from kvplug.backend import Backend, Capabilities
 from kvplug.errors import BackendError, ConfigError, NotSupported
 from kvplug.keys import CacheKey
+from kvplug.lease import Lease
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.options import BackendOptions
 from kvplug.units import GiB, parse_size
 from kvplug.url import BackendURL
 from kvplug_disk.backend import DiskBackend
-from kvplug_disk.directories import Directory
+from kvplug_disk.directories import DirectIO, Directory
 from kvplug_disk.fileio.base import FileIO, Payload, synchronize
 from kvplug_disk.fileio.cufile import CuFileError, CuFileIO
 from kvplug_disk.fileops import O_DIRECT, LiveWriters, NotAnObject, kind_of, unlink_quietly
@@ -151,6 +152,13 @@ class WekaOptions(GdsOptions):
     allow_non_weka: bool = Field(
         False, description="accept directories that are not on a WekaFS mount"
     )
+
+
+def _no_room(error: OSError) -> bool:
+    """Whether ``error`` (cuFile's too, which carries the errno as its code) says that the
+    disk is full or the user over its quota."""
+    code = error.code if isinstance(error, CuFileError) else error.errno
+    return code in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _device_index(text: str) -> int | None:
@@ -252,8 +260,15 @@ class GdsBackend(DiskBackend):
     ``"compat"``) and :attr:`mode_reason` say which, detected once at open and logged once per
     process; ``kvplug check`` prints them.
 
+    **Cancellation.** ``releases_on_cancel`` is declared, as for ``file://``: a put reaches
+    the caller's memory only inside its lease (each ``cuFileWrite``, staging copy and checksum;
+    cuFile's calls return once their bytes have moved), and ``get_into`` reads into the tier's
+    own memory, then copies into the destination on the caller's event loop.
+
     Without a CUDA GPU or without cuFile, opening raises :class:`GdsUnavailable` (a
-    :class:`~kvplug.errors.ConfigError`) naming what is missing.
+    :class:`~kvplug.errors.ConfigError`) naming what is missing. A disk too full at open to
+    write the cuFile check's block is logged and opened anyway (that says nothing about
+    cuFile).
     """
 
     capabilities = Capabilities(
@@ -263,6 +278,7 @@ class GdsBackend(DiskBackend):
         remove=True,
         list_keys=True,
         device_memory=True,
+        releases_on_cancel=True,
     )
     Options: ClassVar[type[BackendOptions]] = GdsOptions
     options: GdsOptions
@@ -479,7 +495,13 @@ class GdsBackend(DiskBackend):
         name = os.path.join(directory.path, probe_name(self._writer))
         flags = os.O_RDWR | _CREATE_FLAGS
         flags |= O_DIRECT if directory.o_direct else 0
-        fd = os.open(name, flags, 0o600)
+        try:
+            fd = os.open(name, flags, 0o600)
+        except OSError as error:
+            if not _no_room(error):
+                raise
+            self._probe_skipped(directory, error)
+            return
         try:
             try:
                 handle = self.io.open(fd)
@@ -491,11 +513,25 @@ class GdsBackend(DiskBackend):
                 ) from None
             try:
                 self._probe_round_trip(directory, handle)
+            except OSError as error:
+                if not _no_room(error):
+                    raise
+                self._probe_skipped(directory, error)
             finally:
                 self.io.close(handle)
         finally:
             os.close(fd)
             unlink_quietly(name)
+
+    def _probe_skipped(self, directory: Directory, error: OSError) -> None:
+        logger.warning(
+            "%s: cuFile I/O could not be tried in %s: %s: the disk is full or over its "
+            "quota, which says nothing about cuFile. The tier opened anyway, and the first "
+            "put there shows whether cuFile works. Free space on that disk.",
+            self.url,
+            directory.path,
+            error.strerror,
+        )
 
     def _probe_round_trip(self, directory: Directory, handle: Any) -> None:
         objs = self.allocator.batched_allocate((BLOCK,), torch.uint8, 2, MemoryFormat.BINARY)
@@ -524,6 +560,8 @@ class GdsBackend(DiskBackend):
                     f"{written} and {read} bytes or returned other bytes than written",
                 )
         except CuFileError as error:
+            if _no_room(error):
+                raise  # a full disk says nothing about cuFile: _probe tells
             raise _unavailable(
                 self.url, f"cuFile I/O in {directory.path} failed: {error.strerror}"
             ) from None
@@ -539,10 +577,8 @@ class GdsBackend(DiskBackend):
             "io": self._io.name if self._io is not None else "not opened",
             "mode": self.mode,
             "mode reason": self.mode_reason,
-            "directories": ", ".join(
-                f"{d.path} ({self.fstypes.get(d.path, '?')}, "
-                f"{'O_DIRECT' if d.o_direct else 'buffered'})"
-                for d in self.directories
+            "directories": "; ".join(
+                f"{d.describe()} on {self.fstypes.get(d.path, '?')}" for d in self.directories
             ),
             "shard": self.options.shard,
             "device": f"cuda:{self.device_index}" if self.device_index is not None else "?",
@@ -571,7 +607,7 @@ class GdsBackend(DiskBackend):
     _get_into = Backend._get_into
 
     def _read_once(
-        self, key: CacheKey, key_text: str, entry: IndexEntry, into: MemoryObj | None = None
+        self, key: CacheKey, key_text: str, entry: IndexEntry, into: Lease | None = None
     ) -> MemoryObj | ObjectHeader | None:
         if into is not None:
             raise NotSupported("gds:// reads into its own memory; get_into copies from there")
@@ -746,12 +782,21 @@ class WekaBackend(GdsBackend):
                 )
 
     def _prepared(self) -> None:
-        refused = [d for d in self.directories if not d.o_direct]
+        refused = [d for d in self.directories if d.direct_io is DirectIO.REFUSED]
         if refused:
             problems = "; ".join(f"{d.path}: {d.o_direct_problem}" for d in refused)
             raise ConfigError(
-                f"{self.url}: weka:// needs O_DIRECT, which these directories refuse: "
-                f"{problems}. Put them on a WekaFS mount."
+                f"{self.url}: weka:// needs O_DIRECT, which the filesystems of these "
+                f"directories refuse: {problems}. Put them on a WekaFS mount."
+            )
+        untested = [d for d in self.directories if not d.o_direct]
+        if untested:
+            problems = "; ".join(f"{d.path}: {d.o_direct_problem}" for d in untested)
+            raise ConfigError(
+                f"{self.url}: weka:// needs O_DIRECT, and the O_DIRECT probe could not run in "
+                f"these directories: {problems}. That says nothing about O_DIRECT support "
+                "(file:// would write buffered meanwhile; weka:// cannot). Fix the cause "
+                "(free space on that disk, raise the quota, check the disk) and open again."
             )
         super()._prepared()
 
