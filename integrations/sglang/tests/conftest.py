@@ -2,9 +2,9 @@
 real device pools, real ``HiCacheStorageConfig``s, and a single-process ``HiCacheController``
 whose storage threads are driven the way SGLang's scheduler drives them.
 
-Everything is offered as fixtures (``make_host_pool``, ``storage_config``, ``hicache_controller``,
-``backup``, ``prefetch``, ``page_bytes``, ``page_hashes``): test modules here cannot import this
-file by name.
+Everything is offered as fixtures (``make_host_pool``, ``storage_config``, ``open_storage``,
+``redis_server``, ``own_redis``, ``hicache_controller``, ``backup``, ``prefetch``,
+``page_bytes``, ``page_hashes``): test modules here cannot import this file by name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib.machinery
 import itertools
 import os
 import queue
+import shutil
 import sys
 import threading
 import types
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 import pytest
 import torch
 import torch.distributed as dist
+
+from kvplug_testing import RedisServer
 
 if TYPE_CHECKING:
     from sglang.srt.managers.cache_controller import HiCacheController
@@ -460,6 +463,51 @@ def make_host_pool() -> Callable[..., HostKVCache]:
 @pytest.fixture(name="storage_config")
 def storage_config_fixture() -> Callable[..., HiCacheStorageConfig]:
     return storage_config
+
+
+@pytest.fixture
+def open_storage() -> Iterator[Callable[..., Any]]:
+    """``open_storage(pool, extra_config, **config)``: a ``KvplugHiCacheStorage`` built as
+    SGLang builds it (``StorageBackendFactory`` from the ``dynamic`` extra config, then
+    ``register_mem_pool_host``); ``config`` overrides ``storage_config``'s fields. Closed after
+    the test."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    from kvplug_sglang import KvplugHiCacheStorage
+
+    opened: list[KvplugHiCacheStorage] = []
+
+    def open_(pool: HostKVCache, extra_config: dict[str, Any], **config: Any) -> Any:
+        storage = StorageBackendFactory.create_backend(
+            "dynamic", storage_config(pool, extra_config=extra_config, **config), pool
+        )
+        assert isinstance(storage, KvplugHiCacheStorage)
+        opened.append(storage)
+        storage.register_mem_pool_host(pool)
+        return storage
+
+    yield open_
+    for storage in opened:
+        storage.close()
+
+
+def _redis() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server on 127.0.0.1 shared by a module's tests."""
+    yield from _redis()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of the test's own, which it may stop, restart or pause."""
+    yield from _redis()
 
 
 @pytest.fixture(name="hicache_controller")

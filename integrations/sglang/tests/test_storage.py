@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,6 @@ class Target:
     options: dict[str, Any]
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture(params=["cpu", "file", "redis"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     if request.param == "cpu":
@@ -69,28 +60,6 @@ def redis_target(redis_server: RedisServer) -> Target:
 
 def extra(target: Target, **more: Any) -> dict[str, Any]:
     return {**DYNAMIC, "interface_v1": 1, "url": target.url, "options": target.options, **more}
-
-
-@pytest.fixture
-def open_storage(
-    storage_config: Callable[..., Any],
-) -> Iterator[Callable[..., KvplugHiCacheStorage]]:
-    """Build the storage as SGLang does (factory, then register_mem_pool_host); closed after
-    the test."""
-    opened: list[KvplugHiCacheStorage] = []
-
-    def open_(pool: HostKVCache, extra_config: dict[str, Any], **config: Any) -> Any:
-        storage = StorageBackendFactory.create_backend(
-            "dynamic", storage_config(pool, extra_config=extra_config, **config), pool
-        )
-        assert isinstance(storage, KvplugHiCacheStorage)
-        opened.append(storage)
-        storage.register_mem_pool_host(pool)
-        return storage
-
-    yield open_
-    for storage in opened:
-        storage.close()
 
 
 def slots(*pages: int) -> torch.Tensor:
@@ -414,14 +383,6 @@ def test_a_secret_in_the_url_never_reaches_the_logs(
 # -- a store that goes down, pauses, comes back ----------------------------------------------
 
 
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_a_store_that_goes_down_and_comes_back_reports_failures_then_recovers(
     layout: str,
@@ -467,7 +428,7 @@ def test_a_paused_store_makes_calls_fail_within_the_task_timeout_and_release_the
         assert storage.batch_get_v1(keys, slots(4, 5)) == [False, False]
         assert storage.batch_set_v1(keys, slots(0, 1)) == [False, False]
         assert storage.batch_exists(keys) == 0
-        assert time.monotonic() - started < 3 * 2 + 5  # task_timeout, plus the release wait
+        assert time.monotonic() - started < 3 * (1 + 0.75)  # each within task_timeout + a margin
     finally:
         own_redis.resume()
     assert storage.batch_get_v1(keys, slots(4, 5)) == [True, True]

@@ -14,31 +14,51 @@ Extra config keys of kvplug's own (SGLang's ``backend_name``, ``module_path``, `
 ``task_timeout`` (seconds one call may take, default 60) and ``check_on_start`` (fail at start
 when the store does not answer, default true).
 
-With ``interface_v1: 1`` SGLang's controller calls the page API: :meth:`batch_set_v1` hands
-kvplug the host pool's own page memory and :meth:`batch_get_v1` reads straight into it, one
-batched kvplug call per SGLang call. Pages of a page-major host layout (``page_first``,
-``page_first_direct``) are one or two contiguous regions each (K and V for MHA) and move with
-no copy; a ``layer_first`` page is spread over every layer and is gathered into
-one object (one copy), as SGLang's own backends do. Without ``interface_v1`` the controller uses
-the older copying methods (:meth:`batch_set`, :meth:`batch_get`), which store the same objects.
+With ``interface_v1: 1`` SGLang's controller calls the page API (:meth:`batch_set_v1`,
+:meth:`batch_get_v1`) with host pool pages, one batched kvplug call per SGLang call. Pages of a
+page-major host layout (``page_first``, ``page_first_direct``) are one or two contiguous regions
+each (K and V for MHA) and go to kvplug as they are; a ``layer_first`` page is spread over every
+layer and is gathered into a buffer of kvplug's own (one copy each way), as SGLang's own
+backends do. Without ``interface_v1`` the controller uses the older copying methods
+(:meth:`batch_set`, :meth:`batch_get`), which store the same objects.
 
 Keys: see :mod:`kvplug_sglang.keys`. MLA models keep one copy of a page for all TP ranks: only
 the storage writer rank writes it, every rank reads it.
 
+**The engine boundary.** SGLang frees or reuses a call's host pages as soon as the call
+returns, also when it reports failure. So a call returns within ``task_timeout`` (plus the
+time a cancelled operation takes to unwind), and once it has returned nothing of kvplug reads
+or writes those pages again:
+
+* the host pages are lent to the backend only where it lets go of them the moment an
+  operation is cancelled (the ``releases_on_cancel`` capability) and keeps no reference after a
+  put; every other backend (a thread-based one, a host-memory tier, a Store that writes
+  behind, also behind a wrapper) stores a copy taken when the call began and reads into
+  kvplug's memory, copied into the pages only while the call is live
+  (:class:`kvplug.integration.EngineIO`);
+* a gathered ``layer_first`` page already is such a copy: it goes to the backend as it is
+  (copied once more only into the memory of a backend that keeps put objects), and a load is
+  scattered into the pages on SGLang's thread before the call returns, only from buffers the
+  backend has let go of, never after a failure;
+* what a key holds is the bytes SGLang handed over when the call began: a page rewritten after
+  a failed or timed-out store never lands under the old key. After a failed load a page holds
+  undefined bytes (SGLang frees it), and nothing writes it later.
+
 Failures never reach SGLang's threads as exceptions: a store that is down, slow or full makes
 the call report failures (``False`` pages, ``0`` existing pages), the first failure is logged as
-a warning, and the next call tries again (kvplug's backends reconnect by themselves). A call
-returns only once kvplug holds no reference to SGLang's host memory, so a page SGLang frees
-after a failed read is never written later.
+a warning, and the next call tries again (kvplug's backends reconnect by themselves). A page is
+reported stored only when every one of its segments is: where the backend tells which keys of
+a failed batch were stored, the other pages of the batch report True.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -52,22 +72,21 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
     CallHealth,
+    EngineIO,
     check_keys,
     check_target,
     flag,
-    needs_private_copy,
+    keeps_objects,
     open_client,
     positive_seconds,
-    private_copies,
     probe,
     tiers_of,
-    until_released,
     within_deadline,
 )
 from kvplug.keys import CacheKey, lmcache_dtype_name
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
-from kvplug.store import store_url
+from kvplug.store import store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug_sglang.keys import PageNamespace
 
@@ -212,6 +231,10 @@ def _byte_views(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.T
     return list(views.values())
 
 
+def _wrap(tensor: torch.Tensor) -> MemoryObj:
+    return MemoryObj.from_tensor(tensor, MemoryFormat.BINARY_BUFFER)
+
+
 class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     """Any kvplug backend or tiers config as SGLang's HiCache L3 storage (see the module
     documentation for the flags). SGLang builds it as ``cls(storage_config, kwargs)``; the
@@ -261,7 +284,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             what=_WHAT,
         )
         try:
-            self._private_copy = needs_private_copy(self._client.backend)
+            self._io = EngineIO(self._client.backend, timeout=self._timeout, what=self._what)
+            self._keeps_objects = keeps_objects(self._client.backend)
             if settings["check_on_start"]:
                 self._check_reachable()
         except BaseException:
@@ -303,8 +327,9 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Learn the host pool's page geometry and layout (SGLang calls this once, before any
-        page call). Pages the pool describes as at most two contiguous regions move without a
-        copy; others are gathered into one object per page."""
+        page call). Pages the pool describes as at most two contiguous regions go to kvplug as
+        they are (lent to the backend, or copied where it is not lent them); others are
+        gathered into one object per page."""
         super().register_mem_pool_host(mem_pool_host)
         config = self.storage_config
         page_tokens = self._page_tokens()
@@ -348,8 +373,16 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             mem_pool_host.layout,
             self._page_bytes,
             len(self._segment_sizes),
-            "without a copy" if self._zero_copy else "gathered with one copy",
+            self._moves(),
         )
+
+    def _moves(self) -> str:
+        """How pages move, for the log."""
+        if not self._zero_copy:
+            return "gathered into kvplug's memory (one copy each way)"
+        stores = "lent to the backend" if self._io.lends_stores else "copied at submit"
+        loads = "read into the pages" if self._io.lends_loads else "read through kvplug's memory"
+        return f"stores {stores}, loads {loads}"
 
     def _page_tokens(self) -> int:
         pool = self.mem_pool_host
@@ -358,21 +391,24 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _run(self, work: Callable[[], Coroutine[Any, Any, T]], counter: str, failed: T) -> T:
-        """Run ``work()`` on kvplug's IO thread and wait; any failure is counted, logged and
-        answered with ``failed``."""
+    def _call(self, counter: str, failed: Callable[[Exception], T], call: Callable[[], T]) -> T:
+        """``call()`` on SGLang's thread (waiting for kvplug's IO thread through
+        :meth:`_wait`); any failure is counted, logged and answered with ``failed(error)``."""
         if self._namespace is None:
-            self._calls.failed(
-                counter, KvplugError("SGLang has not registered its host memory pool yet")
-            )
-            return failed
+            error = KvplugError("SGLang has not registered its host memory pool yet")
+            self._calls.failed(counter, error)
+            return failed(error)
         try:
-            result = self._client.run(work()).result()
+            result = call()
         except Exception as error:
             self._calls.failed(counter, error)
-            return failed
+            return failed(error)
         self._calls.succeeded()
         return result
+
+    def _wait(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on kvplug's IO thread and wait for it."""
+        return self._client.run(work).result()
 
     async def _within_deadline(self, work: Awaitable[T], what: str) -> T:
         return await within_deadline(work, self._timeout, f"{what} on {self._target}")
@@ -380,6 +416,22 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     def _keys(self, page_keys: Sequence[str]) -> list[CacheKey]:
         assert self._namespace is not None
         return [key for page in page_keys for key in self._namespace.segment_keys(page)]
+
+    def _whole_pages(self, per_segment: Sequence[bool]) -> list[bool]:
+        """Per page: True when every one of its segments is."""
+        segments = len(self._segment_sizes)
+        return [all(per_segment[i : i + segments]) for i in range(0, len(per_segment), segments)]
+
+    def _stored_pages(self, error: BaseException, pages: int) -> list[bool]:
+        """Which of ``pages`` pages a failed store stored whole, as far as ``error`` says."""
+        segments = pages * len(self._segment_sizes)
+        return self._whole_pages(stored_keys(error, segments) or [False] * segments)
+
+    def _count(self, stored: int = 0, loaded: int = 0, missed: int = 0) -> None:
+        with self._state:
+            self._pages.pages_stored += stored
+            self._pages.pages_loaded += loaded
+            self._pages.pages_missed += missed
 
     @property
     def _what(self) -> str:
@@ -392,8 +444,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 return flat[address - start : address - start + size]
         return None
 
-    def _page_views(self, page_keys: Sequence[str], host_indices: torch.Tensor) -> list[Any]:
-        """One flat uint8 view of the host pool per segment of each page (zero-copy layouts)."""
+    def _page_views(self, page_keys: Sequence[str], host_indices: torch.Tensor) -> list[MemoryObj]:
+        """Each segment of each page as the host pool's own bytes (zero-copy layouts)."""
         pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         expected = len(page_keys) * len(self._segment_sizes)
         if len(pointers) != expected:
@@ -407,7 +459,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 "SGLang's host pool described a page region outside its buffers; kvplug cannot "
                 "address it."
             )
-        return [view for view in views if view is not None]
+        return [_wrap(view) for view in views if view is not None]
 
     def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int]:
         tokens = self._page_tokens()
@@ -418,32 +470,45 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             )
         return [int(host_indices[i * tokens]) for i in range(count)]
 
-    def _bounce_buffers(self, count: int) -> list[MemoryObj]:
-        """``count`` page-sized buffers for pages that are gathered (``layer_first``): kvplug's
-        block-aligned host memory where it has room, so O_DIRECT and cuFile move them without
-        another copy, else plain tensors."""
-        allocator = self._client.backend.allocator
-        buffers: list[MemoryObj] = []
-        for _ in range(count):
-            buffer = allocator.allocate(
+    def _bounce(self) -> MemoryObj:
+        """A page-sized buffer of kvplug's own for a gathered page (``layer_first``): the
+        backend's block-aligned memory where it has room, so O_DIRECT and cuFile move it
+        without another copy; plain memory where it has none, or where the backend keeps put
+        objects (its memory is then a cache's budget, never taken by a transfer)."""
+        if not self._keeps_objects:
+            buffer = self._client.backend.allocator.allocate(
                 (self._page_bytes,), torch.uint8, MemoryFormat.BINARY_BUFFER
             )
-            if buffer is None:
-                buffer = MemoryObj.from_tensor(
-                    torch.empty(self._page_bytes, dtype=torch.uint8), MemoryFormat.BINARY_BUFFER
-                )
-            buffers.append(buffer)
-        return buffers
+            if buffer is not None:
+                return buffer
+        return _wrap(torch.empty(self._page_bytes, dtype=torch.uint8))
 
-    def _split(self, page: torch.Tensor) -> list[torch.Tensor]:
-        """A flat page tensor as its segments' uint8 views (no copy)."""
+    @contextlib.contextmanager
+    def _gathered(self, starts: Sequence[int], *, fill: bool) -> Iterator[list[MemoryObj]]:
+        """Bounce buffers for the pages at ``starts``, filled with them when ``fill`` (on
+        SGLang's thread, so kvplug's IO thread never reads the host pool here); released on
+        exit, where a transfer still in flight keeps its own reference."""
+        bounces: list[MemoryObj] = []
+        try:
+            for start in starts:
+                bounces.append(self._bounce())
+                if fill:
+                    page = self.mem_pool_host.get_data_page(start, flat=False)
+                    bounces[-1].raw.view(page.dtype).view(page.shape).copy_(page)
+            yield bounces
+        finally:
+            for bounce in bounces:
+                bounce.release()
+
+    def _split(self, page: torch.Tensor) -> list[MemoryObj]:
+        """A flat page tensor as its segments (no copy)."""
         flat = page.reshape(-1).view(torch.uint8)
         if flat.numel() != self._page_bytes:
             raise KvplugError(
                 f"a page of {flat.numel()} bytes was handed over; this host pool's pages are "
                 f"{self._page_bytes} bytes."
             )
-        return list(torch.split(flat, self._segment_sizes))
+        return [_wrap(part) for part in torch.split(flat, self._segment_sizes)]
 
     def _record(self, kind: str, pages: int, started: float) -> None:
         if not self._metrics_on or pages == 0:
@@ -454,6 +519,74 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             getattr(self._metrics, f"{kind}_bandwidth").append(
                 pages * self._page_bytes / seconds / (1 << 30)
             )
+
+    # -- moving pages (every API) --------------------------------------------------------------
+
+    def _store(self, page_keys: list[str], store: Callable[[], None]) -> list[bool]:
+        """Run ``store()`` for ``page_keys``; True for each page stored whole."""
+
+        def run() -> list[bool]:
+            store()
+            return [True] * len(page_keys)
+
+        stored = self._call(
+            "failed_sets", lambda error: self._stored_pages(error, len(page_keys)), run
+        )
+        self._count(stored=sum(stored))
+        return stored
+
+    def _load(self, page_keys: list[str], load: Callable[[], list[bool]]) -> list[bool]:
+        """Run ``load()`` for ``page_keys``; True for each page read whole (a page the store
+        answered for and did not hold counts as missed; a failed call as failed)."""
+
+        def run() -> list[bool]:
+            pages = load()
+            self._count(loaded=sum(pages), missed=len(pages) - sum(pages))
+            return pages
+
+        return self._call("failed_gets", lambda _: [False] * len(page_keys), run)
+
+    def _engine_store(self, page_keys: list[str], sources: list[MemoryObj]) -> None:
+        """Store SGLang's memory (``sources``: each page's segments): returns or raises once
+        kvplug holds no reference to it, a copy taken first where the backend is not lent it."""
+        self._wait(self._io.store(self._keys(page_keys), sources))
+
+    def _engine_load(self, page_keys: list[str], dests: list[MemoryObj]) -> list[bool]:
+        """Read into SGLang's memory (``dests``: each page's segments), per page: returns or
+        raises once nothing of kvplug can write into it any more."""
+        return self._whole_pages(self._wait(self._io.load(self._keys(page_keys), dests)))
+
+    def _store_gathered(self, page_keys: list[str], host_indices: torch.Tensor) -> None:
+        """Store the pages at ``host_indices`` through bounce buffers. The gather is the
+        snapshot, in kvplug's memory: it goes to the backend as it is, or, to a backend that
+        keeps put objects, as a copy in the backend's own memory."""
+        starts = self._page_starts(len(page_keys), host_indices)
+        with self._gathered(starts, fill=True) as bounces:
+            keys = self._keys(page_keys)
+            if self._keeps_objects:
+                self._wait(self._io.store(keys, bounces))
+            else:
+                put = self._client.backend.batched_put(keys, bounces)
+                self._wait(self._within_deadline(put, "a store"))
+
+    def _load_gathered(self, page_keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """Read the pages at ``host_indices`` through bounce buffers, scattered into the host
+        pool on SGLang's thread while the call is live, and only from buffers the backend has
+        let go of; after a failure nothing is scattered."""
+        starts = self._page_starts(len(page_keys), host_indices)
+        with self._gathered(starts, fill=False) as bounces:
+            read = self._client.backend.batched_get_into(self._keys(page_keys), bounces)
+            found = self._wait(self._within_deadline(read, "a load"))
+            pages = [
+                hit and bounce.ref_count == 1
+                for hit, bounce in zip(self._whole_pages(found), bounces, strict=True)
+            ]
+            for start, bounce, page in zip(starts, bounces, pages, strict=True):
+                if page:
+                    self.mem_pool_host.set_from_flat_data_page(
+                        start, bounce.raw.view(self.mem_pool_host.dtype)
+                    )
+        return pages
 
     # -- the page API (interface_v1) ----------------------------------------------------------
 
@@ -471,7 +604,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             )
             return int(present) // segments
 
-        return self._run(count, "failed_exists", 0)
+        return self._call("failed_exists", lambda _: 0, lambda: self._wait(count()))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -483,34 +616,21 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page
-        stored. On a rank that is not the storage writer (MLA replicas) the writer stores the
-        same pages: nothing is written and every page reports True."""
+        stored whole (every segment). On a rank that is not the storage writer (MLA replicas)
+        the writer stores the same pages: nothing is written and every page reports True."""
         if not keys:
             return []
         if not self._writer:
             return [True] * len(keys)
         started = time.perf_counter()
-
-        def store() -> Coroutine[Any, Any, bool]:
-            if self._zero_copy:
-                return self._store(keys, self._page_views(keys, host_indices))
-            starts = self._page_starts(len(keys), host_indices)
-            bounces = self._bounce_buffers(len(keys))
-            try:
-                for start, bounce in zip(starts, bounces, strict=True):
-                    page = self.mem_pool_host.get_data_page(start, flat=False)
-                    bounce.raw.view(page.dtype).view(page.shape).copy_(page)
-                parts = [part for bounce in bounces for part in self._split(bounce.raw)]
-            except BaseException:
-                for bounce in bounces:
-                    bounce.release()
-                raise
-            return self._store(keys, parts, owners=bounces)
-
-        stored = self._run(store, "failed_sets", False)
-        if stored:
-            self._record("backup", len(keys), started)
-        return [stored] * len(keys)
+        if self._zero_copy:
+            stored = self._store(
+                keys, lambda: self._engine_store(keys, self._page_views(keys, host_indices))
+            )
+        else:
+            stored = self._store(keys, lambda: self._store_gathered(keys, host_indices))
+        self._record("backup", sum(stored), started)
+        return stored
 
     def batch_get_v1(
         self,
@@ -519,93 +639,19 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read ``keys``' pages into the host pool at ``host_indices``; True for each page
-        read whole. After False a page's host memory holds undefined bytes (SGLang frees it)."""
+        read whole. After False a page's host memory holds undefined bytes (SGLang frees it),
+        and nothing of kvplug writes it any more."""
         if not keys:
             return []
         started = time.perf_counter()
-
-        def load() -> Coroutine[Any, Any, list[bool]]:
-            if self._zero_copy:
-                return self._load(keys, self._page_views(keys, host_indices))
-            starts = self._page_starts(len(keys), host_indices)
-            bounces = self._bounce_buffers(len(keys))
-            parts = [part for bounce in bounces for part in self._split(bounce.raw)]
-
-            def scatter(pages: list[bool]) -> None:
-                for start, bounce, hit in zip(starts, bounces, pages, strict=True):
-                    if hit:
-                        self.mem_pool_host.set_from_flat_data_page(
-                            start, bounce.raw.view(self.mem_pool_host.dtype)
-                        )
-
-            return self._load(keys, parts, scatter, owners=bounces)
-
-        loaded = self._run(load, "failed_gets", [False] * len(keys))
+        if self._zero_copy:
+            loaded = self._load(
+                keys, lambda: self._engine_load(keys, self._page_views(keys, host_indices))
+            )
+        else:
+            loaded = self._load(keys, lambda: self._load_gathered(keys, host_indices))
         self._record("prefetch", sum(loaded), started)
         return loaded
-
-    async def _store(
-        self, keys: list[str], sources: list[torch.Tensor], owners: Sequence[MemoryObj] = ()
-    ) -> bool:
-        """Put ``sources`` (the segments of ``keys``' pages: SGLang's memory, or views of
-        ``owners``) and return once kvplug holds none of it; then release ``owners``."""
-        views = [MemoryObj.from_tensor(src, MemoryFormat.BINARY_BUFFER) for src in sources]
-        copies: list[MemoryObj] = []
-        released = True
-        try:
-            if self._private_copy:
-                copies = private_copies(self._client.backend, views, self._target)
-            await self._within_deadline(
-                self._client.backend.batched_put(self._keys(keys), copies or views), "a store"
-            )
-        finally:
-            if not copies:
-                released = await until_released(views, self._timeout, self._what)
-            for obj in (*copies, *views, *(owners if released else ())):
-                obj.release()
-        with self._state:
-            self._pages.pages_stored += len(keys)
-        return True
-
-    async def _load(
-        self,
-        keys: list[str],
-        dests: list[torch.Tensor],
-        scatter: Callable[[list[bool]], None] | None = None,
-        owners: Sequence[MemoryObj] = (),
-    ) -> list[bool]:
-        """Read ``keys``' segments into ``dests`` (SGLang's memory, or views of ``owners``) and
-        return once kvplug holds none of them; True for each page whose every segment was
-        read. ``scatter`` then moves the pages out of ``owners`` (on the caller's thread, not
-        this loop), and ``owners`` are released."""
-        objs = [MemoryObj.from_tensor(dest, MemoryFormat.BINARY_BUFFER) for dest in dests]
-        read = False
-        try:
-            found = await self._within_deadline(
-                self._client.backend.batched_get_into(self._keys(keys), objs), "a load"
-            )
-            read = True
-        finally:
-            # A read past its deadline may still be writing into SGLang's pages (or owners,
-            # which are then never handed out again).
-            released = await until_released(objs, self._timeout, self._what)
-            for obj in objs:
-                obj.release()
-            if not read and released:
-                for obj in owners:
-                    obj.release()
-        segments = len(self._segment_sizes)
-        pages = [all(found[i : i + segments]) for i in range(0, len(found), segments)]
-        try:
-            if scatter is not None:
-                await asyncio.to_thread(scatter, pages)
-        finally:
-            for obj in owners if released else ():
-                obj.release()
-        with self._state:
-            self._pages.pages_loaded += sum(pages)
-            self._pages.pages_missed += len(pages) - sum(pages)
-        return pages
 
     # -- the copying API (without interface_v1) -----------------------------------------------
 
@@ -639,13 +685,13 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         pages = list(values)
         started = time.perf_counter()
 
-        def sources() -> list[torch.Tensor]:
-            return [part for page in pages for part in self._split(page.contiguous())]
+        def store() -> None:
+            sources = [part for page in pages for part in self._split(page.contiguous())]
+            self._engine_store(keys, sources)
 
-        stored = self._run(lambda: self._store(keys, sources()), "failed_sets", False)
-        if stored:
-            self._record("backup", len(keys), started)
-        return stored
+        stored = self._store(keys, store)
+        self._record("backup", sum(stored), started)
+        return all(stored)
 
     def get(
         self,
@@ -683,10 +729,11 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             return [None] * len(keys)
         started = time.perf_counter()
 
-        def dests() -> list[torch.Tensor]:
-            return [part for target in targets for part in self._split(target)]
+        def load() -> list[bool]:
+            dests = [part for target in targets for part in self._split(target)]
+            return self._engine_load(keys, dests)
 
-        loaded = self._run(lambda: self._load(keys, dests()), "failed_gets", [False] * len(keys))
+        loaded = self._load(keys, load)
         self._record("prefetch", sum(loaded), started)
         return [target if hit else None for target, hit in zip(targets, loaded, strict=True)]
 
@@ -716,7 +763,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             )
             return sum(removed)
 
-        removed = self._run(remove_mine, "failed_clears", 0)
+        removed = self._call("failed_clears", lambda _: 0, lambda: self._wait(remove_mine()))
         logger.info("%s: removed %d objects of this rank from %s.", _WHAT, removed, self._target)
 
     def get_stats(self) -> Any:

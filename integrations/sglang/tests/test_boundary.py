@@ -1,0 +1,534 @@
+"""The engine boundary under ``KvplugHiCacheStorage``, over SGLang's own host pools.
+
+SGLang frees or reuses the host pages of a ``batch_set_v1``/``batch_get_v1`` as soon as the call
+returns, also when it reports failure. So when a store or load runs past ``task_timeout`` (a
+paused redis-server, a stalled ``file://`` worker, a slow tier behind the audit wrapper) the call
+reports failure within ``task_timeout`` plus a small margin, and from then on nothing of kvplug
+touches those pages: a page SGLang rewrites right after the report keeps the rewrite, and every
+later read of the key returns the bytes SGLang handed over, or a miss, never the rewrite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from sglang.srt.mem_cache.pool_host import HostKVCache
+
+import kvplug
+from kvplug.backend import Backend, Capabilities
+from kvplug.errors import CapacityExceeded
+from kvplug.integration import tiers_of
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryObj
+from kvplug.registry import reset_registry
+from kvplug_sglang import KvplugHiCacheStorage
+from kvplug_testing import RedisServer
+
+PAGE = 16
+TASK_TIMEOUT = 1.0
+MARGIN = 0.75
+"""Seconds a failed call may take beyond task_timeout (measured: well under 0.1 s idle)."""
+STALL_LIMIT = 30.0
+"""Seconds a stalled worker waits at most: a failing test never leaves a thread behind."""
+POOLS = [
+    ("layer_first", False),
+    ("page_first", False),
+    ("page_first_direct", False),
+    ("page_first", True),
+    ("layer_first", True),
+]
+POOL_IDS = [f"{layout}-{'mla' if mla else 'mha'}" for layout, mla in POOLS]
+
+PageBytes = Callable[[HostKVCache, int | torch.Tensor], torch.Tensor]
+OpenStorage = Callable[..., KvplugHiCacheStorage]
+
+
+def extra(url: str, **more: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "kvplug",
+        "module_path": "kvplug_sglang",
+        "class_name": "KvplugHiCacheStorage",
+        "interface_v1": 1,
+        "url": url,
+        "task_timeout": TASK_TIMEOUT,
+        **more,
+    }
+
+
+def slots(*pages: int) -> torch.Tensor:
+    """The host token slots of whole pages."""
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def keys_of(name: str, count: int) -> list[str]:
+    return [f"{i:02x}{name.encode().hex()}" for i in range(count)]
+
+
+def rewrite(pool: HostKVCache, *pages: int) -> None:
+    """SGLang reuses host pages: new bytes in each."""
+    for page in pages:
+        pool.get_data_page(page * PAGE, flat=False).fill_(-3.5 - page)
+
+
+def timed(call: Callable[[], list[bool]]) -> tuple[float, list[bool]]:
+    started = time.monotonic()
+    result = call()
+    return time.monotonic() - started, result
+
+
+def assert_original_or_missing(
+    storage: KvplugHiCacheStorage,
+    pool: HostKVCache,
+    keys: list[str],
+    original: list[torch.Tensor],
+    rewritten: list[torch.Tensor],
+    into: tuple[int, ...],
+    page_bytes: PageBytes,
+) -> int:
+    """Read ``keys`` into the pages ``into``: each page read holds the original bytes, never
+    the rewritten ones; the count of pages read."""
+    loaded = storage.batch_get_v1(keys, slots(*into))
+    for hit, page, sent, later in zip(loaded, into, original, rewritten, strict=True):
+        if hit:
+            got = page_bytes(pool, page * PAGE)
+            assert not torch.equal(got, later), "a rewrite after the failure report was stored"
+            assert torch.equal(got, sent)
+    return sum(loaded)
+
+
+class Stall:
+    """Holds the first call of ``owner.<hold>`` on its (worker) thread until :meth:`release`,
+    and tells when that thread has left ``span_owner.<span>``, the worker function around it
+    (its whole use of the buffer; it may be ``<hold>`` itself)."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        owner: object,
+        hold: str,
+        span_owner: object,
+        span: str,
+    ) -> None:
+        self.reached = threading.Event()
+        self.finished = threading.Event()
+        self._go = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: int | None = None
+        held = getattr(owner, hold)
+
+        def holding(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                first = self._thread is None
+                if first:
+                    self._thread = threading.get_ident()
+            if first:
+                self.reached.set()
+                self._go.wait(STALL_LIMIT)
+            return held(*args, **kwargs)
+
+        monkeypatch.setattr(owner, hold, holding)
+        spanned = getattr(span_owner, span)
+
+        def spanning(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return spanned(*args, **kwargs)
+            finally:
+                if threading.get_ident() == self._thread:
+                    self.finished.set()
+
+        monkeypatch.setattr(span_owner, span, spanning)
+
+    def release(self) -> None:
+        """Let the held call go on, and wait until its worker function has returned."""
+        self._go.set()
+        if self.reached.is_set():
+            assert self.finished.wait(STALL_LIMIT), "the stalled worker never finished"
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind() -> Iterator[None]:
+    """Every thread a test starts (kvplug's IO threads, file I/O workers) has ended once the
+    storages it opened are closed."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+
+
+def pending_tasks(storage: KvplugHiCacheStorage) -> list[asyncio.Task[Any]]:
+    """The tasks on the storage's event loop besides the one asking."""
+
+    async def others() -> list[asyncio.Task[Any]]:
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    return storage._client.run(others()).result(5)
+
+
+def file_tier(storage: KvplugHiCacheStorage) -> Any:
+    """The ``file://`` backend the storage opened, seen through wrappers and Stores."""
+    disks = [tier for tier in tiers_of(storage._client.backend) if tier.url.scheme == "file"]
+    assert len(disks) == 1
+    return disks[0]
+
+
+def stall_disk(monkeypatch: pytest.MonkeyPatch, disk: Any, job: str, where: str) -> Stall:
+    """Stall ``disk``'s first worker of a ``job`` ("store" or "load"): ``before`` it touches
+    the buffer (the worker function itself), or ``while`` it does (its file I/O, after the
+    payload was planned: the buffer is taken, and, for a read through an aligned staging
+    block, is written once the I/O returns)."""
+    worker = "_write" if job == "store" else "_read_key_into"
+    if where == "before":
+        return Stall(monkeypatch, disk, worker, disk, worker)
+    io = "write_object" if job == "store" else "read_object"
+    return Stall(monkeypatch, disk.io, io, disk, worker)
+
+
+# -- a stalled file:// worker ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["before", "while"])
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_a_store_stalled_in_a_file_worker_fails_in_time_and_a_rewrite_never_lands(
+    layout: str,
+    mla: bool,
+    where: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(pool, extra(f"file://{tmp_path}/store?o_direct=false"))
+    keys = keys_of(f"stalled-store-{layout}-{mla}-{where}", 2)
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    stall = stall_disk(monkeypatch, file_tier(storage), "store", where)
+    try:
+        took, stored = timed(lambda: storage.batch_set_v1(keys, slots(0, 1)))
+        assert stall.reached.is_set()
+        assert stored == [False, False]
+        assert took < TASK_TIMEOUT + MARGIN
+        rewrite(pool, 0, 1)
+        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    finally:
+        stall.release()
+    assert not pending_tasks(storage)
+    assert_original_or_missing(storage, pool, keys, original, rewritten, (4, 5), page_bytes)
+    assert storage.health().failed_sets == 1
+
+
+@pytest.mark.parametrize("where", ["before", "while"])
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_a_load_stalled_in_a_file_worker_fails_in_time_and_never_writes_the_page_later(
+    layout: str,
+    mla: bool,
+    where: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(pool, extra(f"file://{tmp_path}/store"))  # O_DIRECT: staged reads
+    keys = keys_of(f"stalled-load-{layout}-{mla}-{where}", 2)
+    assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    stall = stall_disk(monkeypatch, file_tier(storage), "load", where)
+    try:
+        took, loaded = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+        assert stall.reached.is_set()
+        assert loaded == [False, False]
+        assert took < TASK_TIMEOUT + MARGIN
+        rewrite(pool, 4, 5)  # SGLang frees the pages and reuses them
+        rewritten = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+    finally:
+        stall.release()
+    assert not pending_tasks(storage)
+    for page, later in zip((4, 5), rewritten, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert storage.batch_get_v1(keys, slots(6, 7)) == [True, True]
+    for page, sent in zip((6, 7), original, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+
+
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_a_stalled_tier_behind_the_audit_wrapper_never_stores_a_rewrite_nor_writes_a_page_late(
+    layout: str,
+    mla: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    """The audit wrapper passes its tier's capabilities through, so SGLang's pages are lent
+    through it exactly where the tier itself would be lent them (verification off: the
+    wrapper's checksums would hide a rewrite stored under the old key as a miss)."""
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(
+        pool, extra(f"audit://?verify=false::file://{tmp_path}/store?o_direct=false")
+    )
+    disk = file_tier(storage)
+    keys = keys_of(f"audited-{layout}-{mla}", 2)
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    stall = stall_disk(monkeypatch, disk, "store", "before")
+    try:
+        took, stored = timed(lambda: storage.batch_set_v1(keys, slots(0, 1)))
+        assert stall.reached.is_set()
+        assert stored == [False, False] and took < TASK_TIMEOUT + MARGIN
+        rewrite(pool, 0, 1)
+        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    finally:
+        stall.release()
+    monkeypatch.undo()
+    assert_original_or_missing(storage, pool, keys, original, rewritten, (2, 3), page_bytes)
+    assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]  # the rewritten pages
+    stall = Stall(monkeypatch, disk, "_read_key", disk, "_read_key")  # audit reads whole objects
+    try:
+        took, loaded = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+        assert stall.reached.is_set()
+        assert loaded == [False, False] and took < TASK_TIMEOUT + MARGIN
+        rewrite(pool, 4, 5)
+        reused = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+    finally:
+        stall.release()
+    for page, later in zip((4, 5), reused, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert storage.batch_get_v1(keys, slots(6, 7)) == [True, True]
+    for page, sent in zip((6, 7), rewritten, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+
+
+# -- a paused redis-server ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_a_paused_redis_fails_stores_and_loads_in_time_and_serves_only_what_was_handed_over(
+    layout: str,
+    mla: bool,
+    redis_server: RedisServer,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    redis_server.client().flushall()
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE, layers=16, heads=4, head_dim=64)
+    storage = open_storage(pool, extra(redis_server.url, options={"timeout": 30}))
+    stored, handed = keys_of(f"redis-{layout}-{mla}", 2), keys_of(f"paused-{layout}-{mla}", 2)
+    assert storage.batch_set_v1(stored, slots(0, 1)) == [True, True]
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1, 2, 3)]
+    redis_server.pause()
+    try:
+        took_set, set_pages = timed(lambda: storage.batch_set_v1(handed, slots(2, 3)))
+        took_get, got_pages = timed(lambda: storage.batch_get_v1(stored, slots(4, 5)))
+        rewrite(pool, 2, 3, 4, 5)
+        rewritten = [page_bytes(pool, p * PAGE) for p in (2, 3, 4, 5)]
+    finally:
+        redis_server.resume()
+    assert set_pages == [False, False] and got_pages == [False, False]
+    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
+    assert_original_or_missing(
+        storage, pool, handed, original[2:], rewritten[:2], (6, 7), page_bytes
+    )
+    assert storage.batch_get_v1(stored, slots(8, 9)) == [True, True]
+    for page, sent in zip((8, 9), original[:2], strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+    for page, later in zip((4, 5), rewritten[2:], strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+
+
+# -- wrappers and tiers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_audit_over_a_tiers_config_is_seen_through_and_a_page_reused_after_the_store_never_lands(
+    layout: str,
+    mla: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    """A Store writes its lower tiers behind the put: it must get a copy, also through a
+    wrapper. The file tier is held until SGLang has reused the pages, then written."""
+    tiers = tmp_path / "tiers.yaml"
+    disk = f"file://{tmp_path}/disk?o_direct=false"
+    tiers.write_text(yaml.safe_dump({"tiers": ["cpu://?max_size=64MiB", disk]}))
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(pool, extra(f"audit::store://{tiers}"))
+    keys = keys_of(f"tiers-{layout}-{mla}", 2)
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    stall = stall_disk(monkeypatch, file_tier(storage), "store", "before")
+    try:
+        assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
+        rewrite(pool, 0, 1)  # SGLang reuses the pages once the backup is reported
+        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+        assert stall.reached.wait(10), "the Store never wrote its file tier"
+    finally:
+        stall.release()
+    read = assert_original_or_missing(storage, pool, keys, original, rewritten, (4, 5), page_bytes)
+    assert read == 2  # reported stored: the Store's host-memory tier serves them
+    # What the file tier holds, as another SGLang instance on the same directory reads it.
+    other = open_storage(make_host_pool(layout, mla=mla, page_size=PAGE), extra(disk))
+    assert_original_or_missing(
+        other, other.mem_pool_host, keys, original, rewritten, (4, 5), page_bytes
+    )
+
+
+# -- backends that let go at once when cancelled, and backends that do not --------------------
+
+
+class HeldMemory(Backend):
+    """``held://``: host memory kept on the event loop alone, whose operations can be held.
+
+    Everything it does runs on the loop, so a cancelled operation ends at once and nothing of
+    it goes on later: it declares ``releases_on_cancel``, and SGLang's pages are lent to it (no
+    copy). A put waits ``hold`` seconds, then copies the bytes out; a load writes the first
+    half of the page, waits ``hold`` seconds, then writes the rest. A put of a key in
+    ``refused`` fails (the template then tells which keys of a batch were stored)."""
+
+    capabilities = Capabilities(remove=True, releases_on_cancel=True)
+
+    def __init__(self, url: Any, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.hold = 0.0
+        self.refused: set[CacheKey] = set()
+        self.objects: dict[CacheKey, torch.Tensor] = {}
+        self.put_addresses: list[int] = []
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        self.put_addresses.append(obj.raw.data_ptr())
+        if key in self.refused:
+            raise CapacityExceeded(f"{key} is refused by the test")
+        await asyncio.sleep(self.hold)
+        self.objects[key] = obj.raw.clone()
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        data = self.objects.get(key)
+        return None if data is None else MemoryObj.from_tensor(data.clone())
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        data = self.objects.get(key)
+        if data is None or data.numel() != dest.nbytes:
+            return False
+        half = data.numel() // 2
+        dest.raw[:half].copy_(data[:half])
+        await asyncio.sleep(self.hold)
+        dest.raw[half:].copy_(data[half:])
+        return True
+
+    async def _batched_get_into(
+        self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
+    ) -> list[bool]:
+        return list(await asyncio.gather(*map(self._get_into, keys, dests)))
+
+    async def _contains(self, key: CacheKey) -> bool:
+        return key in self.objects
+
+    async def _remove(self, key: CacheKey) -> bool:
+        return self.objects.pop(key, None) is not None
+
+
+class CopiedHeldMemory(HeldMemory):
+    """``held-copied://``: the same, declaring no ``releases_on_cancel``: stores get a copy
+    taken at submit, loads read into kvplug's memory."""
+
+    capabilities = Capabilities(remove=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def held_schemes() -> Iterator[None]:
+    for scheme, cls in (("held", HeldMemory), ("held-copied", CopiedHeldMemory)):
+        kvplug.register_backend(
+            kvplug.BackendSpec(scheme, (scheme,), f"{__name__}:{cls.__name__}"), replace=True
+        )
+    yield
+    reset_registry()
+
+
+def held(storage: KvplugHiCacheStorage) -> HeldMemory:
+    backend = storage._client.backend
+    assert isinstance(backend, HeldMemory)
+    return backend
+
+
+def in_pool(pool: HostKVCache, address: int) -> bool:
+    buffers = [getattr(pool, name, None) for name in ("kv_buffer", "k_buffer", "v_buffer")]
+    return any(
+        isinstance(b, torch.Tensor)
+        and b.data_ptr() <= address < b.data_ptr() + b.numel() * b.element_size()
+        for b in buffers
+    )
+
+
+@pytest.mark.parametrize("scheme", ["held", "held-copied"])
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_a_held_job_fails_in_time_and_nothing_of_it_lands_later_lent_or_copied(
+    layout: str,
+    mla: bool,
+    scheme: str,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(pool, extra(f"{scheme}://"))
+    backend = held(storage)
+    keys, late = keys_of(f"held-{layout}", 2), keys_of(f"late-{layout}", 2)
+    assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
+    lent = layout != "layer_first" and scheme == "held"  # page-major pages, a lending backend
+    assert all(in_pool(pool, address) == lent for address in backend.put_addresses)
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1, 2, 3)]
+
+    backend.hold = 3 * TASK_TIMEOUT
+    took_set, set_pages = timed(lambda: storage.batch_set_v1(late, slots(2, 3)))
+    took_get, got_pages = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+    rewrite(pool, 2, 3, 4, 5)
+    rewritten = [page_bytes(pool, p * PAGE) for p in (2, 3, 4, 5)]
+    assert set_pages == [False, False] and got_pages == [False, False]
+    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
+    assert not pending_tasks(storage)  # the held operations ended with the calls
+    time.sleep(0.2)  # what a job still going on would write by now
+    for page, later in zip((4, 5), rewritten[2:], strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    backend.hold = 0
+    assert_original_or_missing(storage, pool, late, original[2:], rewritten[:2], (6, 7), page_bytes)
+    assert storage.batch_get_v1(keys, slots(8, 9)) == [True, True]
+    for page, sent in zip((8, 9), original[:2], strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+
+
+@pytest.mark.parametrize("scheme", ["held", "held-copied"])
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_each_page_is_reported_stored_only_when_every_segment_is(
+    layout: str,
+    mla: bool,
+    scheme: str,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    storage = open_storage(pool, extra(f"{scheme}://"))
+    keys = keys_of(f"partial-{layout}", 3)
+    assert storage._namespace is not None
+    segments = storage._namespace.segment_keys(keys[1])
+    held(storage).refused = {segments[-1]}  # the last segment of the middle page
+    assert storage.batch_set_v1(keys, slots(0, 1, 2)) == [True, False, True]
+    assert storage.health().pages_stored == 2
+    assert storage.batch_exists(keys) == 1
+    assert storage.batch_get_v1(keys, slots(4, 5, 6)) == [True, False, True]
+    for page, sent in ((4, 0), (6, 2)):
+        assert torch.equal(page_bytes(pool, page * PAGE), page_bytes(pool, sent * PAGE))
