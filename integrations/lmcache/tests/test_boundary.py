@@ -56,12 +56,11 @@ from kvplug.store import Store, store_url
 from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key, object_key_to_cache_key
 from kvplug_testing import RedisServer
+from kvplug_testing.stall import stall_disk
 
 TASK_TIMEOUT = 1.0
 MARGIN = 0.75
 """Seconds a failed task may take beyond its deadline (measured: at most 0.012 s when idle)."""
-STALL_LIMIT = 30.0
-"""Seconds a stalled worker waits at most: a failing test never leaves a thread behind."""
 LMCACHE_VERSION = importlib.metadata.version("lmcache")
 
 needs_redis = pytest.mark.skipif(
@@ -117,67 +116,6 @@ def lets_go(obj: Any) -> bool:
     while obj.get_ref_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(obj.get_ref_count() == 1)
-
-
-class Stall:
-    """Holds the first call of ``owner.<hold>`` (on the worker thread that makes it) until
-    :meth:`release`, and tells when that thread has left ``span_owner.<span>``, the worker
-    function around it: from then on it touches no buffer any more."""
-
-    def __init__(
-        self,
-        monkeypatch: pytest.MonkeyPatch,
-        owner: object,
-        hold: str,
-        span_owner: object,
-        span: str,
-    ) -> None:
-        self.reached = threading.Event()
-        self.finished = threading.Event()
-        self._go = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: int | None = None
-        held = getattr(owner, hold)
-
-        def holding(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                first = self._thread is None
-                if first:
-                    self._thread = threading.get_ident()
-            if first:
-                self.reached.set()
-                self._go.wait(STALL_LIMIT)
-            return held(*args, **kwargs)
-
-        monkeypatch.setattr(owner, hold, holding)
-        spanned = getattr(span_owner, span)  # ``holding`` itself when it is the same function
-
-        def spanning(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return spanned(*args, **kwargs)
-            finally:
-                if threading.get_ident() == self._thread:
-                    self.finished.set()
-
-        monkeypatch.setattr(span_owner, span, spanning)
-
-    def release(self) -> None:
-        """Let the held call go on; wait until its worker function has returned."""
-        self._go.set()
-        if self.reached.is_set():
-            assert self.finished.wait(STALL_LIMIT), "the stalled worker never finished"
-
-
-def stall_disk(monkeypatch: pytest.MonkeyPatch, disk: Any, job: str, where: str) -> Stall:
-    """Stall ``disk``'s first worker of a ``job`` (``store`` or ``load``) on its file I/O
-    thread: ``before`` it touches the buffer (on entering the worker function), or ``while``
-    it does (at its file I/O: a store's payload is being checksummed from the buffer by then;
-    a load's destination is planned and is written once the read returns)."""
-    worker = "_write" if job == "store" else "_read_key_into"
-    if where == "before":
-        return Stall(monkeypatch, disk, worker, disk, worker)
-    io = "write_object" if job == "store" else "read_object"
-    return Stall(monkeypatch, disk.io, io, disk, worker)
 
 
 def disks_of(backend: Backend) -> list[Any]:

@@ -31,13 +31,12 @@ from kvplug.memory import MemoryObj
 from kvplug.registry import reset_registry
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer
+from kvplug_testing.stall import Stall, stall_disk
 
 PAGE = 16
 TASK_TIMEOUT = 1.0
 MARGIN = 0.75
 """Seconds a failed call may take beyond task_timeout (measured: well under 0.1 s idle)."""
-STALL_LIMIT = 30.0
-"""Seconds a stalled worker waits at most: a failing test never leaves a thread behind."""
 POOLS = [
     ("layer_first", False),
     ("page_first", False),
@@ -104,55 +103,6 @@ def assert_original_or_missing(
     return sum(loaded)
 
 
-class Stall:
-    """Holds the first call of ``owner.<hold>`` on its (worker) thread until :meth:`release`,
-    and tells when that thread has left ``span_owner.<span>``, the worker function around it
-    (its whole use of the buffer; it may be ``<hold>`` itself)."""
-
-    def __init__(
-        self,
-        monkeypatch: pytest.MonkeyPatch,
-        owner: object,
-        hold: str,
-        span_owner: object,
-        span: str,
-    ) -> None:
-        self.reached = threading.Event()
-        self.finished = threading.Event()
-        self._go = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: int | None = None
-        held = getattr(owner, hold)
-
-        def holding(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                first = self._thread is None
-                if first:
-                    self._thread = threading.get_ident()
-            if first:
-                self.reached.set()
-                self._go.wait(STALL_LIMIT)
-            return held(*args, **kwargs)
-
-        monkeypatch.setattr(owner, hold, holding)
-        spanned = getattr(span_owner, span)
-
-        def spanning(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return spanned(*args, **kwargs)
-            finally:
-                if threading.get_ident() == self._thread:
-                    self.finished.set()
-
-        monkeypatch.setattr(span_owner, span, spanning)
-
-    def release(self) -> None:
-        """Let the held call go on, and wait until its worker function has returned."""
-        self._go.set()
-        if self.reached.is_set():
-            assert self.finished.wait(STALL_LIMIT), "the stalled worker never finished"
-
-
 @pytest.fixture(autouse=True)
 def no_thread_left_behind() -> Iterator[None]:
     """Every thread a test starts (kvplug's IO threads, file I/O workers) has ended once the
@@ -179,18 +129,6 @@ def file_tier(storage: KvplugHiCacheStorage) -> Any:
     disks = [tier for tier in tiers_of(storage._client.backend) if tier.url.scheme == "file"]
     assert len(disks) == 1
     return disks[0]
-
-
-def stall_disk(monkeypatch: pytest.MonkeyPatch, disk: Any, job: str, where: str) -> Stall:
-    """Stall ``disk``'s first worker of a ``job`` ("store" or "load"): ``before`` it touches
-    the buffer (the worker function itself), or ``while`` it does (its file I/O, after the
-    payload was planned: the buffer is taken, and, for a read through an aligned staging
-    block, is written once the I/O returns)."""
-    worker = "_write" if job == "store" else "_read_key_into"
-    if where == "before":
-        return Stall(monkeypatch, disk, worker, disk, worker)
-    io = "write_object" if job == "store" else "read_object"
-    return Stall(monkeypatch, disk.io, io, disk, worker)
 
 
 # -- a stalled file:// worker ------------------------------------------------------------------

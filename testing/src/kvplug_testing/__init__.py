@@ -24,7 +24,8 @@ exits; none depends on a service being already up.
 suite's ``ServerControl`` (``pause``, ``resume``, ``stop``, ``start``), so clause 10 runs against
 them.
 :mod:`kvplug_testing.tier_checks` holds what the Redis and Valkey tier tests share (it imports
-torch and kvplug, so it is imported by name only).
+torch and kvplug, so it is imported by name only); :mod:`kvplug_testing.stall` stalls a
+backend's worker thread for the engine integrations' boundary tests.
 
 In a test module::
 
