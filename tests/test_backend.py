@@ -744,3 +744,48 @@ def test_a_batched_put_that_stored_part_of_its_keys_says_which(allocator) -> Non
     assert [run(backend.contains(key(n))) for n in range(4)] == [True, True, False, False]
     for obj in objs:
         obj.release()
+
+
+class WritesOnItsHomeLoop(DictBytes):
+    """A loop-bound backend whose get_into writes the destination step by step on its loop."""
+
+    loop_bound = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended = threading.Event()
+
+    async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
+        try:
+            for step in range(200):
+                await asyncio.sleep(0.005)
+                dest.raw[step] = 1
+        finally:
+            self.ended.set()
+        return True
+
+
+def test_a_call_from_another_loop_cancelled_returns_once_the_home_loop_let_go(allocator) -> None:
+    backend = WritesOnItsHomeLoop(allocator=allocator)
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(backend.contains(key(0)), home).result(5)  # binds it
+
+        async def cancelled_read() -> tuple[bool, int]:
+            dest = MemoryObj.from_tensor(torch.zeros(4096, dtype=torch.uint8))
+            reading = asyncio.ensure_future(backend.get_into(key(1), dest))
+            await asyncio.sleep(0.05)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            return backend.ended.is_set(), dest.ref_count
+
+        ended, refs = asyncio.run(cancelled_read())
+        assert ended, "the call returned while its home loop was still writing the buffer"
+        assert refs == 1
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(5)
+        home.close()

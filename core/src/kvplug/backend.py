@@ -122,6 +122,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 logger = logging.getLogger(__name__)
+HOME_POLL_SECONDS = 0.001
+"""How often a cancelled call of a :attr:`~Backend.loop_bound` backend from another loop looks
+whether the operation has ended on the backend's own loop."""
 
 
 _memory_module: ModuleType | None = None
@@ -805,7 +808,31 @@ class Backend(abc.ABC):
                 "serve this one. Use a backend from the loop that first used it, or keep that "
                 "loop running (kvplug.sync.SyncClient does)."
             )
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, home))
+        ended = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await work
+            finally:
+                ended.set()
+
+        running = asyncio.run_coroutine_threadsafe(tracked(), home)
+        try:
+            return await asyncio.wrap_future(running)
+        except asyncio.CancelledError:
+            # The cancellation reaches the home loop's task later: the caller's objects are
+            # handed back only once that task has ended (a cancelled get_into or put there
+            # must not outlive the call), or once the home loop is gone.
+            running.cancel()
+            interrupted = None
+            while not ended.is_set() and not home.is_closed():
+                try:
+                    await asyncio.sleep(HOME_POLL_SECONDS)
+                except asyncio.CancelledError as again:
+                    interrupted = again
+            if interrupted is not None:
+                raise interrupted from None
+            raise
 
     async def open(self) -> None:
         """Connect or prepare (the ``_open`` hook), once; ``kvplug.open_backend`` calls it.

@@ -80,9 +80,11 @@ def test_audit_wraps_the_backend_after_the_double_colon() -> None:
     [
         (
             "cpu://?max_size=1MiB",
-            Capabilities(pin=True, zero_copy=True, remove=True, list_keys=True),
+            Capabilities(
+                pin=True, zero_copy=True, remove=True, list_keys=True, releases_on_cancel=True
+            ),
         ),
-        ("blackhole://", Capabilities(remove=True)),
+        ("blackhole://", Capabilities(remove=True, releases_on_cancel=True)),
     ],
 )
 def test_capabilities_are_exactly_the_inner_backends(

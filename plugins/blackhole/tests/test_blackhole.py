@@ -40,7 +40,7 @@ async def open_blackhole(url: str = "blackhole://") -> BlackholeBackend:
 def test_blackhole_is_served_through_its_entry_point() -> None:
     assert "blackhole" in kvplug.available_schemes()
     backend = run(open_blackhole())
-    assert backend.capabilities == Capabilities(remove=True)
+    assert backend.capabilities == Capabilities(remove=True, releases_on_cancel=True)
     run(backend.close())
 
 

@@ -93,7 +93,7 @@ def test_defaults_own_a_5gib_lazily_committed_allocator() -> None:
         assert isinstance(backend.allocator, FreeListAllocator)
         assert backend.allocator.capacity == 5 << 30
         assert backend.capabilities == Capabilities(
-            pin=True, zero_copy=True, remove=True, list_keys=True
+            pin=True, zero_copy=True, remove=True, list_keys=True, releases_on_cancel=True
         )
         await backend.close()
 

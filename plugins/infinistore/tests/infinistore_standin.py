@@ -69,7 +69,14 @@ class StandInServer:
         listener.listen(128)
         self.port = listener.getsockname()[1]
         self._listener = listener
-        self._accepting = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        # One name per port: a restart's thread replaces the stopped one's (the suite's leak
+        # check tells them apart by name).
+        self._accepting = threading.Thread(
+            target=self._accept,
+            args=(listener,),
+            name=f"infinistore-standin-{self.port}",
+            daemon=True,
+        )
         self._accepting.start()
 
     def _accept(self, listener: socket.socket) -> None:

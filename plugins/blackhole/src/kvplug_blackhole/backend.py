@@ -34,10 +34,11 @@ class BlackholeBackend(Backend):
     """Accepts every put and retains nothing; every read misses.
 
     It declares ``remove`` because ``remove`` works: it returns False, since nothing is ever
-    stored. Counters :attr:`puts`, :attr:`bytes_put` and :attr:`gets` show what reached it.
+    stored, and ``releases_on_cancel`` because it never reads or writes an object's memory.
+    Counters :attr:`puts`, :attr:`bytes_put` and :attr:`gets` show what reached it.
     """
 
-    capabilities = Capabilities(remove=True)
+    capabilities = Capabilities(remove=True, releases_on_cancel=True)
 
     def __init__(
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any

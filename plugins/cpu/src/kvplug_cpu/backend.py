@@ -115,7 +115,11 @@ class CpuBackend(Backend):
     :meth:`stats`.
     """
 
-    capabilities = Capabilities(pin=True, zero_copy=True, remove=True, list_keys=True)
+    # releases_on_cancel: no hook awaits, so an operation is cancelled before it starts or not
+    # at all, and a put of memory outside the tier's allocator stores a copy.
+    capabilities = Capabilities(
+        pin=True, zero_copy=True, remove=True, list_keys=True, releases_on_cancel=True
+    )
     runs_inline: ClassVar[bool] = True  # no hook awaits; the index has a thread lock
     Options: ClassVar[type[BackendOptions]] = CpuOptions
     # What the contract suite opens to fill the store (clauses 8, 9).

@@ -350,8 +350,15 @@ class InfiniStoreBackend(BytesBackend):
     """``infinistore://host:port``: see the module for how objects are stored and moved and
     :class:`InfiniStoreOptions` for the options."""
 
+    # releases_on_cancel over RDMA and TCP alike: InfiniStore's client (its threads, the RDMA
+    # transfers) only ever sees staging memory or a copy of this backend's own; the caller's
+    # memory is copied in or out on the event loop, while the operation is still running.
     capabilities = Capabilities(
-        remove=True, native_batching=True, shared_across_processes=True, persistent=False
+        remove=True,
+        native_batching=True,
+        shared_across_processes=True,
+        persistent=False,
+        releases_on_cancel=True,
     )
     loop_bound: ClassVar[bool] = True  # InfiniStore's RDMA calls belong to one event loop
     Options = InfiniStoreOptions
@@ -381,7 +388,9 @@ class InfiniStoreBackend(BytesBackend):
         self.rdma = self.options.connection_type == "rdma"
         if not self.rdma:
             # InfiniStore has no batched TCP calls: batches are loops of single-key requests.
-            self.capabilities = Capabilities(remove=True, shared_across_processes=True)
+            self.capabilities = Capabilities(
+                remove=True, shared_across_processes=True, releases_on_cancel=True
+            )
         self._factory = connection_factory or default_connection_factory
         self._session: _Session | None = None
         self._connecting: asyncio.Lock | None = None

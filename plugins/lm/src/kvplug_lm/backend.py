@@ -130,10 +130,17 @@ class LMOptions(BackendOptions):
         return value
 
 
+# releases_on_cancel in both modes: every byte moves on the event loop (sock_sendall,
+# sock_recv_into), whose socket futures stop at once when cancelled, and a request cut short
+# closes its connection before the cancellation ends (connection.Pool.lease).
 _EXTENDED_CAPABILITIES = Capabilities(
-    remove=True, list_keys=True, native_batching=True, shared_across_processes=True
+    remove=True,
+    list_keys=True,
+    native_batching=True,
+    shared_across_processes=True,
+    releases_on_cancel=True,
 )
-_PLAIN_CAPABILITIES = Capabilities(shared_across_processes=True)
+_PLAIN_CAPABILITIES = Capabilities(shared_across_processes=True, releases_on_cancel=True)
 
 
 class LMBackend(Backend):

@@ -117,6 +117,14 @@ class RedisBackend(BytesBackend):
 
     **Replicas.** With ``read_from_replicas`` (Sentinel, Cluster), gets and contains go to
     replicas, which lag the master: a get right after a put may miss. Off by default.
+
+    **Cancellation** (``releases_on_cancel``, in every mode): a cancelled ``get_into`` or put
+    has let go of the caller's memory when its cancellation ends. kvplug's own connections
+    abort the connection and detach the reply reader before the operation raises
+    (:mod:`kvplug_redis.direct`); the client library reads into memory of its own, copied into
+    the caller's only once a reply is complete, and gets copies of what it sends (a slice at a
+    time, :func:`~kvplug_redis.pipeline.send_sets`; a cluster's values are joined), since a
+    transport may keep what it was given after the put ended.
     """
 
     capabilities = Capabilities(
@@ -125,6 +133,7 @@ class RedisBackend(BytesBackend):
         native_batching=True,
         remove=True,
         list_keys=True,
+        releases_on_cancel=True,
     )
     Options: ClassVar[type[BackendOptions]] = RedisOptions
     options: RedisOptions

@@ -53,7 +53,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import Protocol, cast
 
 from kvplug.backend import Buffer
 from kvplug.errors import BackendError
@@ -198,8 +198,8 @@ class _ReplyReader(asyncio.BufferedProtocol):
     # -- asyncio's side ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport | _Link) -> None:
-        assert isinstance(transport, asyncio.Transport | _SocketLink)
-        self.transport = transport
+        # Not an isinstance check: uvloop's TLS transport is no asyncio.Transport subclass.
+        self.transport = cast("_Link", transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.lost is None:
@@ -539,7 +539,9 @@ class _Connection:
             await done
         except BaseException:
             self.abort()
-            if done.done() and not done.cancelled():
+            if not done.done():
+                done.cancel()  # nobody waits for the replies now (the send ended this)
+            elif not done.cancelled():
                 done.exception()  # the send's error is the one raised
             raise
 

@@ -2,9 +2,11 @@
 batches grouped by size, sends sliced, and batched direct reads spread over connections.
 
 The backend decides what to send (:mod:`kvplug_redis.backend`); this module decides how the
-bytes go on the wire. Nothing here copies a payload: a ``SET`` is packed as a RESP header, the
-frame's parts as memoryviews, and a tail, written with one ``writelines`` per slice, still as
-one command, so a reader never sees a header without its payload.
+bytes go on the wire. A ``SET`` is packed as a RESP header, the frame's parts as memoryviews,
+and a tail, without a copy; kvplug's own connections send those pieces as they are. Through the
+client library (TLS, ``direct_writes=false``) each slice of a few MiB is copied once before the
+library gets it, since a transport may keep what it is given past the end of the put. Either
+way it is one command, so a reader never sees a header without its payload.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ async def send_sets(
 ) -> None:
     """``count`` packed ``SET`` s (``pieces``, one pipeline) on a connection of ``client``'s
     pool, retried like the client's own commands (one quick retry of a broken connection); the
-    first error reply is raised once all replies are read."""
+    first error reply is raised once all replies are read. The connection gets copies of
+    ``pieces``, a slice at a time, so nothing reads them after this returns or raises."""
     pool = client.connection_pool
     # redis-py >= 5.3 warns when get_connection gets a command name; valkey-py needs one.
     conn = await (pool.get_connection("SET") if lib.name == "valkey-py" else pool.get_connection())
@@ -108,9 +111,13 @@ async def _send_on(
         # Why slices: asyncio (before Python 3.12) keeps what the socket did not take in one
         # bytearray and deletes each sent part from its front, so handing it a 32 MiB value at
         # once costs a memmove of the rest per send (0.3 GB/s); slices of a few MiB, each
-        # drained, keep that buffer small.
+        # drained, keep that buffer small. Why each slice is joined into bytes of its own: a
+        # transport may keep the buffers it is given until the socket takes them (Python 3.12
+        # and later, uvloop), also after a cancellation, when the client library closes the
+        # connection (which goes on sending) before anything here can abort it; the caller's
+        # memory must not be read once the put has ended (releases_on_cancel).
         for index, group in enumerate(slices(pieces, SEND_SLICE_BYTES)):
-            await conn.send_packed_command(group, check_health=index == 0)
+            await conn.send_packed_command([b"".join(group)], check_health=index == 0)
         for _ in range(count):
             try:
                 await conn.read_response()
@@ -119,9 +126,9 @@ async def _send_on(
         answered = True
     finally:
         if not answered:
-            # Why abort: drain() returns with up to the high-water mark still buffered, and
-            # since Python 3.12 the transport buffers our memoryviews without copying; a plain
-            # close would go on sending them after the caller released the payload.
+            # Why abort: drain() returns with up to the high-water mark still buffered; a plain
+            # close would go on sending it, and the server could then store the value of a put
+            # that failed.
             writer = getattr(conn, "_writer", None)
             if writer is not None:
                 writer.transport.abort()
