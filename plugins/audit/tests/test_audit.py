@@ -114,6 +114,8 @@ def test_a_wrapper_option_typo_is_caught() -> None:
     [
         ("fail_rate=1.5", "fail_rate"),
         ("fail_ops=get,gett", "Did you mean 'get'"),
+        ("delay_ops=batched_putt", "delay_ops names 'batched_putt'.*Did you mean 'batched_put'"),
+        ("delay=-1", "delay"),
         ("log_level=LOUD", "log_level"),
         ("verify=maybe", "verify"),
     ],
@@ -542,6 +544,40 @@ def test_remembered_checksums_stay_within_max_tracked_keys() -> None:
         assert await backend.get(key(399)) is None and backend.corrupt_objects == 1
         # ...and a forgotten one reads as an unverified hit, like keys put before the wrapper.
         assert await value_of(backend, 0) == 0
+        await backend.close()
+
+    run(main())
+
+
+def test_a_delay_slows_the_listed_operations_before_they_reach_the_inner_backend() -> None:
+    async def main() -> None:
+        backend = await open_audit("audit://?delay=0.3&delay_ops=get,put::cpu://?max_size=1MiB")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await backend.put(key(1), filled(1))
+        assert await value_of(backend, 1) == 1
+        assert loop.time() - started >= 0.6  # the put and the get, 0.3 s each
+        started = loop.time()
+        assert await backend.contains(key(1))
+        await backend.batched_put([key(2)], [filled(2)])  # not listed: not delayed
+        assert loop.time() - started < 0.25
+        await backend.close()
+
+    run(main())
+
+
+def test_an_operation_cancelled_during_its_delay_never_reaches_the_inner_backend() -> None:
+    async def main() -> None:
+        backend = await open_audit("audit://?delay=5::cpu://?max_size=1MiB")
+        source = filled(7)
+        putting = asyncio.ensure_future(backend.put(key(1), source))
+        await asyncio.sleep(0.05)
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        assert source.ref_count == 1
+        assert not await backend.inner.contains(key(1))
+        assert backend.stats() == {}
         await backend.close()
 
     run(main())

@@ -17,6 +17,11 @@ Options:
 * ``fail_ops``: the operations that may fail, a comma list of ``get``, ``put``, ``contains``,
   ``remove``, ``batched_get``, ``batched_put``, ``batched_contains`` (default: all).
 * ``seed``: seed of the fault generator, for reproducible runs.
+* ``delay`` (seconds, default 0): how long each operation of ``delay_ops`` waits before it
+  reaches the inner backend: a slow store, for deadline and engine-boundary tests. The wait is
+  cancellable, like any wait on a slow server.
+* ``delay_ops``: the operations that are delayed, a comma list like ``fail_ops`` (default: all).
+  A ``get_into`` is read through ``get`` and is delayed as ``get``.
 * ``log_level`` (default ``INFO``): level of the per-operation lines on logger
   ``kvplug.audit``.
 * ``max_tracked_keys`` (default 100000): how many keys' checksums are remembered. Beyond it the
@@ -48,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import itertools
 import logging
@@ -59,7 +65,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Wrapper
 from kvplug.errors import BackendUnavailable, ConfigError
@@ -95,27 +101,35 @@ class AuditOptions(BackendOptions):
         frozenset(FAULT_OPS), description="comma list of the operations that may fail"
     )
     seed: int | None = Field(None, description="seed of the fault generator")
+    delay: float = Field(
+        0.0, ge=0.0, description="seconds each operation of delay_ops waits before the inner one"
+    )
+    delay_ops: frozenset[str] = Field(
+        frozenset(FAULT_OPS), description="comma list of the operations that are delayed"
+    )
     log_level: str = Field("INFO", description="level of the per-operation log lines")
     max_tracked_keys: int = Field(
         100_000, ge=1, description="keys whose checksums are remembered (least recent dropped)"
     )
 
-    @field_validator("fail_ops", mode="before")
+    @field_validator("fail_ops", "delay_ops", mode="before")
     @classmethod
-    def _parse_fail_ops(cls, value: object) -> frozenset[str]:
+    def _parse_ops(cls, value: object, info: ValidationInfo) -> frozenset[str]:
         if isinstance(value, str):
             names = [name.strip() for name in value.split(",") if name.strip()]
         elif isinstance(value, Iterable):
             names = [str(name).strip() for name in value]
         else:
-            raise ConfigError(f"fail_ops must be a comma list such as 'get,put', got {value!r}.")
+            raise ConfigError(
+                f"{info.field_name} must be a comma list such as 'get,put', got {value!r}."
+            )
         for name in names:
             if name not in FAULT_OPS:
                 close = difflib.get_close_matches(name, FAULT_OPS, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"fail_ops names {name!r}, which is not an operation faults can be injected "
-                    f"into.{hint} Use a comma list of: {', '.join(FAULT_OPS)}."
+                    f"{info.field_name} names {name!r}, which is not an operation faults can be "
+                    f"injected into.{hint} Use a comma list of: {', '.join(FAULT_OPS)}."
                 )
         return frozenset(names)
 
@@ -224,9 +238,12 @@ class AuditBackend(Wrapper):
                 self._inner_text,
             )
 
-    def _maybe_fail(self, op: str, key: str, size: int, started: float) -> None:
+    async def _faults(self, op: str, key: str, size: int, started: float) -> None:
+        """Inject what the options ask for ``op``: a failure (``fail_rate``), else a delay."""
         rate = self.options.fail_rate
         if rate <= 0.0 or op not in self.options.fail_ops or self._rng.random() >= rate:
+            if self.options.delay and op in self.options.delay_ops:
+                await asyncio.sleep(self.options.delay)
             return
         self._record(op, key, size, started, "injected")
         raise BackendUnavailable(
@@ -248,7 +265,7 @@ class AuditBackend(Wrapper):
         result into ``(outcome, extra log text)``."""
         started = time.perf_counter()
         if inject:
-            self._maybe_fail(op, key, 0, started)
+            await self._faults(op, key, 0, started)
         try:
             result = await call()
         except BaseException as error:
@@ -374,7 +391,7 @@ class AuditBackend(Wrapper):
     async def _get(self, key: CacheKey) -> MemoryObj | None:
         text = key.to_string()
         started = time.perf_counter()
-        self._maybe_fail("get", text, 0, started)
+        await self._faults("get", text, 0, started)
         verify = self.options.verify
         since = self._begin_get(key) if verify else 0
         try:
@@ -397,7 +414,7 @@ class AuditBackend(Wrapper):
         text = key.to_string()
         size = obj.nbytes
         started = time.perf_counter()
-        self._maybe_fail("put", text, size, started)
+        await self._faults("put", text, size, started)
         checksum = _checksum(obj) if self.options.verify else None
         if checksum is not None:
             self._begin_put(key, checksum)
@@ -434,7 +451,7 @@ class AuditBackend(Wrapper):
     async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         text = _batch_text(keys)
         started = time.perf_counter()
-        self._maybe_fail("batched_get", text, 0, started)
+        await self._faults("batched_get", text, 0, started)
         verify = self.options.verify
         since = [self._begin_get(key) for key in keys] if verify else []
         try:
@@ -476,7 +493,7 @@ class AuditBackend(Wrapper):
         text = _batch_text(keys)
         size = sum(obj.nbytes for obj in objs)
         started = time.perf_counter()
-        self._maybe_fail("batched_put", text, size, started)
+        await self._faults("batched_put", text, size, started)
         sums = [_checksum(obj) for obj in objs] if self.options.verify else []
         for key, checksum in zip(keys, sums, strict=False):
             self._begin_put(key, checksum)
