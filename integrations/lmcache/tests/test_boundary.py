@@ -143,6 +143,41 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
+# -- the MP adapter: the audit wrapper's delay fault --------------------------------------------
+
+
+def test_tasks_the_audit_wrapper_delays_past_their_deadline_fail_in_time_and_stay_away(
+    tmp_path: Path, model: str
+) -> None:
+    disk = f"file://{tmp_path}/kv"
+    delay = 3 * TASK_TIMEOUT
+    slow = f"audit://?delay={delay}&delay_ops=batched_put,batched_get::{disk}"
+    stored, present = key(model, 1), key(model, 2)
+    plain = make_adapter({"url": disk, "task_timeout": TASK_TIMEOUT})
+    try:
+        assert Driver(plain).store([present], [l1_object(chunk(2))])
+    finally:
+        plain.close()
+    adapter = make_adapter({"url": slow, "task_timeout": TASK_TIMEOUT})
+    try:
+        driver = Driver(adapter)
+        buffer, out = chunk(1), torch.zeros_like(chunk(1))
+        original = buffer.clone()
+        took_store, ok = timed(lambda: driver.store([stored], [l1_object(buffer)]))
+        buffer.fill_(-2.5)  # reported done: L1 hands the buffers to other data
+        took_load, loaded = timed(lambda: driver.load([present], [l1_object(out)]))
+        out.fill_(-2.5)
+        rewritten = out.clone()
+        time.sleep(delay)  # past the delay: what a task still going on would do, it has done
+        assert not ok and loaded == [False]
+        assert took_store < TASK_TIMEOUT + MARGIN and took_load < TASK_TIMEOUT + MARGIN
+        assert torch.equal(out, rewritten), "a late read wrote into the freed buffer"
+    finally:
+        adapter.close()
+    got = read_back(disk, object_key_to_cache_key(stored))
+    assert got is None or torch.equal(got, as_bytes(original)), "the rewrite landed"
+
+
 # -- the MP adapter: a stalled file:// worker ---------------------------------------------------
 
 

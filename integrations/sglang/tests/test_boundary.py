@@ -248,6 +248,41 @@ def test_a_stalled_tier_behind_the_audit_wrapper_never_stores_a_rewrite_nor_writ
         assert torch.equal(page_bytes(pool, page * PAGE), sent)
 
 
+@pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
+def test_calls_the_audit_wrapper_delays_past_their_deadline_fail_in_time_and_stay_away(
+    layout: str,
+    mla: bool,
+    tmp_path: Path,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: OpenStorage,
+    page_bytes: PageBytes,
+) -> None:
+    """The audit wrapper's delay fault: a store that answers after the deadline."""
+    pool = make_host_pool(layout, mla=mla, page_size=PAGE)
+    disk = f"file://{tmp_path}/store"
+    delay = 3 * TASK_TIMEOUT
+    keys, present = keys_of(f"delayed-{layout}-{mla}", 2), keys_of(f"present-{layout}-{mla}", 2)
+    plain = open_storage(pool, extra(disk))
+    assert plain.batch_set_v1(present, slots(2, 3)) == [True, True]
+    slow = open_storage(
+        pool, extra(f"audit://?delay={delay}&delay_ops=batched_put,batched_get::{disk}")
+    )
+    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    took_set, stored = timed(lambda: slow.batch_set_v1(keys, slots(0, 1)))
+    rewrite(pool, 0, 1)  # SGLang reuses the pages of the failed backup
+    rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    took_get, loaded = timed(lambda: slow.batch_get_v1(present, slots(4, 5)))
+    rewrite(pool, 4, 5)  # and the pages of the failed prefetch
+    reused = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+    time.sleep(delay)  # past the delay: what a call still going on would do, it has done
+    assert stored == [False, False] and loaded == [False, False]
+    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
+    for page, later in zip((4, 5), reused, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert not pending_tasks(slow)
+    assert_original_or_missing(plain, pool, keys, original, rewritten, (6, 7), page_bytes)
+
+
 # -- a paused redis-server ---------------------------------------------------------------------
 
 

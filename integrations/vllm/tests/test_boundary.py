@@ -351,6 +351,33 @@ def test_a_shutdown_with_jobs_and_lookups_stuck_in_a_paused_redis_ends_within_th
         own_redis.resume()
 
 
+# -- the audit wrapper's delay fault -------------------------------------------------------------
+
+
+def test_jobs_the_audit_wrapper_delays_past_their_deadline_fail_in_time_and_stay_away(
+    start: Start, tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path}/kv"
+    delay = 3 * TASK_TIMEOUT
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    stored_earlier(start, url, keys[:1], data[:1])
+    slow = f"audit://?delay={delay}&delay_ops=batched_put,batched_get::{url}"
+    engine = start({"url": slow, "task_timeout": TASK_TIMEOUT})
+    jobs = Jobs(engine)
+    jobs.write(0, data[1])
+    jobs.write(1, BLANK)
+    storing, loading = jobs.store(keys[1:], [0]), jobs.load(keys[:1], [1])
+    jobs.failed_in_time(storing)
+    jobs.failed_in_time(loading)
+    jobs.write(0, REWRITE)  # vLLM reuses the rows of the failed jobs
+    jobs.write(1, REWRITE)
+    time.sleep(delay)  # past the delay: what a job still going on would do, it has done
+    assert jobs.row(1) == REWRITE, "a late read wrote the row"
+    engine.close()
+    assert Jobs(start({"url": url})).read(keys[1:], [2]) in ([data[1]], [None])
+
+
 # -- a stalled file:// worker -------------------------------------------------------------------
 
 
