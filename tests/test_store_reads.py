@@ -12,14 +12,12 @@ from typing import Any
 
 import torch
 from test_store import DictTier
+from test_store_runtime import CHUNK, MiB, chunk
 
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
 from kvplug.backend import Buffer
 from kvplug.config import Config
 from kvplug.store import Store, open_store
-
-MiB = 1 << 20
-CHUNK = (2, 4, 256, 256)  # fp16: 1 MiB
 
 
 def key(n: int) -> CacheKey:
@@ -31,13 +29,6 @@ def engine_buffer(value: float = 0.0) -> MemoryObj:
     return MemoryObj.from_tensor(torch.full(CHUNK, value, dtype=torch.float16))
 
 
-def filled(allocator: Any, value: float) -> MemoryObj:
-    obj = allocator.allocate(CHUNK, torch.float16)
-    assert obj is not None, "the test's allocator is full"
-    obj.tensor.fill_(value)
-    return obj
-
-
 async def cpu_over_disk(tmp_path: Path, **options: Any) -> Store:
     config = Config.from_dict(
         {"tiers": [{"url": "cpu://", "max_size": "8MiB"}, f"file://{tmp_path}/disk"]}
@@ -47,7 +38,7 @@ async def cpu_over_disk(tmp_path: Path, **options: Any) -> Store:
 
 async def on_disk_only(store: Store, n: int, value: float) -> None:
     """Store chunk ``n`` in the disk tier alone."""
-    obj = filled(store, value)
+    obj = chunk(store, value)
     await store.tiers[1].put(key(n), obj)
     obj.release()
 
@@ -80,7 +71,7 @@ def test_a_load_into_engine_memory_allocates_nothing_in_the_budget(tmp_path: Pat
     async def main() -> None:
         store = await cpu_over_disk(tmp_path, promote=False)
         await on_disk_only(store, 1, 3.0)
-        obj = filled(store, 4.0)
+        obj = chunk(store, 4.0)
         await store.put(key(2), obj)
         obj.release()
         await store.flush()
@@ -163,7 +154,7 @@ def test_promotions_in_flight_are_bounded_in_bytes() -> None:
         fast, slow = DictTier(allocator=allocator), RereadTier(allocator=allocator)
         store = Store(tiers=[fast, slow], allocator=allocator, write_behind_size=4 * MiB)
         for n in range(6):
-            obj = filled(allocator, float(n))
+            obj = chunk(allocator, float(n))
             await slow.put(key(n), obj)
             obj.release()
         for n in range(6):
@@ -203,7 +194,7 @@ def test_a_lower_tier_hit_does_not_wait_for_its_write_back_into_a_slow_first_tie
         allocator = FreeListAllocator(64 * MiB, pin=False)
         remote, disk = GatedPutTier(allocator=allocator), DictTier(allocator=allocator)
         store = Store(tiers=[remote, disk], allocator=allocator)
-        obj = filled(allocator, 2.0)
+        obj = chunk(allocator, 2.0)
         await disk.put(key(1), obj)
         obj.release()
         remote.put_gate = asyncio.Event()
@@ -226,12 +217,12 @@ def test_a_load_reads_the_newest_value_waiting_in_the_write_behind() -> None:
         allocator = FreeListAllocator(64 * MiB, pin=False)
         fast, slow = DictTier(allocator=allocator), GatedPutTier(allocator=allocator)
         store = Store(tiers=[fast, slow], allocator=allocator)
-        old = filled(allocator, 1.0)
+        old = chunk(allocator, 1.0)
         await store.put(key(1), old)
         await store.flush()
         await fast.remove(key(1))  # only the slow tier has the older value now
         slow.put_gate = asyncio.Event()
-        new = filled(allocator, 2.0)
+        new = chunk(allocator, 2.0)
         await store.put(key(1), new)
         await fast.remove(key(1))  # the newer value waits in the write-behind alone
         dest = engine_buffer()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from test_store import DictTier
+from test_store_runtime import MiB, chunk, value_of
 
 from kvplug import (
     BackendUnavailable,
@@ -28,28 +29,11 @@ from kvplug.config import Config
 from kvplug.store import STARVED_AFTER, Store, open_store
 from kvplug.sync import SyncClient
 
-MiB = 1 << 20
-CHUNK = (2, 4, 256, 256)  # fp16: 1 MiB
 BIG = (2, 32, 256, 1024)  # fp16: 32 MiB, the chunk
 
 
 def key(n: int) -> CacheKey:
     return CacheKey("write-behind-test", 1, 0, n)
-
-
-def filled(allocator: Any, value: float, shape: Sequence[int] = CHUNK) -> MemoryObj:
-    obj = allocator.allocate(shape, torch.float16)
-    assert obj is not None, "the test's allocator is full"
-    obj.tensor.fill_(value)
-    return obj
-
-
-def value_of(obj: MemoryObj | None) -> float | None:
-    if obj is None:
-        return None
-    values = obj.tensor.unique()
-    assert values.numel() == 1, f"a mixed object: {values}"
-    return float(values.item())
 
 
 class PersistentTier(DictTier):
@@ -106,7 +90,9 @@ def test_a_disk_tier_behind_a_small_cpu_tier_receives_every_chunk(tmp_path: Path
         store = await open_store(config)
         assert store.write_behind_limit == 16 * MiB
         for n in range(3):
-            obj = filled(store, float(n), BIG)
+            obj = store.allocate(BIG, torch.float16)
+            assert obj is not None
+            obj.tensor.fill_(float(n))
             await store.put(key(n), obj)
             obj.release()
             await store.flush()
@@ -130,7 +116,7 @@ def test_an_object_larger_than_the_limit_waits_for_an_empty_write_behind() -> No
         fast, slow = DictTier(allocator=allocator), GatedTier(allocator=allocator)
         store = Store(tiers=[fast, slow], allocator=allocator, write_behind_size=1 * MiB)
         slow.put_gate = asyncio.Event()
-        objs = [filled(allocator, float(n)) for n in range(2)]
+        objs = [chunk(allocator, float(n)) for n in range(2)]
         # The first 2 MiB object goes into the empty queue; the second finds it busy.
         assert await store.offer([key(0)], objs[:1]) == [True]
         assert await store.offer([key(1)], objs[1:]) == [True]
@@ -164,7 +150,7 @@ def test_a_tier_that_takes_no_put_is_warned_about_with_what_to_change(
         fast, tiny = DictTier(allocator=allocator), TinyTier(allocator=allocator)
         store = Store(tiers=[fast, tiny], allocator=allocator)
         for n in range(STARVED_AFTER + 2):
-            obj = filled(allocator, float(n))
+            obj = chunk(allocator, float(n))
             await store.put(key(n), obj)
             obj.release()
             await store.flush()
@@ -191,7 +177,7 @@ def test_a_busy_write_behind_that_sheds_puts_is_not_called_starvation(
         store = Store(tiers=[fast, slow], allocator=allocator, write_behind_size=2 * MiB)
         slow.put_gate = asyncio.Event()
         for n in range(4 * STARVED_AFTER):
-            obj = filled(allocator, float(n))
+            obj = chunk(allocator, float(n))
             await store.put(key(n), obj)
             obj.release()
         stats = store.stats()["tiers"][store.tier_names[1]]
@@ -212,7 +198,7 @@ def test_a_starved_tier_that_takes_a_put_again_is_no_longer_starved() -> None:
         store = Store(tiers=[fast, slow], allocator=allocator, backoff=0.01, max_backoff=0.01)
         slow.failing = True
         for n in range(STARVED_AFTER):
-            obj = filled(allocator, float(n))
+            obj = chunk(allocator, float(n))
             await store.put(key(n), obj)
             obj.release()
             await store.flush()
@@ -220,7 +206,7 @@ def test_a_starved_tier_that_takes_a_put_again_is_no_longer_starved() -> None:
         assert store.stats()["tiers"][store.tier_names[1]]["starved"] is True
         slow.failing = False
         await asyncio.sleep(0.02)
-        obj = filled(allocator, 9.0)
+        obj = chunk(allocator, 9.0)
         await store.put(key(9), obj)
         obj.release()
         await store.flush()
@@ -239,7 +225,7 @@ def test_a_lower_tier_that_kept_half_a_batch_keeps_that_half() -> None:
         allocator = FreeListAllocator(64 * MiB, pin=False)
         fast, partial = DictTier(allocator=allocator), PartialTier(allocator=allocator, room=2)
         store = Store(tiers=[fast, partial], allocator=allocator)
-        objs = [filled(allocator, float(n)) for n in range(4)]
+        objs = [chunk(allocator, float(n)) for n in range(4)]
         await store.batched_put([key(n) for n in range(4)], objs)
         await store.flush()
         assert sorted(partial.values) == sorted(str(key(n)) for n in range(2))
@@ -258,7 +244,7 @@ def test_a_first_tier_that_kept_half_a_batch_is_reported_per_key() -> None:
         allocator = FreeListAllocator(64 * MiB, pin=False)
         only = PartialTier(allocator=allocator, room=2)
         store = Store(tiers=[only], allocator=allocator)
-        objs = [filled(allocator, float(n)) for n in range(4)]
+        objs = [chunk(allocator, float(n)) for n in range(4)]
         assert await store.offer([key(n) for n in range(4)], objs) == [True, True, False, False]
         with pytest.raises(CapacityExceeded, match="2 of 4 puts were not accepted") as refused:
             await store.batched_put([key(n) for n in range(4, 8)], objs)
@@ -279,12 +265,12 @@ def test_an_overwrite_removes_the_older_value_below_before_it_returns() -> None:
         allocator = FreeListAllocator(64 * MiB, pin=False)
         fast, disk = DictTier(allocator=allocator), GatedTier(allocator=allocator)
         store = Store(tiers=[fast, disk], allocator=allocator)
-        old = filled(allocator, 1.0)
+        old = chunk(allocator, 1.0)
         await store.put(key(1), old)
         await store.flush()
         assert str(key(1)) in disk.values
         disk.put_gate = asyncio.Event()  # the newer value stays queued
-        new = filled(allocator, 2.0)
+        new = chunk(allocator, 2.0)
         await store.put(key(1), new)
         # Were the process killed now, the persistent tier would hold no older value.
         assert str(key(1)) not in disk.values
@@ -307,7 +293,7 @@ def test_an_overwrite_waits_for_the_older_value_being_written_then_removes_it() 
         fast, disk = DictTier(allocator=allocator), GatedTier(allocator=allocator)
         store = Store(tiers=[fast, disk], allocator=allocator)
         disk.put_gate = asyncio.Event()
-        old, new = filled(allocator, 1.0), filled(allocator, 2.0)
+        old, new = chunk(allocator, 1.0), chunk(allocator, 2.0)
         await store.put(key(1), old)
         while not disk.puts_started:  # the older value's write is in flight
             await asyncio.sleep(0.001)
@@ -335,7 +321,7 @@ def test_an_overwrite_with_a_failing_persistent_tier_is_not_accepted_but_served(
         fast, disk = DictTier(allocator=allocator), PersistentTier(allocator=allocator)
         store = Store(tiers=[fast, disk], allocator=allocator)
         disk.failing = True
-        new = filled(allocator, 2.0)
+        new = chunk(allocator, 2.0)
         with pytest.raises(BackendUnavailable, match="an older value may survive") as refused:
             await store.put(key(1), new)
         assert refused.value.stored == (False,)
@@ -363,7 +349,7 @@ def test_a_volatile_lower_tier_is_not_asked_to_remove_on_every_put() -> None:
 
         slow.remove_bytes = counting_remove  # type: ignore[method-assign]
         store = Store(tiers=[fast, slow], allocator=allocator)
-        obj = filled(allocator, 1.0)
+        obj = chunk(allocator, 1.0)
         for _ in range(3):
             await store.put(key(1), obj)
         await store.flush()

@@ -1121,6 +1121,15 @@ class Store(Backend):
         entry = self._pending.get(key)
         return entry is not None and (tier in entry.removals or tier in entry.busy)
 
+    def _to_ask(self, tier: _Tier, keys: Sequence[CacheKey], missing: list[int]) -> list[int]:
+        """The positions of ``missing`` keys to ask ``tier`` for: none while it backs off, and
+        none whose value there is older than one accepted since."""
+        if not self._available(tier):
+            return []
+        if not self._pending:
+            return missing
+        return [i for i in missing if not self._skipped(keys[i], tier.index)]
+
     def _has_room(self) -> bool:
         budget = self.budget
         if isinstance(budget, FreeListAllocator):
@@ -1199,10 +1208,8 @@ class Store(Backend):
             for tier in self._tiers:
                 if not missing:
                     break
-                asked = missing
-                if self._pending:
-                    asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
-                if not asked or not self._available(tier):
+                asked = self._to_ask(tier, keys, missing)
+                if not asked:
                     continue
                 got, short = await self._get_from(tier, [keys[i] for i in asked], deadline)
                 hits = 0
@@ -1294,10 +1301,8 @@ class Store(Backend):
             for tier in self._tiers:
                 if not missing:
                     break
-                asked = missing
-                if self._pending:
-                    asked = [i for i in missing if not self._skipped(keys[i], tier.index)]
-                if not asked or not self._available(tier):
+                asked = self._to_ask(tier, keys, missing)
+                if not asked:
                     continue
                 reading = tier.backend.batched_get_into(
                     [keys[i] for i in asked], [dests[i] for i in asked]
