@@ -383,7 +383,10 @@ class BatchedGetDropsMisses(RefBackend):
 
 
 class LeaksPutReference(RefBackend):
-    """Clause 5: put retains the object and never releases it."""
+    """Clause 5: put retains the object and never releases it (so it cannot claim
+    ``releases_on_cancel`` either: that clause would fail too, for the same leak)."""
+
+    capabilities = replace(RefBackend.capabilities, releases_on_cancel=False)
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         obj.retain()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvplug import (
+    Backend,
     BackendClosed,
     BackendTimeout,
     BackendUnavailable,
@@ -789,3 +790,36 @@ def test_a_call_from_another_loop_cancelled_returns_once_the_home_loop_let_go(al
         home.call_soon_threadsafe(home.stop)
         thread.join(5)
         home.close()
+
+
+class ReadsAtItsOwnPace(Backend):
+    """Gets that each allocate their object, one after another a few milliseconds apart."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        await asyncio.sleep(0.002 * (1 + key.chunk_hash % 8))
+        obj = self.allocator.allocate((64, 64), torch.float32)
+        assert obj is not None
+        return obj
+
+    async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
+        raise NotImplementedError
+
+    async def _contains(self, key: CacheKey) -> bool:
+        return True
+
+
+def test_a_cancelled_batched_get_leaves_none_of_what_it_read_allocated(allocator) -> None:
+    async def main() -> None:
+        backend = ReadsAtItsOwnPace("pace://", allocator=allocator)
+        keys = [key(n) for n in range(8)]
+        for delay in (0.003, 0.005, 0.009, 0.013):
+            reading = asyncio.ensure_future(backend.batched_get(keys))
+            await asyncio.sleep(delay)  # some reads have finished, others not
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                for obj in await reading:
+                    if obj is not None:
+                        obj.release()
+            assert allocator.stats().object_count == 0, f"cancelled after {delay} s"
+
+    run(main())

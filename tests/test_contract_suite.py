@@ -288,7 +288,7 @@ def test_report_header_names_the_plugin_its_distribution_and_capabilities(
         [
             "kvplug contract suite *: cpu://",
             "  cpu://: backend 'cpu' from kvplug-cpu *; schemes cpu; "
-            "capabilities pin, zero_copy, remove, list_keys",
+            "capabilities pin, zero_copy, remove, list_keys, releases_on_cancel",
         ]
     )
 
@@ -300,7 +300,8 @@ def test_report_header_names_backends_registered_at_runtime(run_suite: RunSuite)
             "kvplug contract suite *: audit::ref://?timeout=3",
             "  audit://: wrapper 'audit' from kvplug-audit *",
             "  ref://: backend 'ref' from <registered at runtime>*; schemes ref; capabilities "
-            "pin, persistent, shared_across_processes, native_batching, remove, list_keys",
+            "pin, persistent, shared_across_processes, native_batching, remove, list_keys, "
+            "releases_on_cancel",
         ]
     )
 

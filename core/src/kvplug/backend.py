@@ -208,6 +208,34 @@ async def gather_all(operations: Iterable[Awaitable[T]]) -> list[T]:
     return cast(list[T], results)
 
 
+async def _gather_reads(reads: Iterable[Awaitable[MemoryObj | None]]) -> list[MemoryObj | None]:
+    """The objects ``reads`` return, awaited concurrently, in order. When one fails, or the
+    caller is cancelled, nothing they read stays allocated: the reads still running are
+    cancelled and awaited, every object read is released, and the error (or cancellation) is
+    raised."""
+    tasks = [asyncio.ensure_future(read) for read in reads]
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError as first:
+        # gather cancelled the reads; some may have finished first, holding an object each.
+        last = first
+        while not all(task.done() for task in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError as again:
+                last = again
+        _release_objects(
+            task.result() for task in tasks if not task.cancelled() and task.exception() is None
+        )
+        raise last from None
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    objs = [r for r in results if not isinstance(r, BaseException)]
+    if error is not None:
+        _release_objects(objs)
+        raise error
+    return objs
+
+
 async def _put_each(
     backend: Backend, keys: Sequence[object], puts: Iterable[Awaitable[None]]
 ) -> None:
@@ -1154,14 +1182,9 @@ class Backend(abc.ABC):
         return fill_into([await self._get(key)], [dest])[0]
 
     async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        """``_get`` of each key, concurrently; every object read is released if one fails."""
-        results = await asyncio.gather(*(self._get(k) for k in keys), return_exceptions=True)
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        objs = [r for r in results if not isinstance(r, BaseException)]
-        if error is not None:
-            _release_objects(objs)
-            raise error
-        return objs
+        """``_get`` of each key, concurrently; every object read is released if one fails or
+        the call is cancelled."""
+        return await _gather_reads(self._get(k) for k in keys)
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``_put`` of each pair, concurrently; once all have finished, the first error, which
