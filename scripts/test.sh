@@ -43,8 +43,9 @@ echo "== mypy"
 "$VENV/bin/mypy"
 echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here too. The Mooncake tests run
-# in the next step, in a network namespace of their own.
-"$PY" -m pytest -p no:cacheprovider --ignore=plugins/mooncake/tests "$@"
+# in the next step, in a network namespace of their own. --durations lists the slowest tests in
+# CI's log.
+"$PY" -m pytest -p no:cacheprovider --durations=30 --ignore=plugins/mooncake/tests "$@"
 
 echo "== kvplug-mooncake against a real mooncake_master, in a network namespace of its own"
 # Mooncake's master and clients bind all interfaces: scripts/isolated.sh gives them a network
