@@ -56,7 +56,7 @@ from kvplug.store import Store, store_url
 from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key, object_key_to_cache_key
 from kvplug_testing import RedisServer
-from kvplug_testing.stall import stall_disk
+from kvplug_testing.stall import no_thread_left_behind, stall_disk
 
 TASK_TIMEOUT = 1.0
 MARGIN = 0.75
@@ -72,15 +72,11 @@ PATHS = {"lent": "file", "copied": UNDECLARED}
 
 
 @pytest.fixture(autouse=True)
-def no_thread_left_behind() -> Iterator[None]:
+def no_thread_left() -> Iterator[None]:
     """Every thread a test starts (IO threads, file I/O workers) has ended once the adapter
     or connector it opened is closed."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 5
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+    with no_thread_left_behind():
+        yield
 
 
 @pytest.fixture(params=list(PATHS))

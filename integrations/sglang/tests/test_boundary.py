@@ -11,7 +11,6 @@ later read of the key returns the bytes SGLang handed over, or a miss, never the
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from kvplug.memory import MemoryObj
 from kvplug.registry import reset_registry
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer
-from kvplug_testing.stall import Stall, stall_disk
+from kvplug_testing.stall import Stall, no_thread_left_behind, stall_disk
 
 PAGE = 16
 TASK_TIMEOUT = 1.0
@@ -71,16 +70,38 @@ def keys_of(name: str, count: int) -> list[str]:
     return [f"{i:02x}{name.encode().hex()}" for i in range(count)]
 
 
-def rewrite(pool: HostKVCache, *pages: int) -> None:
-    """SGLang reuses host pages: new bytes in each."""
+LATE_READ = "a late read wrote the page"
+
+
+def pages_of(pool: HostKVCache, page_bytes: PageBytes, *pages: int) -> list[torch.Tensor]:
+    """The bytes of whole host pages."""
+    return [page_bytes(pool, page * PAGE) for page in pages]
+
+
+def assert_pages(
+    pool: HostKVCache,
+    page_bytes: PageBytes,
+    pages: tuple[int, ...],
+    expected: list[torch.Tensor],
+    why: str = "",
+) -> None:
+    for page, want in zip(pages, expected, strict=True):
+        assert torch.equal(page_bytes(pool, page * PAGE), want), why
+
+
+def rewrite(pool: HostKVCache, page_bytes: PageBytes, *pages: int) -> list[torch.Tensor]:
+    """SGLang reuses host pages: new bytes in each; the new bytes."""
     for page in pages:
         pool.get_data_page(page * PAGE, flat=False).fill_(-3.5 - page)
+    return pages_of(pool, page_bytes, *pages)
 
 
-def timed(call: Callable[[], list[bool]]) -> tuple[float, list[bool]]:
+def fails_in_time(call: Callable[[], list[bool]]) -> None:
+    """``call``, a store or load of two pages, reports both failed within the deadline."""
     started = time.monotonic()
-    result = call()
-    return time.monotonic() - started, result
+    assert call() == [False, False]
+    took = time.monotonic() - started
+    assert took < TASK_TIMEOUT + MARGIN, f"failure reported after {took:.2f} s"
 
 
 def assert_original_or_missing(
@@ -104,15 +125,11 @@ def assert_original_or_missing(
 
 
 @pytest.fixture(autouse=True)
-def no_thread_left_behind() -> Iterator[None]:
+def no_thread_left() -> Iterator[None]:
     """Every thread a test starts (kvplug's IO threads, file I/O workers) has ended once the
     storages it opened are closed."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 5
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+    with no_thread_left_behind():
+        yield
 
 
 def pending_tasks(storage: KvplugHiCacheStorage) -> list[asyncio.Task[Any]]:
@@ -149,15 +166,12 @@ def test_a_store_stalled_in_a_file_worker_fails_in_time_and_a_rewrite_never_land
     pool = make_host_pool(layout, mla=mla, page_size=PAGE)
     storage = open_storage(pool, extra(f"file://{tmp_path}/store?o_direct=false"))
     keys = keys_of(f"stalled-store-{layout}-{mla}-{where}", 2)
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    original = pages_of(pool, page_bytes, 0, 1)
     stall = stall_disk(monkeypatch, file_tier(storage), "store", where)
     try:
-        took, stored = timed(lambda: storage.batch_set_v1(keys, slots(0, 1)))
+        fails_in_time(lambda: storage.batch_set_v1(keys, slots(0, 1)))
         assert stall.reached.is_set()
-        assert stored == [False, False]
-        assert took < TASK_TIMEOUT + MARGIN
-        rewrite(pool, 0, 1)
-        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+        rewritten = rewrite(pool, page_bytes, 0, 1)
     finally:
         stall.release()
     assert not pending_tasks(storage)
@@ -181,23 +195,18 @@ def test_a_load_stalled_in_a_file_worker_fails_in_time_and_never_writes_the_page
     storage = open_storage(pool, extra(f"file://{tmp_path}/store"))  # O_DIRECT: staged reads
     keys = keys_of(f"stalled-load-{layout}-{mla}-{where}", 2)
     assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    original = pages_of(pool, page_bytes, 0, 1)
     stall = stall_disk(monkeypatch, file_tier(storage), "load", where)
     try:
-        took, loaded = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+        fails_in_time(lambda: storage.batch_get_v1(keys, slots(4, 5)))
         assert stall.reached.is_set()
-        assert loaded == [False, False]
-        assert took < TASK_TIMEOUT + MARGIN
-        rewrite(pool, 4, 5)  # SGLang frees the pages and reuses them
-        rewritten = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+        rewritten = rewrite(pool, page_bytes, 4, 5)  # SGLang frees the pages and reuses them
     finally:
         stall.release()
     assert not pending_tasks(storage)
-    for page, later in zip((4, 5), rewritten, strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert_pages(pool, page_bytes, (4, 5), rewritten, LATE_READ)
     assert storage.batch_get_v1(keys, slots(6, 7)) == [True, True]
-    for page, sent in zip((6, 7), original, strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+    assert_pages(pool, page_bytes, (6, 7), original)
 
 
 @pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
@@ -219,14 +228,12 @@ def test_a_stalled_tier_behind_the_audit_wrapper_never_stores_a_rewrite_nor_writ
     )
     disk = file_tier(storage)
     keys = keys_of(f"audited-{layout}-{mla}", 2)
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    original = pages_of(pool, page_bytes, 0, 1)
     stall = stall_disk(monkeypatch, disk, "store", "before")
     try:
-        took, stored = timed(lambda: storage.batch_set_v1(keys, slots(0, 1)))
+        fails_in_time(lambda: storage.batch_set_v1(keys, slots(0, 1)))
         assert stall.reached.is_set()
-        assert stored == [False, False] and took < TASK_TIMEOUT + MARGIN
-        rewrite(pool, 0, 1)
-        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+        rewritten = rewrite(pool, page_bytes, 0, 1)
     finally:
         stall.release()
     monkeypatch.undo()
@@ -234,18 +241,14 @@ def test_a_stalled_tier_behind_the_audit_wrapper_never_stores_a_rewrite_nor_writ
     assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]  # the rewritten pages
     stall = Stall(monkeypatch, disk, "_read_key", disk, "_read_key")  # audit reads whole objects
     try:
-        took, loaded = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+        fails_in_time(lambda: storage.batch_get_v1(keys, slots(4, 5)))
         assert stall.reached.is_set()
-        assert loaded == [False, False] and took < TASK_TIMEOUT + MARGIN
-        rewrite(pool, 4, 5)
-        reused = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+        reused = rewrite(pool, page_bytes, 4, 5)
     finally:
         stall.release()
-    for page, later in zip((4, 5), reused, strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert_pages(pool, page_bytes, (4, 5), reused, LATE_READ)
     assert storage.batch_get_v1(keys, slots(6, 7)) == [True, True]
-    for page, sent in zip((6, 7), rewritten, strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+    assert_pages(pool, page_bytes, (6, 7), rewritten)
 
 
 @pytest.mark.parametrize(("layout", "mla"), POOLS, ids=POOL_IDS)
@@ -267,18 +270,13 @@ def test_calls_the_audit_wrapper_delays_past_their_deadline_fail_in_time_and_sta
     slow = open_storage(
         pool, extra(f"audit://?delay={delay}&delay_ops=batched_put,batched_get::{disk}")
     )
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
-    took_set, stored = timed(lambda: slow.batch_set_v1(keys, slots(0, 1)))
-    rewrite(pool, 0, 1)  # SGLang reuses the pages of the failed backup
-    rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
-    took_get, loaded = timed(lambda: slow.batch_get_v1(present, slots(4, 5)))
-    rewrite(pool, 4, 5)  # and the pages of the failed prefetch
-    reused = [page_bytes(pool, p * PAGE) for p in (4, 5)]
+    original = pages_of(pool, page_bytes, 0, 1)
+    fails_in_time(lambda: slow.batch_set_v1(keys, slots(0, 1)))
+    rewritten = rewrite(pool, page_bytes, 0, 1)  # SGLang reuses the pages of the failed backup
+    fails_in_time(lambda: slow.batch_get_v1(present, slots(4, 5)))
+    reused = rewrite(pool, page_bytes, 4, 5)  # and the pages of the failed prefetch
     time.sleep(delay)  # past the delay: what a call still going on would do, it has done
-    assert stored == [False, False] and loaded == [False, False]
-    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
-    for page, later in zip((4, 5), reused, strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert_pages(pool, page_bytes, (4, 5), reused, LATE_READ)
     assert not pending_tasks(slow)
     assert_original_or_missing(plain, pool, keys, original, rewritten, (6, 7), page_bytes)
 
@@ -300,25 +298,20 @@ def test_a_paused_redis_fails_stores_and_loads_in_time_and_serves_only_what_was_
     storage = open_storage(pool, extra(redis_server.url, options={"timeout": 30}))
     stored, handed = keys_of(f"redis-{layout}-{mla}", 2), keys_of(f"paused-{layout}-{mla}", 2)
     assert storage.batch_set_v1(stored, slots(0, 1)) == [True, True]
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1, 2, 3)]
+    original = pages_of(pool, page_bytes, 0, 1, 2, 3)
     redis_server.pause()
     try:
-        took_set, set_pages = timed(lambda: storage.batch_set_v1(handed, slots(2, 3)))
-        took_get, got_pages = timed(lambda: storage.batch_get_v1(stored, slots(4, 5)))
-        rewrite(pool, 2, 3, 4, 5)
-        rewritten = [page_bytes(pool, p * PAGE) for p in (2, 3, 4, 5)]
+        fails_in_time(lambda: storage.batch_set_v1(handed, slots(2, 3)))
+        fails_in_time(lambda: storage.batch_get_v1(stored, slots(4, 5)))
+        rewritten = rewrite(pool, page_bytes, 2, 3, 4, 5)
     finally:
         redis_server.resume()
-    assert set_pages == [False, False] and got_pages == [False, False]
-    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
     assert_original_or_missing(
         storage, pool, handed, original[2:], rewritten[:2], (6, 7), page_bytes
     )
     assert storage.batch_get_v1(stored, slots(8, 9)) == [True, True]
-    for page, sent in zip((8, 9), original[:2], strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), sent)
-    for page, later in zip((4, 5), rewritten[2:], strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert_pages(pool, page_bytes, (8, 9), original[:2])
+    assert_pages(pool, page_bytes, (4, 5), rewritten[2:], LATE_READ)
 
 
 # -- wrappers and tiers ------------------------------------------------------------------------
@@ -342,12 +335,12 @@ def test_audit_over_a_tiers_config_is_seen_through_and_a_page_reused_after_the_s
     pool = make_host_pool(layout, mla=mla, page_size=PAGE)
     storage = open_storage(pool, extra(f"audit::store://{tiers}"))
     keys = keys_of(f"tiers-{layout}-{mla}", 2)
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+    original = pages_of(pool, page_bytes, 0, 1)
     stall = stall_disk(monkeypatch, file_tier(storage), "store", "before")
     try:
         assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
-        rewrite(pool, 0, 1)  # SGLang reuses the pages once the backup is reported
-        rewritten = [page_bytes(pool, p * PAGE) for p in (0, 1)]
+        # SGLang reuses the pages once the backup is reported.
+        rewritten = rewrite(pool, page_bytes, 0, 1)
         assert stall.reached.wait(10), "the Store never wrote its file tier"
     finally:
         stall.release()
@@ -463,24 +456,19 @@ def test_a_held_job_fails_in_time_and_nothing_of_it_lands_later_lent_or_copied(
     assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
     lent = layout != "layer_first" and scheme == "held"  # page-major pages, a lending backend
     assert all(in_pool(pool, address) == lent for address in backend.put_addresses)
-    original = [page_bytes(pool, p * PAGE) for p in (0, 1, 2, 3)]
+    original = pages_of(pool, page_bytes, 0, 1, 2, 3)
 
     backend.hold = 3 * TASK_TIMEOUT
-    took_set, set_pages = timed(lambda: storage.batch_set_v1(late, slots(2, 3)))
-    took_get, got_pages = timed(lambda: storage.batch_get_v1(keys, slots(4, 5)))
-    rewrite(pool, 2, 3, 4, 5)
-    rewritten = [page_bytes(pool, p * PAGE) for p in (2, 3, 4, 5)]
-    assert set_pages == [False, False] and got_pages == [False, False]
-    assert took_set < TASK_TIMEOUT + MARGIN and took_get < TASK_TIMEOUT + MARGIN
+    fails_in_time(lambda: storage.batch_set_v1(late, slots(2, 3)))
+    fails_in_time(lambda: storage.batch_get_v1(keys, slots(4, 5)))
+    rewritten = rewrite(pool, page_bytes, 2, 3, 4, 5)
     assert not pending_tasks(storage)  # the held operations ended with the calls
     time.sleep(0.2)  # what a job still going on would write by now
-    for page, later in zip((4, 5), rewritten[2:], strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), later), "a late read wrote the page"
+    assert_pages(pool, page_bytes, (4, 5), rewritten[2:], LATE_READ)
     backend.hold = 0
     assert_original_or_missing(storage, pool, late, original[2:], rewritten[:2], (6, 7), page_bytes)
     assert storage.batch_get_v1(keys, slots(8, 9)) == [True, True]
-    for page, sent in zip((8, 9), original[:2], strict=True):
-        assert torch.equal(page_bytes(pool, page * PAGE), sent)
+    assert_pages(pool, page_bytes, (8, 9), original[:2])
 
 
 @pytest.mark.parametrize("scheme", ["held", "held-copied"])
