@@ -36,8 +36,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 import kvplug_vllm.tier
 from kvplug import Backend, BackendSpec, CacheKey, KvplugError, MemoryObj, register_backend
 from kvplug.backend import Wrapper
+from kvplug.integration import tiers_of
 from kvplug_disk import DiskBackend
 from kvplug_testing import RedisServer
+from kvplug_testing.stall import stall_disk
 from kvplug_vllm import KvplugTier
 from kvplug_vllm.testing import ROW_BYTES, Engine, chunk_keys, payloads
 
@@ -195,70 +197,11 @@ class Jobs:
         return [self.row(row) if key in hits else None for key, row in zip(keys, rows, strict=True)]
 
 
-class Stall:
-    """Makes a worker-thread function of a disk backend wait for :meth:`release` at its first
-    call (for ``key_text``, where given); ``done`` is set once that call returned."""
-
-    def __init__(self, key_text: str | None = None) -> None:
-        self.key_text = key_text
-        self.entered = threading.Event()
-        self.done = threading.Event()
-        self._gate = threading.Event()
-        self._armed = threading.Lock()
-
-    def _mine(self, args: tuple[Any, ...]) -> bool:
-        texts = [arg.to_string() if isinstance(arg, CacheKey) else arg for arg in args]
-        if self.key_text is not None and self.key_text not in texts:
-            return False
-        return self._armed.acquire(blocking=False)
-
-    def before(self, work: Callable[..., Any]) -> Callable[..., Any]:
-        """``work``, waiting before it starts."""
-
-        def stalled(*args: Any, **kwargs: Any) -> Any:
-            if not self._mine(args):
-                return work(*args, **kwargs)
-            self.entered.set()
-            try:
-                self._gate.wait(STALL)
-                return work(*args, **kwargs)
-            finally:
-                self.done.set()
-
-        return stalled
-
-    def after(self, work: Callable[..., Any]) -> Callable[..., Any]:
-        """``work``, waiting once it has done its part, before it returns."""
-
-        def stalled(*args: Any, **kwargs: Any) -> Any:
-            if not self._mine(args):
-                return work(*args, **kwargs)
-            try:
-                result = work(*args, **kwargs)
-                self.entered.set()
-                self._gate.wait(STALL)
-                return result
-            finally:
-                self.done.set()
-
-        return stalled
-
-    def release(self) -> None:
-        """Let the stalled call go on and wait until it returned."""
-        self._gate.set()
-        if self.entered.is_set():
-            assert self.done.wait(STALL), "the stalled worker did not finish"
-
-
 def disk_of(tier: KvplugTier) -> DiskBackend:
     """The ``file://`` backend under the tier: the tier's own, or inside wrappers and Stores."""
-    todo: list[object] = [tier._client.backend]
-    while todo:
-        backend = todo.pop()
-        if isinstance(backend, DiskBackend):
-            return backend
-        todo += [getattr(backend, "inner", None), *getattr(backend, "tiers", ())]
-    raise AssertionError(f"no file:// backend under {tier}")
+    disks = [b for b in tiers_of(tier._client.backend) if isinstance(b, DiskBackend)]
+    assert len(disks) == 1, f"not one file:// backend under {tier}: {disks}"
+    return disks[0]
 
 
 def stalling(start: Start, url: str, **tier: Any) -> Engine:
@@ -276,10 +219,6 @@ def stored_earlier(start: Start, url: str, keys: list[OffloadKey], data: list[by
     writer.offload(keys, data)
     writer.settle()
     writer.close()
-
-
-def key_text(tier: KvplugTier, key: OffloadKey) -> str:
-    return tier._keys([key])[0].to_string()
 
 
 # -- a paused redis-server ----------------------------------------------------------------------
@@ -384,7 +323,7 @@ def test_jobs_the_audit_wrapper_delays_past_their_deadline_fail_in_time_and_stay
 @WRAPS
 @pytest.mark.parametrize("where", ["before", "while"])
 def test_a_load_whose_disk_worker_stalls_is_reported_failed_and_never_writes_the_row_late(
-    start: Start, tmp_path: Path, where: str, wrap: str
+    start: Start, tmp_path: Path, where: str, wrap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(1)
@@ -392,16 +331,11 @@ def test_a_load_whose_disk_worker_stalls_is_reported_failed_and_never_writes_the
     stored_earlier(start, url, keys, data)
     engine = stalling(start, wrap + url)
     jobs = Jobs(engine)
-    disk = disk_of(engine.tier)
-    stall = Stall(key_text(engine.tier, keys[0]))
-    if where == "before":
-        disk._read_key_into = stall.before(disk._read_key_into)  # type: ignore[method-assign]
-    else:  # the payload is read and checked; what follows waits
-        disk._verify = stall.after(disk._verify)  # type: ignore[method-assign]
+    stall = stall_disk(monkeypatch, disk_of(engine.tier), "load", where)
     try:
         jobs.write(3, BLANK)
         loading = jobs.load(keys, [3])
-        assert stall.entered.wait(TASK_TIMEOUT + LATE)
+        assert stall.reached.wait(TASK_TIMEOUT + LATE)
         jobs.failed_in_time(loading)
         jobs.write(3, REWRITE)
     finally:
@@ -413,24 +347,18 @@ def test_a_load_whose_disk_worker_stalls_is_reported_failed_and_never_writes_the
 @WRAPS
 @pytest.mark.parametrize("where", ["before", "while"])
 def test_a_store_whose_disk_worker_stalls_is_reported_failed_and_never_persists_the_rewrite(
-    start: Start, tmp_path: Path, where: str, wrap: str
+    start: Start, tmp_path: Path, where: str, wrap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(1)
     data = payloads(1, ROW_BYTES)
     engine = stalling(start, wrap + url)
     jobs = Jobs(engine)
-    disk = disk_of(engine.tier)
-    if where == "before":
-        stall = Stall(key_text(engine.tier, keys[0]))
-        disk._write = stall.before(disk._write)  # type: ignore[method-assign]
-    else:  # the payload is being hashed; its write waits
-        stall = Stall()
-        disk.io.write_object = stall.before(disk.io.write_object)  # type: ignore[method-assign]
+    stall = stall_disk(monkeypatch, disk_of(engine.tier), "store", where)
     try:
         jobs.write(0, data[0])
         storing = jobs.store(keys, [0])
-        assert stall.entered.wait(TASK_TIMEOUT + LATE)
+        assert stall.reached.wait(TASK_TIMEOUT + LATE)
         jobs.failed_in_time(storing)
         jobs.write(0, REWRITE)
     finally:
@@ -442,20 +370,18 @@ def test_a_store_whose_disk_worker_stalls_is_reported_failed_and_never_persists_
 
 @WRAPS
 def test_a_shutdown_with_a_disk_worker_stalled_on_a_load_ends_within_the_deadline(
-    start: Start, tmp_path: Path, wrap: str
+    start: Start, tmp_path: Path, wrap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"file://{tmp_path}/kv"
     keys = chunk_keys(1)
     stored_earlier(start, url, keys, payloads(1, ROW_BYTES))
     engine = stalling(start, wrap + url, options={"timeout": 1})
     jobs = Jobs(engine)
-    disk = disk_of(engine.tier)
-    stall = Stall(key_text(engine.tier, keys[0]))
-    disk._read_key_into = stall.before(disk._read_key_into)  # type: ignore[method-assign]
+    stall = stall_disk(monkeypatch, disk_of(engine.tier), "load", "before")
     closing = threading.Thread(target=engine.close, name="test-shutdown")
     try:
         jobs.load(keys, [1])
-        assert stall.entered.wait(TASK_TIMEOUT + LATE)
+        assert stall.reached.wait(TASK_TIMEOUT + LATE)
         started = time.monotonic()
         closing.start()
         closing.join(TASK_TIMEOUT + LATE)
@@ -471,7 +397,11 @@ def test_a_shutdown_with_a_disk_worker_stalled_on_a_load_ends_within_the_deadlin
 
 @pytest.mark.parametrize("upper", ["cpu", "redis"])
 def test_a_wrapped_multi_tier_store_gets_a_copy_so_a_late_write_behind_persists_the_original(
-    start: Start, tmp_path: Path, upper: str, request: pytest.FixtureRequest
+    start: Start,
+    tmp_path: Path,
+    upper: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first = (
         "cpu://?max_size=64MiB"
@@ -485,9 +415,7 @@ def test_a_wrapped_multi_tier_store_gets_a_copy_so_a_late_write_behind_persists_
     data = payloads(2, ROW_BYTES)
     engine = start({"url": f"audit::store://{config}", "task_timeout": TASK_TIMEOUT})
     jobs = Jobs(engine)
-    stall = Stall(key_text(engine.tier, keys[0]))
-    disk = disk_of(engine.tier)
-    disk._write = stall.before(disk._write)  # type: ignore[method-assign]
+    stall = stall_disk(monkeypatch, disk_of(engine.tier), "store", "before")
     try:
         jobs.write(0, data[0])
         jobs.write(1, data[1])
@@ -495,7 +423,7 @@ def test_a_wrapped_multi_tier_store_gets_a_copy_so_a_late_write_behind_persists_
         assert result.success and took < TASK_TIMEOUT + LATE
         jobs.write(0, REWRITE)
         jobs.write(1, REWRITE)
-        assert stall.entered.wait(TASK_TIMEOUT + LATE)  # the write-behind, still to come
+        assert stall.reached.wait(TASK_TIMEOUT + LATE)  # the write-behind, still to come
     finally:
         stall.release()
     assert jobs.read(keys, [2, 3]) == data
