@@ -60,6 +60,16 @@ def value_of(obj: MemoryObj | None) -> float | None:
     return float(values.item())
 
 
+async def value_read(backend: Backend, k: CacheKey) -> float | None:
+    """The value ``backend`` holds under ``k`` (None for a miss); the object read is released."""
+    got = await backend.get(k)
+    try:
+        return value_of(got)
+    finally:
+        if got is not None:
+            got.release()
+
+
 class CountingTier(DictTier):
     """A dict tier that records every batched call it receives (the keys, in order), and whose
     writes can be held (``put_gate``) or refused."""
@@ -451,10 +461,7 @@ def test_a_first_tier_that_refuses_a_newer_value_drops_its_older_one() -> None:
         await store.put(key(1), new)  # accepted: queued for the lower tier
         new.release()
         for _ in range(2):
-            got = await store.get(key(1))
-            assert value_of(got) == 2.0
-            assert got is not None
-            got.release()
+            assert await value_read(store, key(1)) == 2.0
             await store.flush()
         assert str(key(1)) not in fast.values
         await store.close()
@@ -483,15 +490,11 @@ def test_a_store_opens_by_url_is_wrapped_by_audit_and_nests_as_a_tier(tmp_path: 
         obj.tensor.fill_(6.0)
         await audited.put(key(1), obj)
         obj.release()
-        got = await audited.get(key(1))
-        assert value_of(got) == 6.0 and got is not None
-        got.release()
+        assert await value_read(audited, key(1)) == 6.0
         assert audited.stats()["get"] == {"hit": 1}  # type: ignore[attr-defined]
         await audited.close()
         outer = await open_store(Config.from_dict({"tiers": [f"store://{inner}"]}))
-        got = await outer.get(key(1))  # the inner store's disk tier kept it
-        assert value_of(got) == 6.0 and got is not None
-        got.release()
+        assert await value_read(outer, key(1)) == 6.0  # the inner store's disk tier kept it
         await outer.close()
 
     asyncio.run(main())
@@ -717,9 +720,7 @@ def test_a_write_back_never_revives_a_key_removed_while_it_ran() -> None:
         old = small(tiers[2].allocator, 1.0)
         await tiers[2].put(key(1), old)
         old.release()
-        got = await store.get(key(1))
-        assert value_of(got) == 1.0 and got is not None
-        got.release()
+        assert await value_read(store, key(1)) == 1.0
         assert await removal[0] is True
         assert await store.get(key(1)) is None
         await store.flush(5)

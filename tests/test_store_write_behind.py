@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from test_store import DictTier
-from test_store_runtime import MiB, chunk, value_of
+from test_store_runtime import MiB, chunk, value_of, value_read
 
 from kvplug import (
     BackendUnavailable,
@@ -101,10 +101,7 @@ def test_a_disk_tier_behind_a_small_cpu_tier_receives_every_chunk(tmp_path: Path
         stats = store.stats()["tiers"][store.tier_names[1]]
         assert stats["dropped_puts"] == 0
         assert stats["offered_puts"] == 3
-        got = await disk.get(key(2))
-        assert value_of(got) == 2.0
-        assert got is not None
-        got.release()
+        assert await value_read(disk, key(2)) == 2.0
         await store.close()
 
     asyncio.run(main())
@@ -276,10 +273,7 @@ def test_an_overwrite_removes_the_older_value_below_before_it_returns() -> None:
         assert str(key(1)) not in disk.values
         disk.put_gate.set()
         await store.flush()
-        got = await disk.get(key(1))
-        assert value_of(got) == 2.0
-        assert got is not None
-        got.release()
+        assert await value_read(disk, key(1)) == 2.0
         for obj in (old, new):
             obj.release()
         await store.close()
@@ -304,10 +298,7 @@ def test_an_overwrite_waits_for_the_older_value_being_written_then_removes_it() 
         await overwrite  # ...and is gone before the newer put returns
         assert disk.values.get(str(key(1))) is None or disk.puts_started == 2
         await store.flush()
-        got = await store.get(key(1))
-        assert value_of(got) == 2.0
-        assert got is not None
-        got.release()
+        assert await value_read(store, key(1)) == 2.0
         for obj in (old, new):
             obj.release()
         await store.close()
@@ -326,10 +317,8 @@ def test_an_overwrite_with_a_failing_persistent_tier_is_not_accepted_but_served(
             await store.put(key(1), new)
         assert refused.value.stored == (False,)
         assert "dict tier is down" in str(refused.value)
-        got = await store.get(key(1))  # the newer value is served while this process lives
-        assert value_of(got) == 2.0
-        assert got is not None
-        got.release()
+        # The newer value is served while this process lives.
+        assert await value_read(store, key(1)) == 2.0
         new.release()
         await store.close()
 
