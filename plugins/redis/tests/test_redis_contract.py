@@ -18,42 +18,6 @@ from kvplug_testing import RedisCluster, RedisServer, SentinelGroup
 pytestmark = pytest.mark.redis
 
 
-@pytest.fixture(scope="module")
-def standalone() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tls_server() -> Iterator[RedisServer]:
-    with RedisServer(tls=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def unix_server() -> Iterator[RedisServer]:
-    with RedisServer(unix_socket=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def sentinel_group() -> Iterator[SentinelGroup]:
-    with SentinelGroup() as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def tls_sentinel_group() -> Iterator[SentinelGroup]:
-    with SentinelGroup(tls=True) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster() as nodes:
-        yield nodes
-
-
 class TestRedisConformance(BackendContract):
     @pytest.fixture
     def kvplug_url(self, standalone: RedisServer) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
@@ -37,36 +37,6 @@ pytestmark = pytest.mark.redis
 
 LIBRARY = {"direct_reads": False, "direct_writes": False}
 """Options that send reads and writes through the client library."""
-
-
-@pytest.fixture(scope="module")
-def standalone() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tls_server() -> Iterator[RedisServer]:
-    with RedisServer(tls=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def unix_server() -> Iterator[RedisServer]:
-    with RedisServer(unix_socket=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def sentinel_group() -> Iterator[SentinelGroup]:
-    with SentinelGroup() as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster() as nodes:
-        yield nodes
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -23,36 +23,6 @@ TLS_PROBLEM = tls_problem()
 """Why the valkey-server cannot serve TLS (the PyPI wheels' are built without it), or None."""
 
 
-@pytest.fixture(scope="module")
-def standalone() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tls_server() -> Iterator[ValkeyServer]:
-    with ValkeyServer(tls=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def sentinel_group() -> Iterator[ValkeySentinelGroup]:
-    with ValkeySentinelGroup() as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def tls_sentinel_group() -> Iterator[ValkeySentinelGroup]:
-    with ValkeySentinelGroup(tls=True) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[ValkeyCluster]:
-    with ValkeyCluster() as nodes:
-        yield nodes
-
-
 class TestValkeyConformance(BackendContract):
     @pytest.fixture
     def kvplug_url(self, standalone: ValkeyServer) -> str:

@@ -6,44 +6,15 @@ cancellation ends, on kvplug's own connections and through valkey-py (``direct_r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 import kvplug
-from kvplug_testing import ValkeyCluster, ValkeySentinelGroup, ValkeyServer, tls_problem
+from kvplug_testing import ValkeyCluster, ValkeySentinelGroup, ValkeyServer
 from kvplug_testing.cancellation import OPERATIONS, MasterOf, Tap, check_operation, run_on
 
 pytestmark = pytest.mark.redis
 
 LIBRARY = {"direct_reads": False, "direct_writes": False}
-TLS_PROBLEM = tls_problem()
-
-
-@pytest.fixture(scope="module")
-def standalone() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def tls_server() -> Iterator[ValkeyServer]:
-    if TLS_PROBLEM is not None:
-        pytest.skip(TLS_PROBLEM)
-    with ValkeyServer(tls=True) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def sentinel_group() -> Iterator[ValkeySentinelGroup]:
-    with ValkeySentinelGroup() as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[ValkeyCluster]:
-    with ValkeyCluster() as nodes:
-        yield nodes
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
