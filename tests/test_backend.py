@@ -31,6 +31,7 @@ from kvplug import (
 )
 from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
 from kvplug.sync import SyncClient
+from kvplug_testing.threads import loop_thread
 
 T = TypeVar("T")
 
@@ -768,10 +769,7 @@ class WritesOnItsHomeLoop(DictBytes):
 
 def test_a_call_from_another_loop_cancelled_returns_once_the_home_loop_let_go(allocator) -> None:
     backend = WritesOnItsHomeLoop(allocator=allocator)
-    home = asyncio.new_event_loop()
-    thread = threading.Thread(target=home.run_forever, daemon=True)
-    thread.start()
-    try:
+    with loop_thread() as home:
         asyncio.run_coroutine_threadsafe(backend.contains(key(0)), home).result(5)  # binds it
 
         async def cancelled_read() -> tuple[bool, int]:
@@ -786,10 +784,6 @@ def test_a_call_from_another_loop_cancelled_returns_once_the_home_loop_let_go(al
         ended, refs = asyncio.run(cancelled_read())
         assert ended, "the call returned while its home loop was still writing the buffer"
         assert refs == 1
-    finally:
-        home.call_soon_threadsafe(home.stop)
-        thread.join(5)
-        home.close()
 
 
 class ReadsAtItsOwnPace(Backend):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from kvplug.config import Config
 from kvplug.store import Store, open_store
 from kvplug.sync import SyncClient
 from kvplug_cpu.backend import CpuBackend
+from kvplug_testing.threads import loop_thread
 
 MiB = 1 << 20
 CHUNK = (2, 2, 128, 1024)  # fp16: 1 MiB
@@ -530,9 +530,6 @@ def test_bad_store_urls_and_configs_say_what_to_fix(tmp_path: Path) -> None:
 def test_a_store_serves_other_loops_on_its_own_while_it_runs_and_refuses_them_after() -> None:
     allocator = FreeListAllocator(8 * MiB, pin=False)
     store = Store(tiers=[DictTier(allocator=allocator)], allocator=allocator)
-    home = asyncio.new_event_loop()
-    thread = threading.Thread(target=home.run_forever, daemon=True)
-    thread.start()
     obj = small(allocator, 3.0)
 
     async def round_trip() -> float:
@@ -544,18 +541,14 @@ def test_a_store_serves_other_loops_on_its_own_while_it_runs_and_refuses_them_af
         finally:
             got.release()
 
-    try:
+    with loop_thread() as home:
         first = asyncio.run_coroutine_threadsafe(round_trip(), home).result(10)
         assert asyncio.run(round_trip()) == first  # another loop, served on the store's own
         with pytest.raises(KvplugError, match=r"offer, flush, .* only from that one"):
             asyncio.run(store.offer([key(2)], [obj]))
-    finally:
-        home.call_soon_threadsafe(home.stop)
-        thread.join(10)
     with pytest.raises(BackendUnavailable, match="belongs to an event loop that is no longer"):
         asyncio.run(round_trip())
     obj.release()
-    home.close()
 
 
 # -- never an older value: random schedules -----------------------------------------------------

@@ -5,11 +5,9 @@ the in-process connector inside LMCache's own ``RemoteBackend`` (``remote_backen
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import select
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -34,6 +32,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 from kvplug import BackendSpec, register_backend
 from kvplug_disk import DiskBackend
 from kvplug_lmcache.connector import KvplugConnector
+from kvplug_testing.threads import loop_thread
 
 DEADLINE = 60.0
 """Seconds any one wait may take: generous, for a busy 2-core machine (a hang detector)."""
@@ -148,20 +147,6 @@ LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 8, 64
 HIDDEN = HEADS * HEAD_SIZE
 
 
-@contextlib.contextmanager
-def event_loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
-    """An event loop on its own thread, as LMCache's storage manager runs one."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-lmcache-loop", daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(DEADLINE)
-        loop.close()
-
-
 def plugin_extra(**settings: Any) -> dict[str, Any]:
     extra = {
         PREFIX + "module_path": "kvplug_lmcache.connector",
@@ -221,7 +206,7 @@ def remote_backend(
     """LMCache's RemoteBackend for the kvplug plugin, as its storage manager builds it."""
     config = engine_config(settings, **overrides)
     meta = metadata(model)
-    with event_loop_thread() as loop:
+    with loop_thread("test-lmcache-loop") as loop:
         cpu = LocalCPUBackend(config=config, metadata=meta, dst_device="cpu")
         remote = RemoteBackend(config, meta, loop, cpu, "cpu", plugin_name="kvplug")
         try:

@@ -56,7 +56,8 @@ from kvplug.store import Store, store_url
 from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key, object_key_to_cache_key
 from kvplug_testing import RedisServer
-from kvplug_testing.stall import no_thread_left_behind, stall_disk
+from kvplug_testing.stall import stall_disk
+from kvplug_testing.threads import no_thread_left_behind
 
 TASK_TIMEOUT = 1.0
 MARGIN = 0.75

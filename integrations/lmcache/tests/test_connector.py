@@ -33,7 +33,6 @@ from lmcache_support import (
     connector_of,
     engine_config,
     engine_key,
-    event_loop_thread,
     filled,
     metadata,
     plugin_extra,
@@ -51,6 +50,7 @@ from kvplug_lmcache.connector import (
     inprocess_module,
 )
 from kvplug_testing import RedisServer
+from kvplug_testing.threads import loop_thread
 
 cache_engine: Any = inprocess_module("cache_engine")
 GPUConnectorInterface: Any = inprocess_module("gpu_connector.gpu_connectors").GPUConnectorInterface
@@ -394,7 +394,7 @@ def test_bad_setup_is_loud(case: str) -> None:
     model = f"bad-{uuid.uuid4().hex[:8]}"
     config = engine_config(settings, **overrides)
     meta = metadata(model)
-    with event_loop_thread() as loop, lmcache_logs() as logs:
+    with loop_thread("test-lmcache-loop") as loop, lmcache_logs() as logs:
         backends = CreateStorageBackends(config, meta, loop, dst_device="cpu")
         try:
             assert "RemoteBackend-kvplug" not in backends

@@ -30,7 +30,8 @@ from kvplug.memory import MemoryObj
 from kvplug.registry import reset_registry
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer
-from kvplug_testing.stall import Stall, no_thread_left_behind, stall_disk
+from kvplug_testing.stall import Stall, stall_disk
+from kvplug_testing.threads import no_thread_left_behind
 
 PAGE = 16
 TASK_TIMEOUT = 1.0

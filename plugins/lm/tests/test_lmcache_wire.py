@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -45,6 +44,7 @@ import kvplug  # noqa: E402
 from kvplug import CacheKey, MemoryFormat, MemoryObj  # noqa: E402
 from kvplug.memory import nbytes_of  # noqa: E402
 from kvplug_testing.lm import LMServerProcess  # noqa: E402
+from kvplug_testing.threads import loop_thread  # noqa: E402
 
 T = TypeVar("T")
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 64, 256
@@ -80,20 +80,6 @@ def any_server(request: pytest.FixtureRequest) -> LMServerProcess:
 
 
 # -- LMCache's side --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
-    """An event loop on its own thread, as LMCache's storage manager runs one."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="lmcache-loop", daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(WAIT)
-        loop.close()
 
 
 def lmcache_config(remote_url: str | None) -> Any:
@@ -156,7 +142,7 @@ class LMCacheClient:
 
 @contextlib.contextmanager
 def lmcache_client(port: int, dtype: torch.dtype = torch.bfloat16) -> Iterator[LMCacheClient]:
-    with loop_thread() as loop:
+    with loop_thread("lmcache-loop") as loop:
         client = LMCacheClient(port, loop, dtype)
         try:
             yield client
@@ -254,7 +240,7 @@ def test_lmcache_remote_backend_stores_and_retrieves_through_kvplug_server(
     builds it, against kvplug's server."""
     config = lmcache_config(kvplug_server.url)
     meta = lmcache_metadata("lm-compat-remote", torch.bfloat16)
-    with loop_thread() as loop:
+    with loop_thread("lmcache-loop") as loop:
         cpu = LocalCPUBackend(config=config, metadata=meta, dst_device="cpu")
         remote = RemoteBackend(config, meta, loop, cpu, "cpu")
         objs: list[Any] = []

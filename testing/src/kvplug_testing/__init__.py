@@ -25,7 +25,8 @@ suite's ``ServerControl`` (``pause``, ``resume``, ``stop``, ``start``), so claus
 them.
 :mod:`kvplug_testing.tier_checks` holds what the Redis and Valkey tier tests share (it imports
 torch and kvplug, so it is imported by name only); :mod:`kvplug_testing.stall` stalls a
-backend's worker thread for the engine integrations' boundary tests.
+backend's worker thread for the engine integrations' boundary tests, and
+:mod:`kvplug_testing.threads` runs an event loop on a thread and checks that no thread is left.
 
 In a test module::
 

@@ -13,26 +13,11 @@ Example (in a test, with pytest's ``monkeypatch``)::
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 STALL_LIMIT = 30.0
 """Seconds a stalled call waits at most for :meth:`Stall.release` (a test that forgets to
 release it still ends)."""
-
-
-@contextmanager
-def no_thread_left_behind(grace: float = 5.0) -> Iterator[None]:
-    """Fails when a thread started inside the block (an IO thread, a file I/O worker) still
-    runs ``grace`` seconds after it: a job reported failed must not leave work going on."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + grace
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"threads left running: {sorted(t.name for t in left)}"
 
 
 class Stall:
