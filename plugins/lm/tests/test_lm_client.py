@@ -34,15 +34,14 @@ from kvplug_lm.backend import (
     encode_key,
 )
 from kvplug_lm.server import ServerOptions, run_in_thread
-from kvplug_testing.lm import LMServerProcess, lmcache_python
+from kvplug_testing.lm import LMCACHE_ABSENT, LMServerProcess, lmcache_python
 
 T = TypeVar("T")
 
 LMCACHE_PYTHON = lmcache_python()
 needs_lmcache = pytest.mark.skipif(
     LMCACHE_PYTHON is None,
-    reason="LMCache 0.5.6's venv (.venv-lmcache-0.5.6, or KVPLUG_LMCACHE_PYTHON) is absent; "
-    "scripts/setup.sh builds it",
+    reason=LMCACHE_ABSENT,
 )
 
 # A shape per memory format, each at most 4 dims (what LMCache's plain protocol carries).
@@ -119,14 +118,6 @@ def lm_server() -> Iterator[LMServerProcess]:
 @pytest.fixture
 def restartable_server() -> Iterator[LMServerProcess]:
     with LMServerProcess(["--max-memory", "64MiB"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def lmcache_server() -> Iterator[LMServerProcess]:
-    if LMCACHE_PYTHON is None:
-        pytest.skip("LMCache 0.5.6's venv is absent; scripts/setup.sh builds it")
-    with LMServerProcess.lmcache(LMCACHE_PYTHON) as server:
         yield server
 
 

@@ -16,27 +16,18 @@ import pytest
 
 import kvplug
 from kvplug_testing.cancellation import OPERATIONS, Tap, check_operation, run_on
-from kvplug_testing.lm import LMServerProcess, lmcache_python
+from kvplug_testing.lm import LMServerProcess
 
 MODES = {
     "extended": {},
     "extended, no checksums": {"checksums": False},
     "plain": {"mode": "plain"},
 }
-LMCACHE_PYTHON = lmcache_python()
 
 
 @pytest.fixture(scope="module")
 def lm_server() -> Iterator[LMServerProcess]:
     with LMServerProcess(["--max-memory", "512MiB"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def lmcache_server() -> Iterator[LMServerProcess]:
-    if LMCACHE_PYTHON is None:
-        pytest.skip("LMCache 0.5.6's venv is absent; scripts/setup.sh builds it")
-    with LMServerProcess.lmcache(LMCACHE_PYTHON) as server:
         yield server
 
 

@@ -23,7 +23,7 @@ from kvplug_lm.wire import (
     Status,
     WireError,
 )
-from kvplug_testing.lm import lmcache_python
+from kvplug_testing.lm import LMCACHE_ABSENT, lmcache_python
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -500,7 +500,7 @@ _DTYPES = {None: 0, "float16": 2, "bfloat16": 3, "float32": 4, "float64": 5, "ui
 def test_plain_headers_match_lmcache_0_5_6_bytes() -> None:
     python = lmcache_python()
     if python is None:
-        pytest.skip("no LMCache 0.5.6 venv (.venv-lmcache-0.5.6; scripts/setup.sh builds it)")
+        pytest.skip(LMCACHE_ABSENT)
     cases: list[dict[str, object]] = []
     expected: list[bytes] = []
     for command in (Command.PUT, Command.GET, Command.EXIST, Command.HEALTH):

@@ -118,6 +118,13 @@ class LMServerProcess(ControlledProcess):
         )
 
 
+LMCACHE_ABSENT = (
+    "LMCache 0.5.6's venv (.venv-lmcache-0.5.6, or KVPLUG_LMCACHE_PYTHON) is absent; "
+    "scripts/setup-engines.sh builds it"
+)
+"""Why a test that needs LMCache 0.5.6's own ``lmcache_server`` or client is skipped."""
+
+
 def lmcache_python() -> str | None:
     """The interpreter of the LMCache 0.5.6 venv scripts/setup-engines.sh builds
     (``.venv-lmcache-0.5.6`` at the repository root, or ``KVPLUG_LMCACHE_PYTHON``), or None."""
@@ -133,4 +140,4 @@ def lmcache_python() -> str | None:
     return None
 
 
-__all__ = ["LMServerProcess", "health", "lmcache_python"]
+__all__ = ["LMCACHE_ABSENT", "LMServerProcess", "health", "lmcache_python"]
