@@ -6,6 +6,7 @@ and the others fail before writing, instead of all running out of room half-way.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import shutil
@@ -29,6 +30,7 @@ import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.layout import BLOCK, TEMP_NAME, digest
+from kvplug_testing.stall import Stall
 
 allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 
@@ -97,6 +99,53 @@ def test_four_objects_into_room_for_two_store_two_and_say_which(
                 assert not [p for p in root.rglob("*") if TEMP_NAME.fullmatch(p.name)]
                 assert len(object_files(root)) == 2 == len(disk)
             finally:
+                await disk.close()
+
+        run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "ext4"])
+def test_a_write_in_flight_holds_back_only_the_space_its_file_was_not_given_yet(
+    tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Room for two objects. The first put's file is written whole, but its write has not
+    ended (held before it closes the file): the disk's free space already lacks that file,
+    so a second put fits (counting the first one's claim again would refuse it, as a busy
+    machine showed), and a third is refused before writing."""
+    with small_filesystem(kind, tmp_path / "mnt") as mount:
+        root = mount / "kv"
+        root.mkdir(mode=0o700)
+        nbytes = shutil.disk_usage(root).free * 2 // 5 // BLOCK * BLOCK - BLOCK
+
+        async def scenario() -> None:
+            disk = await kvplug.open_backend(
+                f"file://{root}", allocator=allocator, workers=2, max_size="1GiB"
+            )
+            assert isinstance(disk, DiskBackend)
+            (directory,) = disk.directories
+            stall = Stall(monkeypatch, directory, "written", disk, "_write")
+            objs = [seeded(allocator, nbytes, seed=n) for n in range(3)]
+            try:
+                first = asyncio.ensure_future(disk.put(key(0), objs[0]))
+                for _ in range(1000):
+                    if stall.reached.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+                assert stall.reached.is_set(), "the first put never finished writing its file"
+                await disk.put(key(1), objs[1])
+                with pytest.raises(CapacityExceeded, match="bytes free"):
+                    await disk.put(key(2), objs[2])
+                await asyncio.to_thread(stall.release)
+                await first
+                for n in (0, 1):
+                    back = await read_back(disk, key(n))
+                    assert back is not None and torch.equal(back, seeded_bytes(nbytes, n))
+                assert await read_back(disk, key(2)) is None
+                assert not [p for p in root.rglob("*") if TEMP_NAME.fullmatch(p.name)]
+            finally:
+                await asyncio.to_thread(stall.release)
+                for obj in objs:
+                    obj.release()
                 await disk.close()
 
         run(scenario())

@@ -93,6 +93,7 @@ from kvplug.options import BackendOptions
 from kvplug.url import BackendURL
 from kvplug_disk.directories import (
     OPEN_FLAGS,
+    Claim,
     Directory,
     _directory_paths,
     _prepare_directory,
@@ -297,8 +298,9 @@ class DiskBackend(Backend):
     counted in :attr:`eviction_failures` and the first one per directory and cause is logged.
     A disk with less free space than an object needs, or a write that fails with ENOSPC or
     EDQUOT, raises :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does
-    not affect reads. Each write claims its size of the disk's free space while it runs, so
-    writes that start together never all begin on room for some of them. A ``batched_put``
+    not affect reads. Each write claims its size of the disk's free space while it runs (less
+    what the disk has already allocated to its file), so writes that start together never all
+    begin on room for some of them. A ``batched_put``
     that stores some of its objects says which, in ``stored`` and in its message.
 
     **Cancellation** (``releases_on_cancel``). ``put`` and ``get_into`` lend the caller's
@@ -865,21 +867,26 @@ class DiskBackend(Backend):
         )
 
     @contextlib.contextmanager
-    def _room_on_disk(self, directory: Directory, length: int) -> Iterator[None]:
+    def _room_on_disk(self, directory: Directory, length: int) -> Iterator[Claim]:
         """Claim ``length`` bytes of the free space of ``directory``'s disk while a write of
-        that size runs there. Raises CapacityExceeded, before anything is written, when the
-        free space less what the writes in flight there claimed is short: writes that start
-        together never all begin on room for some of them and all run out of it half-way."""
-        try:
-            free = shutil.disk_usage(directory.path).free
-        except OSError as error:
-            raise BackendError(
-                f"{self.url}: cannot check the free space of {directory.path}: "
-                f"{reason(error)}. Check that the directory still exists."
-            ) from None
-        claimed = directory.claim(length, free)
-        if claimed is not None:
-            writing = f", {claimed} of them claimed by writes in flight there," if claimed else ""
+        that size runs there (the part the file has not been allocated yet). Raises
+        CapacityExceeded, before anything is written, when the free space less what the
+        writes in flight there still need is short: writes that start together never all
+        begin on room for some of them and all run out of it half-way."""
+
+        def free_space() -> int:
+            try:
+                return shutil.disk_usage(directory.path).free
+            except OSError as error:
+                raise BackendError(
+                    f"{self.url}: cannot check the free space of {directory.path}: "
+                    f"{reason(error)}. Check that the directory still exists."
+                ) from None
+
+        claim = directory.claim(length, free_space)
+        if not isinstance(claim, Claim):
+            free, pending = claim
+            writing = f", {pending} of them needed by writes in flight there," if pending else ""
             raise CapacityExceeded(
                 f"the disk holding {directory.path} has {free} bytes free{writing} and an "
                 f"object file needs {length}; this object was not stored and reads keep "
@@ -887,9 +894,9 @@ class DiskBackend(Backend):
                 "what the disk can hold, or add a directory on another disk."
             )
         try:
-            yield
+            yield claim
         finally:
-            directory.unclaim(length)
+            directory.unclaim(claim)
 
     def _write_failed(self, error: OSError, subdir: str, length: int) -> BackendError:
         """The kvplug error for ``error`` of a put writing into ``subdir``; a refused write is
@@ -910,9 +917,11 @@ class DiskBackend(Backend):
         stem: str,
         source: Lease,
         reservation: Reservation,
+        room: Claim,
     ) -> None:
         """Write the object ``source`` lends to a temporary file (through :attr:`io`), then
-        rename it into place and index it under ``reservation``.
+        rename it into place and index it under ``reservation``; ``room`` follows the file's
+        allocation.
 
         Every read of the caller's memory happens inside ``source.use()``; so do the rename
         and the index update, together, after the last read: a put cancelled before that
@@ -965,9 +974,11 @@ class DiskBackend(Backend):
                 self._subdir(directory, stem[:2], create=True)
                 fd = os.open(temp, flags, 0o600)
             created = True
+            directory.writing(room, fd)
             self.io.write_object(fd, payload, header)
             if self.options.fsync:
                 os.fsync(fd)
+            directory.written(room, whole=True)
             os.close(fd)
             fd = -1
             entry = IndexEntry(
@@ -994,6 +1005,7 @@ class DiskBackend(Backend):
                     raise
         except BaseException as error:
             if fd >= 0:
+                directory.written(room, whole=False)
                 with contextlib.suppress(OSError):
                     os.close(fd)
             if created:
@@ -1025,8 +1037,8 @@ class DiskBackend(Backend):
             with self._stripe(stem):
                 reservation = self._reserve(key, length)
                 try:
-                    with self._room_on_disk(directory, length):
-                        self._write_file(key, key_text, directory, stem, source, reservation)
+                    with self._room_on_disk(directory, length) as room:
+                        self._write_file(key, key_text, directory, stem, source, reservation, room)
                 except BaseException:
                     with self._lock:
                         self._index.cancel(reservation)

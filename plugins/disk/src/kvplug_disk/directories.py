@@ -20,7 +20,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplug.errors import ConfigError, InvalidBackendURL
@@ -49,6 +49,29 @@ class DirectIO(enum.Enum):
     OFF = "buffered, o_direct=false"
     REFUSED = "buffered: the filesystem refuses O_DIRECT"
     RETRYING = "buffered for now: the O_DIRECT probe could not run; retried on puts"
+
+
+@dataclass(eq=False)
+class Claim:
+    """The free disk space one write in flight needs: its file's ``length``, less what the
+    disk has allocated to the file so far (``fd``, while it is open)."""
+
+    length: int
+    fd: int = -1
+    whole: bool = False
+
+    def unallocated(self) -> int:
+        """Bytes of the claim the disk has not given the file yet (the disk's free space
+        still counts them)."""
+        if self.whole:
+            return 0
+        if self.fd < 0:
+            return self.length
+        try:
+            allocated = os.fstat(self.fd).st_blocks * 512
+        except OSError:
+            return self.length
+        return max(0, self.length - allocated)
 
 
 @dataclass(frozen=True)
@@ -92,25 +115,42 @@ class Directory:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     probed_at: float = field(default=0.0, repr=False)
     """``time.monotonic()`` of the last O_DIRECT probe."""
-    claimed: int = field(default=0, repr=False)
-    """Bytes of free disk space claimed by this backend's writes in flight here."""
+    claims: list[Claim] = field(default_factory=list, repr=False)
+    """The claims of this backend's writes in flight here."""
     _probing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _room: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def claim(self, length: int, free: int) -> int | None:
-        """Claim ``length`` bytes of the ``free`` bytes the disk has for a write starting
-        here: None when they are claimed (give them back with :meth:`unclaim`), else the
-        bytes other writes in flight here claimed, which left too little."""
+    def claim(self, length: int, free_space: Callable[[], int]) -> Claim | tuple[int, int]:
+        """Claim ``length`` bytes of the disk's free space (``free_space()``, in bytes) for
+        a write starting here: the :class:`Claim` (give it back with :meth:`unclaim`), or,
+        when too little is left, the free bytes and the part of them that other writes in
+        flight here still need. What a write in flight has already allocated is gone from
+        the free space, so only the rest of its claim counts against it."""
         with self._room:
-            if free - self.claimed < length:
-                return self.claimed
-            self.claimed += length
-            return None
+            pending = sum(claim.unallocated() for claim in self.claims)
+            free = free_space()  # after ``pending``: space allocated between counts once
+            if free - pending < length:
+                return free, pending
+            claim = Claim(length)
+            self.claims.append(claim)
+            return claim
 
-    def unclaim(self, length: int) -> None:
-        """The write that claimed ``length`` bytes ended."""
+    def writing(self, claim: Claim, fd: int) -> None:
+        """The write of ``claim`` fills the file open as ``fd`` (until :meth:`written`)."""
         with self._room:
-            self.claimed -= length
+            claim.fd = fd
+
+    def written(self, claim: Claim, *, whole: bool) -> None:
+        """The write of ``claim`` is about to close its file: ``whole`` when all of it was
+        written (nothing more to allocate), else it failed (the file is being deleted)."""
+        with self._room:
+            claim.fd = -1
+            claim.whole = whole
+
+    def unclaim(self, claim: Claim) -> None:
+        """The write of ``claim`` ended."""
+        with self._room:
+            self.claims.remove(claim)
 
     def describe(self) -> str:
         """The directory and how its files move, for ``kvplug check``."""
