@@ -13,7 +13,7 @@ import pytest
 import valkey
 
 import kvplug
-from kvplug import CacheKey, KvplugError
+from kvplug import BackendTimeout, BackendUnavailable, CacheKey, KvplugError
 from kvplug.backend import Backend
 from kvplug_testing import ValkeyCluster
 from kvplug_testing.tier_checks import make_obj, new_model, run, same
@@ -140,3 +140,47 @@ def test_operations_during_a_reshard_raise_only_kvplug_errors_and_succeed_after(
     assert wrong == {}, f"errors that are not kvplug's, or too long to show: {wrong}"
     assert seen["operations"] > 10 * TASKS, seen
     assert intact, "after the reshard, a batched put and get did not round-trip"
+
+
+def test_a_cluster_client_that_lost_every_node_finds_the_cluster_again() -> None:
+    """valkey-py's cluster client drops a node from its startup nodes on each connection error
+    or timeout; with every node down for a moment (as a reshard on a busy machine once made
+    them time out) it dropped them all and failed every later operation with "Please provide
+    at least one reachable node". kvplug puts the configured nodes back after a failure."""
+    with ValkeyCluster() as cluster:
+        keys = [CacheKey(new_model(), 1, 0, n) for n in range(KEYS)]  # spread over every node
+
+        async def main() -> bool:
+            backend = await kvplug.open_backend(cluster.url, timeout=2)
+            objs = [make_obj(n) for n in range(len(keys))]
+            try:
+                await backend.batched_put(keys, objs)
+                await asyncio.to_thread(cluster.stop)
+                # At once, so that operations on every node fail before any rediscovery.
+                failed = await asyncio.gather(
+                    *(backend.put(k, o) for k, o in zip(keys, objs, strict=True)),
+                    return_exceptions=True,
+                )
+                assert all(isinstance(f, (BackendUnavailable, BackendTimeout)) for f in failed)
+                await asyncio.to_thread(cluster.start)
+                deadline = asyncio.get_running_loop().time() + 30
+                while True:  # the restarted nodes agree on the cluster again
+                    try:
+                        await backend.batched_put(keys, objs)
+                        break
+                    except (BackendUnavailable, BackendTimeout):
+                        if asyncio.get_running_loop().time() > deadline:
+                            raise
+                        await asyncio.sleep(0.2)
+                got = await backend.batched_get(keys)
+                intact = all(same(o, g) for o, g in zip(objs, got, strict=True))
+                for g in got:
+                    if g is not None:
+                        g.release()
+                return intact
+            finally:
+                for obj in objs:
+                    obj.release()
+                await backend.close()
+
+        assert run(main()), "after the restart, a batched put and get did not round-trip"

@@ -77,6 +77,7 @@ from kvplug_redis.connections import (
     ConnectionBudget,
     LoopClients,
     make_loop_clients,
+    restore_startup_nodes,
 )
 from kvplug_redis.direct import DirectConnections, Endpoint, pack
 from kvplug_redis.failures import NoMasterHint, translate
@@ -338,7 +339,12 @@ class RedisBackend(BytesBackend):
             async with slots:
                 if budget is None:
                     self.ensure_open()  # close() may have run while this operation waited
-                    return await operation(client)
+                    try:
+                        return await operation(client)
+                    except BaseException:  # failed, timed out or cancelled
+                        if self.mode is Mode.CLUSTER:
+                            restore_startup_nodes(self._lib, client, self.target.hosts)
+                        raise
                 await budget.admit()
                 try:
                     self.ensure_open()

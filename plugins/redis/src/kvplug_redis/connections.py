@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +229,24 @@ class LoopClients:
         for result in results:
             if isinstance(result, Exception):
                 logger.debug("%s: error while closing: %s", where, result)
+
+
+def restore_startup_nodes(
+    lib: ClientLibrary, client: Any, hosts: Sequence[tuple[str, int]]
+) -> None:
+    """Put the configured nodes back among a Cluster ``client``'s startup nodes, where it
+    dropped them. Why: valkey-py's cluster client drops a node from its startup nodes on each
+    connection error or timeout, and once it dropped every one (a reshard or a failover on a
+    busy machine) it can never find the cluster again: every later operation fails with
+    "Please provide at least one reachable node". Called after a failed operation."""
+    startup = getattr(getattr(client, "nodes_manager", None), "startup_nodes", None)
+    if not isinstance(startup, dict):
+        return
+    settings = getattr(client, "connection_kwargs", {})
+    for host, port in hosts:
+        name = f"{host}:{port}"
+        if name not in startup:
+            startup[name] = lib.cluster_node(host, port, **settings)
 
 
 def quick_retry(lib: ClientLibrary) -> Any:
