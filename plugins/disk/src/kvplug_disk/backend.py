@@ -300,8 +300,8 @@ class DiskBackend(Backend):
     EDQUOT, raises :class:`~kvplug.errors.CapacityExceeded`, leaves no temporary file and does
     not affect reads. Each write claims its size of the disk's free space while it runs (less
     what the disk has already allocated to its file), so writes that start together never all
-    begin on room for some of them. A ``batched_put``
-    that stores some of its objects says which, in ``stored`` and in its message.
+    begin on room for some of them. A ``batched_put`` that stores some of its objects says
+    which, in ``stored`` and in its message.
 
     **Cancellation** (``releases_on_cancel``). ``put`` and ``get_into`` lend the caller's
     object to the file I/O threads in a :class:`~kvplug.lease.Lease`: every system call, copy
