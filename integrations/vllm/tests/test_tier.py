@@ -24,9 +24,22 @@ from kvplug.errors import ConfigError, KvplugError
 from kvplug_testing import RedisServer, free_port
 from kvplug_vllm import KvplugTier
 from kvplug_vllm.plugin import TIER_TYPE, register
-from kvplug_vllm.testing import ROW_BYTES, Engine, chunk_keys, offloading_config, payloads
+from kvplug_vllm.testing import (
+    ROW_BYTES,
+    Engine,
+    before_vllm,
+    chunk_keys,
+    offloading_config,
+    payloads,
+)
 
 Start = Callable[..., Engine]
+
+
+def needs_vllm(series: tuple[int, int], feature: str) -> pytest.MarkDecorator:
+    """Skips a test of ``feature`` on a vLLM before ``series``, saying so."""
+    reason = before_vllm(series, feature)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +115,7 @@ def test_a_lookup_answers_retry_then_the_promotion_is_pending_then_a_hit(
     deadline = time.monotonic() + 30
     while not seen or seen[-1] is not LookupResult.HIT:
         assert time.monotonic() < deadline, f"no HIT after {seen}"
-        with manager.lock:
+        with second.locked():
             answer = manager.lookup(keys[0], context)
         if not seen or seen[-1] is not answer:
             seen.append(answer)
@@ -155,7 +168,7 @@ def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest
     context = second.request()
     deadline = time.monotonic() + 30
     while True:  # until the tier has answered HIT and the promotions are queued
-        with manager.lock:
+        with second.locked():
             answers = [manager.lookup(key, context) for key in keys]
         if all(answer is LookupResult.HIT_PENDING for answer in answers):
             break
@@ -281,40 +294,73 @@ def test_a_cache_reset_waits_for_transfers_in_flight(start: Start, own_redis: Re
         engine.offload(keys, payloads(4, ROW_BYTES))
         assert engine.tier.health().jobs_in_flight == 1
         started = time.monotonic()
-        with engine.manager.lock:
-            engine.manager.reset_cache()  # asserts every job has finished
+        engine.reset()  # vLLM's reset_cache asserts every job has finished
         assert time.monotonic() - started >= 1
     finally:
         own_redis.resume()
     assert engine.tier.health().jobs_in_flight == 0
-    engine.manager.on_reset_flushed()
 
 
-@pytest.mark.parametrize("on_reset", ["forget", "keep"])
-def test_what_was_stored_before_a_cache_reset_is_forgotten_unless_kept(
-    start: Start, tmp_path: Path, on_reset: str
+@pytest.mark.parametrize("on_reset", ["forget", "keep", None], ids=["forget", "keep", "default"])
+def test_what_was_stored_before_a_cache_reset_is_kept_unless_told_to_forget(
+    start: Start, tmp_path: Path, on_reset: str | None
 ) -> None:
-    engine = start({"url": f"file://{tmp_path}/kv", "on_reset": on_reset})
+    """vLLM's secondary tiers keep their data through sleep, weight updates and resume (its
+    reset_cache drains them and resets only the primary tier): so does kvplug's by default."""
+    setting = {} if on_reset is None else {"on_reset": on_reset}
+    engine = start({"url": f"file://{tmp_path}/kv", **setting})
     keys = chunk_keys(3)
     data = payloads(3, ROW_BYTES)
     engine.offload(keys, data)
     engine.settle()
-    with engine.manager.lock:
-        engine.manager.reset_cache()
-    engine.manager.on_reset_flushed()
+    engine.reset()
     if on_reset == "forget":
         assert engine.lookup(keys) == ["MISS"] * 3
         engine.offload(keys[:1], data[:1])  # stored again, in the new epoch
         engine.settle()
-        with engine.manager.lock:
-            engine.manager.reset_cache()
-        engine.manager.on_reset_flushed()
+        engine.reset()
         assert engine.lookup(keys[:1]) == ["MISS"]
     else:
+        assert engine.fetch(keys) == data  # promoted from kvplug: the primary tier was reset
+        assert engine.tier.health().chunks_loaded == 3
+        engine.reset()
         assert engine.fetch(keys) == data
 
 
-def test_stores_beyond_max_queued_chunks_are_refused_and_trip_vllms_backpressure(
+def test_stores_beyond_max_queued_chunks_are_refused_at_once_as_failed_jobs(
+    start: Start, own_redis: RedisServer
+) -> None:
+    engine = start(
+        {
+            "url": own_redis.url,
+            "options": {"timeout": 30},
+            "task_timeout": 3,
+            "max_queued_chunks": 2,
+        },
+        chunks=16,
+    )
+    own_redis.pause()
+    try:
+        for seed in range(3):
+            engine.offload(chunk_keys(2, seed=seed), payloads(2, ROW_BYTES, seed=seed))
+        health = engine.tier.health()
+        assert health.refused_stores == 2 and health.jobs_in_flight == 1
+    finally:
+        own_redis.resume()
+    engine.settle()
+    stored = engine.tier.health().chunks_stored
+    engine.offload(chunk_keys(2, seed=9), payloads(2, ROW_BYTES, seed=9))  # accepted again
+    engine.settle()
+    health = engine.tier.health()
+    assert (health.refused_stores, health.chunks_stored) == (2, stored + 2)
+
+
+@needs_vllm(
+    (0, 33),
+    "failed stores reaching the back-pressure detector (EMABackpressureDetector's "
+    "failure_threshold, BackpressureDetector.on_store_failed)",
+)
+def test_refused_stores_trip_vllms_backpressure_detector(
     start: Start, own_redis: RedisServer
 ) -> None:
     detector = {"backpressure_cls": "EMABackpressureDetector", "failure_threshold": 2}

