@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kvplug_testing import RedisServer
+from kvplug_testing.models import build_random_llama
 from kvplug_vllm import VLLM
-from kvplug_vllm.testing_engine import EngineProcess, build_random_llama, offloading_config
+from kvplug_vllm.testing_engine import EngineProcess, offloading_config
 
 TARGET_RATIO = 1.0
 

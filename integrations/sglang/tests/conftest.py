@@ -10,15 +10,11 @@ Everything is offered as fixtures (``make_host_pool``, ``storage_config``, ``ope
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import itertools
 import os
 import queue
 import shutil
-import sys
 import threading
-import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
@@ -46,55 +42,16 @@ for _name, _value in {
     os.environ[_name] = _value
 
 
-class _TorchvisionPlaceholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves an empty module for every ``torchvision`` name.
+def _serve_torchvision_placeholders() -> None:
+    # PyPI's torchvision does not load beside the CPU build of torch; SGLang's host pools and
+    # controller import it at module level. Imported here: kvplug_sglang imports SGLang, which
+    # imports huggingface_hub, after the environment above is set.
+    from kvplug_sglang.testing_engine import serve_torchvision_placeholders_if_needed
 
-    SGLang's host pools and controller import its model-config package, which imports
-    torchvision at module level (image preprocessing for vision models); PyPI's torchvision
-    does not load beside the CPU build of torch, and nothing on the storage path calls it.
-    Attribute reads on these modules give further placeholder modules, so a module-level
-    ``from torchvision.transforms import InterpolationMode`` works and any call fails loudly.
-    """
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.partition(".")[0] != "torchvision":
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _PlaceholderModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
+    serve_torchvision_placeholders_if_needed()
 
 
-class _PlaceholderModule(types.ModuleType):
-    def __getattr__(self, name: str) -> types.ModuleType:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _PlaceholderModule(f"{self.__name__}.{name}")
-
-
-def _serve_torchvision_placeholders_if_needed() -> None:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in [n for n in sys.modules if n.partition(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        from transformers.utils.import_utils import is_torchvision_available
-
-        # transformers caches this answer; let it learn the truth (absent) before the
-        # placeholder exists, or it reads the placeholder's missing version and fails.
-        is_torchvision_available()
-        sys.meta_path.insert(0, _TorchvisionPlaceholder())
-
-
-_serve_torchvision_placeholders_if_needed()
+_serve_torchvision_placeholders()
 
 
 Layout = Literal["layer_first", "page_first", "page_first_direct"]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvplug.keys import CacheKey, InvalidKey
-from kvplug_sglang.keys import PageNamespace, page_hash, page_key_of
+from kvplug_sglang.keys import UNNAMED_MODEL, PageNamespace, model_field, page_hash, page_key_of
 
 NS = PageNamespace("test-model", 2, 1, "bfloat16", layout="page_first", segments=2)
 hex_keys = st.binary(min_size=1, max_size=40).map(bytes.hex)
@@ -74,3 +74,19 @@ def test_a_page_key_must_be_a_non_empty_string(bad: object) -> None:
 def test_a_model_name_with_an_at_sign_is_refused_with_the_reason() -> None:
     with pytest.raises(InvalidKey, match="'@' separates key fields"):
         PageNamespace("org@model", 1, 0, "half", layout="page_first")
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_every_model_name_is_a_key_field_and_two_names_never_share_one(a: str, b: str) -> None:
+    for name in (a, b):
+        field = model_field(name)
+        PageNamespace(field, 1, 0, "half", layout="page_first")  # a valid key field
+        assert (field == UNNAMED_MODEL) == (not name)
+    assert (model_field(a) == model_field(b)) == (a == b or not (a or b))
+
+
+def test_a_model_name_keeps_every_character_but_the_escaped_ones() -> None:
+    assert model_field("Qwen/Qwen3-8B-mxfp8") == "Qwen/Qwen3-8B-mxfp8"
+    assert model_field("/models/llama@v2") == "/models/llama%40v2"
+    assert model_field("/models/llama%40v2") == "/models/llama%2540v2"
+    assert model_field(None) == model_field("") == UNNAMED_MODEL

@@ -339,9 +339,6 @@ def test_sglangs_own_keys_and_heterogeneous_tp_are_handled(
     split = storage_config(extra_config={**DYNAMIC, "url": "cpu://"}, should_split_heads=True)
     with pytest.raises(ConfigError, match="does not split heads"):
         StorageBackendFactory.create_backend("dynamic", split, None)
-    nameless = storage_config(extra_config={**DYNAMIC, "url": "cpu://"}, model_name=None)
-    with pytest.raises(ConfigError, match="needs the model name"):
-        StorageBackendFactory.create_backend("dynamic", nameless, None)
 
 
 def test_an_unreachable_store_fails_the_start_unless_told_otherwise(

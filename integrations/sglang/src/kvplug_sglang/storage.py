@@ -88,7 +88,8 @@ from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
 from kvplug.store import store_url, stored_keys
 from kvplug.sync import SyncClient
-from kvplug_sglang.keys import PageNamespace
+from kvplug_sglang.keys import PageNamespace, model_field
+from kvplug_sglang.pool import PoolGeometry, pool_geometry
 
 logger = logging.getLogger("kvplug.sglang")
 T = TypeVar("T")
@@ -118,8 +119,6 @@ SGLANG_KEYS = frozenset(
 )
 """Extra config keys that SGLang itself reads; kvplug accepts and ignores them."""
 
-_POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer")
-"""Host pool tensors a page region may lie in."""
 _WHAT = "KvplugHiCacheStorage"
 
 
@@ -217,20 +216,6 @@ def _shard_tags(config: HiCacheStorageConfig) -> tuple[tuple[str, str], ...]:
     return tuple(tags)
 
 
-def _byte_views(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
-    """``(start address, size, flat uint8 tensor)`` over the whole storage behind each tensor,
-    once per storage: the memory a page pointer may point into."""
-    views: dict[int, tuple[int, int, torch.Tensor]] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        start = storage.data_ptr()
-        if start not in views:
-            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            flat.set_(storage, 0, (storage.nbytes(),), (1,))
-            views[start] = (start, storage.nbytes(), flat)
-    return list(views.values())
-
-
 def _wrap(tensor: torch.Tensor) -> MemoryObj:
     return MemoryObj.from_tensor(tensor, MemoryFormat.BINARY_BUFFER)
 
@@ -261,11 +246,6 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 "remove tp_lcm_size from the extra config, or use one TP size for every "
                 "instance that shares the store."
             )
-        if not storage_config.model_name:
-            raise ConfigError(
-                f"{_WHAT} needs the model name to key pages by, and SGLang passed none: "
-                "start SGLang with --model-path (or --served-model-name)."
-            )
         self.storage_config = storage_config
         self._timeout: float = settings["timeout"]
         self._writer = storage_config.is_storage_writer
@@ -295,10 +275,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             self._warn_unless_shared()
         self.mem_pool_host: Any = None
         self._namespace: PageNamespace | None = None
-        self._segment_sizes: list[int] = []
-        self._page_bytes = 0
-        self._zero_copy = False
-        self._pool_memory: list[tuple[int, int, torch.Tensor]] = []
+        self._geometry: PoolGeometry | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -327,51 +304,39 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Learn the host pool's page geometry and layout (SGLang calls this once, before any
-        page call). Pages the pool describes as at most two contiguous regions go to kvplug as
-        they are (lent to the backend, or copied where it is not lent them); others are
-        gathered into one object per page."""
-        super().register_mem_pool_host(mem_pool_host)
+        page call; what is read: :mod:`kvplug_sglang.pool`). Pages the pool describes as at
+        most two contiguous regions go to kvplug as they are (lent to the backend, or copied
+        where it is not lent them); others are gathered into one object per page. A pool
+        kvplug cannot serve raises :class:`~kvplug.errors.ConfigError` saying what it lacks."""
+        geometry = pool_geometry(mem_pool_host)
         config = self.storage_config
-        page_tokens = self._page_tokens()
-        page = torch.arange(page_tokens, dtype=torch.int64)
-        flat_page = mem_pool_host.get_dummy_flat_data_page()
-        self._page_bytes = flat_page.numel() * flat_page.element_size()
-        self._pool_memory = _byte_views(
-            [
-                tensor
-                for tensor in (getattr(mem_pool_host, name, None) for name in _POOL_BUFFERS)
-                if isinstance(tensor, torch.Tensor)
-            ]
-        )
-        try:
-            pointers, sizes = mem_pool_host.get_page_buffer_meta(page)
-            regions = [(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
-        except (NotImplementedError, AttributeError, AssertionError, ValueError):
-            regions = []
-        self._zero_copy = (
-            0 < len(regions) <= 2
-            and sum(size for _, size in regions) == self._page_bytes
-            and all(self._pool_view(address, size) is not None for address, size in regions)
-        )
-        self._segment_sizes = (
-            [size for _, size in regions] if self._zero_copy else [self._page_bytes]
-        )
         world_size, worker_id = _namespace_shard(config)
-        self._namespace = PageNamespace(
-            model_name=str(config.model_name),
+        namespace = PageNamespace(
+            model_name=model_field(config.model_name),
             world_size=world_size,
             worker_id=worker_id,
-            dtype=lmcache_dtype_name(mem_pool_host.dtype),
-            layout=str(mem_pool_host.layout),
-            segments=len(self._segment_sizes),
+            dtype=lmcache_dtype_name(geometry.dtype),
+            layout=geometry.layout,
+            segments=len(geometry.segment_sizes),
             shard_tags=_shard_tags(config),
         )
+        super().register_mem_pool_host(mem_pool_host)
+        self._geometry, self._namespace = geometry, namespace
+        if not config.model_name:
+            logger.warning(
+                "%s: SGLang passed no model name, so pages are keyed under %r, as SGLang's own "
+                "backends then key them by rank alone: another model with the same TP shard, "
+                "dtype and layout shares them. Give the storage config a model_name (SGLang's "
+                "server passes --served-model-name, which defaults to --model-path).",
+                _WHAT,
+                namespace.model_name,
+            )
         logger.info(
             "%s on %s: %s pages of %d bytes as %d object(s) each, %s.",
             _WHAT,
             self._target,
-            mem_pool_host.layout,
-            self._page_bytes,
+            geometry.layout,
+            geometry.page_bytes,
             len(self._segment_sizes),
             self._moves(),
         )
@@ -383,11 +348,6 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         stores = "lent to the backend" if self._io.lends_stores else "copied at submit"
         loads = "read into the pages" if self._io.lends_loads else "read through kvplug's memory"
         return f"stores {stores}, loads {loads}"
-
-    def _page_tokens(self) -> int:
-        pool = self.mem_pool_host
-        size = getattr(pool, "logical_page_size", None)
-        return int(size if isinstance(size, int) else pool.page_size)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -417,14 +377,31 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         assert self._namespace is not None
         return [key for page in page_keys for key in self._namespace.segment_keys(page)]
 
+    @property
+    def _segment_sizes(self) -> tuple[int, ...]:
+        return self._geometry.segment_sizes if self._geometry is not None else ()
+
+    @property
+    def _segments(self) -> int:
+        """Objects per page (1 before a pool is registered)."""
+        return len(self._segment_sizes) or 1
+
+    @property
+    def _page_bytes(self) -> int:
+        return self._geometry.page_bytes if self._geometry is not None else 0
+
+    @property
+    def _zero_copy(self) -> bool:
+        return self._geometry is not None and self._geometry.zero_copy
+
     def _whole_pages(self, per_segment: Sequence[bool]) -> list[bool]:
         """Per page: True when every one of its segments is."""
-        segments = len(self._segment_sizes)
+        segments = self._segments
         return [all(per_segment[i : i + segments]) for i in range(0, len(per_segment), segments)]
 
     def _stored_pages(self, error: BaseException, pages: int) -> list[bool]:
         """Which of ``pages`` pages a failed store stored whole, as far as ``error`` says."""
-        segments = pages * len(self._segment_sizes)
+        segments = pages * self._segments
         return self._whole_pages(stored_keys(error, segments) or [False] * segments)
 
     def _count(self, stored: int = 0, loaded: int = 0, missed: int = 0) -> None:
@@ -437,13 +414,6 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     def _what(self) -> str:
         return f"{_WHAT} on {self._target}"
 
-    def _pool_view(self, address: int, size: int) -> torch.Tensor | None:
-        """The host pool's bytes ``[address, address + size)``, or None outside its buffers."""
-        for start, length, flat in self._pool_memory:
-            if start <= address and address + size <= start + length:
-                return flat[address - start : address - start + size]
-        return None
-
     def _page_views(self, page_keys: Sequence[str], host_indices: torch.Tensor) -> list[MemoryObj]:
         """Each segment of each page as the host pool's own bytes (zero-copy layouts)."""
         pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
@@ -453,7 +423,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 f"{len(page_keys)} page keys came with host indices of {len(pointers)} page "
                 f"regions; expected {expected}."
             )
-        views = [self._pool_view(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
+        assert self._geometry is not None
+        views = [self._geometry.view(int(p), int(s)) for p, s in zip(pointers, sizes, strict=True)]
         if any(view is None for view in views):
             raise KvplugError(
                 "SGLang's host pool described a page region outside its buffers; kvplug cannot "
@@ -462,7 +433,8 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         return [_wrap(view) for view in views if view is not None]
 
     def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int]:
-        tokens = self._page_tokens()
+        assert self._geometry is not None
+        tokens = self._geometry.page_tokens
         if host_indices.numel() != count * tokens:
             raise KvplugError(
                 f"{count} page keys came with {host_indices.numel()} host indices; expected "
@@ -500,6 +472,12 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             for bounce in bounces:
                 bounce.release()
 
+    def _flat_page(self) -> torch.Tensor:
+        """A new flat page of the host pool's dtype, in plain memory."""
+        assert self._geometry is not None
+        dtype = self._geometry.dtype
+        return torch.empty(self._page_bytes // dtype.itemsize, dtype=dtype)
+
     def _split(self, page: torch.Tensor) -> list[MemoryObj]:
         """A flat page tensor as its segments (no copy)."""
         flat = page.reshape(-1).view(torch.uint8)
@@ -508,7 +486,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 f"a page of {flat.numel()} bytes was handed over; this host pool's pages are "
                 f"{self._page_bytes} bytes."
             )
-        return [_wrap(part) for part in torch.split(flat, self._segment_sizes)]
+        return [_wrap(part) for part in torch.split(flat, list(self._segment_sizes))]
 
     def _record(self, kind: str, pages: int, started: float) -> None:
         if not self._metrics_on or pages == 0:
@@ -581,11 +559,11 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 hit and bounce.ref_count == 1
                 for hit, bounce in zip(self._whole_pages(found), bounces, strict=True)
             ]
+            assert self._geometry is not None
+            dtype = self._geometry.dtype
             for start, bounce, page in zip(starts, bounces, pages, strict=True):
                 if page:
-                    self.mem_pool_host.set_from_flat_data_page(
-                        start, bounce.raw.view(self.mem_pool_host.dtype)
-                    )
+                    self.mem_pool_host.set_from_flat_data_page(start, bounce.raw.view(dtype))
         return pages
 
     # -- the page API (interface_v1) ----------------------------------------------------------
@@ -596,7 +574,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         """How many leading pages of ``keys`` are stored whole (every segment)."""
         if not keys:
             return 0
-        segments = len(self._segment_sizes) or 1
+        segments = self._segments
 
         async def count() -> int:
             present = await self._within_deadline(
@@ -719,7 +697,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         targets = (
             list(target_locations)
             if target_locations is not None
-            else [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            else [self._flat_page() for _ in keys]
         )
         if len(targets) != len(keys) or not all(t.is_contiguous() for t in targets):
             self._calls.failed(

@@ -2,7 +2,7 @@
 driven by JSON lines, for kvplug-vllm's real-engine tests and ``benchmarks/bench_vllm_engine.py``.
 
 ``python -m kvplug_vllm.testing_engine MODEL_DIR CONFIG_JSON`` starts ``vllm.LLM`` on
-``MODEL_DIR`` (see :func:`build_random_llama`) with ``CONFIG_JSON`` as its
+``MODEL_DIR`` (see :func:`kvplug_testing.models.build_random_llama`) with ``CONFIG_JSON`` as its
 ``kv_transfer_config`` (a JSON object, or ``null`` for none), in-process (vLLM's engine core in
 this process, so that the tier's counters can be read), on vLLM's CPU build with kvplug's CPU
 worker (:mod:`kvplug_vllm.testing_cpu_worker`) where no GPU is present. It prints one JSON line
@@ -40,40 +40,6 @@ from kvplug_vllm.testing_cpu_worker import ENABLE_VARIABLE
 START_TIMEOUT = 300.0
 """Seconds an engine may take to start on a busy 2-core machine."""
 COMMAND_TIMEOUT = 300.0
-
-
-def build_random_llama(
-    directory: str | os.PathLike[str],
-    *,
-    hidden_size: int = 256,
-    intermediate_size: int = 512,
-    layers: int = 4,
-    heads: int = 4,
-    kv_heads: int = 2,
-    vocab_size: int = 32000,
-    seed: int = 0,
-) -> Path:
-    """Save a Llama-architecture model with random weights (``seed``) to ``directory``, for
-    an engine to serve without a model hub; returns the directory. Prompts are token ids (the
-    model has no tokenizer)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=8192,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    path = Path(directory)
-    model.save_pretrained(path)
-    return path
 
 
 def offloading_config(
