@@ -473,6 +473,29 @@ def test_deselected_clauses_are_not_run_and_say_so(run_suite: RunSuite) -> None:
     )
 
 
+def test_the_summary_of_a_run_on_pytest_xdist_workers_counts_every_workers_tests(
+    run_suite: RunSuite,
+) -> None:
+    """With -n the summary is printed by pytest-xdist's controller, which runs no test and
+    collects nothing: it still counts each test under its clauses, the teardown failures that
+    name a clause, the skips with their reasons, what the workers deselected and the leak
+    check of every worker, as one process would."""
+    selection = ("-k", "never_stored or bit_exact_for_every_dtype or beyond_two_gib")
+    alone = run_suite("leaks-put-reference://", *selection)
+    spread = run_suite("leaks-put-reference://", "-n", "2", *selection)
+    assert "bringing up nodes" in spread.output, spread.output
+    assert spread.result.ret == alone.result.ret == pytest.ExitCode.TESTS_FAILED, spread.output
+    assert spread.clauses("failed") == {5}, spread.output
+    assert {verdict for verdict in spread.verdicts().values()} >= {"FAIL", "pass", "not run"}
+
+    def table(run: SuiteRun) -> dict[int, dict[str, Any]]:
+        return {n: {**row, "reasons": sorted(row["reasons"])} for n, row in run.rows.items()}
+
+    assert table(spread) == table(alone), spread.output
+    leak_line = re.compile(r"^leak check: .*$", re.MULTILINE)
+    assert leak_line.findall(spread.output) == leak_line.findall(alone.output) != []
+
+
 def test_capacity_tests_are_not_run_without_small_options_and_say_how_to_enable_them(
     run_suite: RunSuite,
 ) -> None:

@@ -75,6 +75,7 @@ VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
 SMALL_OPTIONS_ATTRIBUTE = "contract_small_options"
 DESELECTED = "deselected (by -k, -m or another selection): the suite did not run it this time"
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
+WORKER_OUTPUT = "kvplug_contract_summary"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -410,10 +411,62 @@ class ClauseSummary:
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         RUNNING.clause = None
 
+    # Under pytest-xdist (-n) the controller, which prints the summary, collects nothing: a
+    # test's clauses travel with its reports, and what a worker deselected and its leak tally
+    # with the output it sends when it finishes.
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if item.nodeid in self.clauses_of:
+            report.kvplug_clauses = self._marks(item.nodeid)  # type: ignore[attr-defined]
+        return report
+
+    def _marks(self, nodeid: str) -> tuple[list[int], bool]:
+        return list(self.clauses_of[nodeid]), nodeid in self.central
+
+    def _learn_marks(self, nodeid: str, marks: Sequence[Any]) -> None:
+        clauses, central = marks
+        self.clauses_of[nodeid] = tuple(clauses)
+        if central:
+            self.central.add(nodeid)
+
+    def pytest_sessionfinish(self) -> None:
+        output = getattr(self.config, "workeroutput", None)
+        if output is None:
+            return  # not a pytest-xdist worker
+        tally = self.config.stash[_LEAKS]
+        output[WORKER_OUTPUT] = {
+            "deselected": {nodeid: self._marks(nodeid) for nodeid in self.deselected},
+            "leaks": [tally.checked, tally.leaking, sorted(tally.allowed)],
+        }
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any) -> None:
+        """pytest-xdist's controller: a worker finished."""
+        output = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT)
+        if output is None:
+            return  # it crashed (its test fails) or ran no contract plugin
+        for nodeid, marks in output["deselected"].items():
+            self._learn_marks(nodeid, marks)  # every worker deselects the same tests
+            self.outcome_of[nodeid] = "not run"
+            self.reason_of[nodeid] = DESELECTED
+            self.deselected.add(nodeid)
+        checked, leaking, allowed = output["leaks"]
+        tally = self.config.stash[_LEAKS]
+        tally.checked += checked
+        tally.leaking += leaking
+        tally.allowed.update(allowed)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         nodeid = report.nodeid
         if nodeid not in self.clauses_of:
-            return
+            marks = getattr(report, "kvplug_clauses", None)
+            if marks is None:
+                return
+            self._learn_marks(nodeid, marks)
         named = _named_clause(report.longreprtext) if report.failed else None
         if report.when == "teardown":
             if report.failed and named:
@@ -466,8 +519,8 @@ class ClauseSummary:
         return counts
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not set(self.outcome_of) - self.deselected:
-            return  # no contract test ran: a run of other tests, or all deselected
+        if not set(self.outcome_of) - self.deselected or hasattr(self.config, "workerinput"):
+            return  # no contract test ran (or all deselected), or a pytest-xdist worker
         table = self.table()
         terminalreporter.section("kvplug contract clauses")
         for number, title in CLAUSES.items():
