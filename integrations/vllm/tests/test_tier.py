@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -529,3 +530,57 @@ def test_a_job_kvplug_cannot_run_finishes_failed_and_is_counted(
     health = tier.health()
     assert (health.failed_stores, health.failed_loads, health.jobs_in_flight) == (1, 1, 0)
     assert "OffloadKey" in (health.last_error or "")
+
+
+def _interval_becomes(expected: float, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if abs(sys.getswitchinterval() - expected) <= expected * 0.05:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("interval", [0.001, None], ids=["lowered", "left-alone"])
+def test_the_switch_interval_is_lowered_only_while_a_lookup_is_in_flight(
+    start: Start, own_redis: RedisServer, interval: float | None
+) -> None:
+    before = sys.getswitchinterval()
+    engine = start({"url": own_redis.url, "lookup_timeout": 30, "gil_switch_interval": interval})
+    own_redis.pause()
+    try:
+        context = engine.request()
+        with engine.locked():
+            assert engine.manager.lookup(chunk_keys(1)[0], context) is LookupResult.RETRY
+        engine.step()  # the lookup thread asks the paused store
+        if interval is None:
+            time.sleep(1)
+            assert sys.getswitchinterval() == before
+        else:
+            assert _interval_becomes(interval), sys.getswitchinterval()
+    finally:
+        own_redis.resume()
+    assert _interval_becomes(before), sys.getswitchinterval()
+    engine.finish(context)
+
+
+def test_the_switch_interval_is_restored_after_promotions_and_failed_loads(
+    start: Start, tmp_path: Path
+) -> None:
+    before = sys.getswitchinterval()
+    store = {"url": f"file://{tmp_path}/kv"}
+    keys = chunk_keys(4)
+    data = payloads(4, ROW_BYTES)
+    stored_then_stopped(start, store, keys, data)
+    engine = start(store)
+    shutil.rmtree(tmp_path / "kv")  # every load now misses: failed jobs
+    assert engine.fetch(keys[:2]) == [None, None]
+    stored_then_stopped(start, store, keys, data)
+    assert start(store).fetch(keys) == data
+    assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("value", [0, -1, "fast", True])
+def test_a_bad_gil_switch_interval_names_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match="gil_switch_interval"):
+        spec_manager({"url": "cpu://", "gil_switch_interval": value})

@@ -159,7 +159,7 @@ def test_a_get_into_whose_worker_is_stalled_before_reading_ends_at_once_and_neve
     """The file I/O thread is stuck opening the file (a stalled disk) when the get_into is
     cancelled: the cancellation does not wait for it, the destination is the caller's again
     at once (ref_count 1), and once the thread goes on it writes nothing into it."""
-    gate = Gate(disk_module.open_object)
+    gate = Gate(disk_module.open_object_sized)
 
     async def scenario() -> None:
         disk = await open_disk(tmp_path, allocator, timeout=timeout_for(how))
@@ -167,7 +167,7 @@ def test_a_get_into_whose_worker_is_stalled_before_reading_ends_at_once_and_neve
         assert dest is not None
         try:
             await put_seeded(disk, allocator, key(1), 1 * MiB, seed=1)
-            monkeypatch.setattr(disk_module, "open_object", gate)
+            monkeypatch.setattr(disk_module, "open_object_sized", gate)
             took = await interrupt(disk.get_into(key(1), dest), gate.entered.is_set, how)
             taken_back(took, dest, gate.release)
             assert await disk.contains(key(1))  # runs once the stalled read has ended

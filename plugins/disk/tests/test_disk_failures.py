@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug.errors import BackendError, BackendUnavailable, KvplugError
 from kvplug.store import Store
 from kvplug_disk.backend import DiskBackend, WriteRefused
-from kvplug_disk.fileops import classify_os_error
+from kvplug_disk.fileops import classify_os_error, open_object_sized
 from kvplug_disk.gds import backend as gds_module
 from kvplug_disk.layout import (
     BLOCK,
@@ -1058,3 +1059,26 @@ def test_with_real_cufile_foreign_file_types_are_misses_and_puts_replace_them(
             await tier.close()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_an_object_file_opens_blocking_with_the_flags_asked_and_its_size(
+    tmp_path: Path, direct: bool
+) -> None:
+    """The descriptor reads block (no O_NONBLOCK left from the open that cannot hang on a
+    FIFO, which a FileIO such as io_uring's would turn into EAGAIN), carries O_DIRECT exactly
+    when asked, and comes with the file's size."""
+    path = tmp_path / "object.kv"
+    path.write_bytes(bytes(3 * 4096))
+    wanted = getattr(os, "O_DIRECT", 0) if direct else 0
+    try:
+        fd, size = open_object_sized(str(path), wanted)
+    except OSError as error:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"{tmp_path} refuses O_DIRECT: {error}")
+    try:
+        status = fcntl.fcntl(fd, fcntl.F_GETFL)
+        assert not status & os.O_NONBLOCK
+        assert bool(status & getattr(os, "O_DIRECT", 0)) == bool(wanted)
+        assert size == 3 * 4096
+    finally:
+        os.close(fd)

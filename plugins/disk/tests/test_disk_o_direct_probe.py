@@ -39,7 +39,7 @@ from kvplug_disk import backend as disk_module
 from kvplug_disk import directories
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.directories import DirectIO, Directory
-from kvplug_disk.fileops import open_object as real_open_object
+from kvplug_disk.fileops import open_object_sized as real_open_object
 from kvplug_disk.layout import TEMP_NAME, digest
 
 KiB = 1024
@@ -59,7 +59,7 @@ allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 
 class ProbeWatch:
     """Watches, through ``os.open``, ``os.pwritev``, ``os.preadv`` and the backend's
-    ``open_object``, how many O_DIRECT probes run and with which flags object files are
+    ``open_object_sized``, how many O_DIRECT probes run and with which flags object files are
     opened; while :attr:`fault` is set (``(step, errno)``, step ``open``, ``write`` or
     ``read``), the probe's own call of that step fails with that error. Every other call runs
     as it is."""
@@ -106,7 +106,7 @@ class ProbeWatch:
                 failing("read")
             return real_preadv(fd, buffers, offset, *args)
 
-        def spy_open_object(path: str, flags: int = 0) -> int:
+        def spy_open_object(path: str, flags: int = 0) -> tuple[int, int]:
             self.read.setdefault(Path(path).name[:32], []).append(flags)
             return real_open_object(path, flags)
 
@@ -114,7 +114,7 @@ class ProbeWatch:
         monkeypatch.setattr(os, "close", spy_close)
         monkeypatch.setattr(os, "pwritev", spy_pwritev)
         monkeypatch.setattr(os, "preadv", spy_preadv)
-        monkeypatch.setattr(disk_module, "open_object", spy_open_object)
+        monkeypatch.setattr(disk_module, "open_object_sized", spy_open_object)
 
     def write_was_direct(self, k: CacheKey) -> bool:
         """Whether the last write of ``k`` opened its temporary file with O_DIRECT."""

@@ -1,11 +1,12 @@
 """What the Mooncake test modules share: a master with a node lending memory, and the wait
-for the store to take writes again after the master restarted."""
+for the store to take writes again after the master restarted; emptying it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode
 
@@ -22,9 +23,9 @@ def mooncake_store(
         yield master
 
 
-def wait_until_writable(master: MooncakeMaster, limit: float = 60.0) -> None:
-    """Return once a put into the store succeeds (after a restart the node remounts its
-    segment at its next ping)."""
+@contextmanager
+def probe_client(master: MooncakeMaster) -> Iterator[Any]:
+    """A plain Mooncake client of ``master`` that lends no memory."""
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
@@ -40,10 +41,25 @@ def wait_until_writable(master: MooncakeMaster, limit: float = 60.0) -> None:
     )
     assert code == 0, f"a probe client could not set up against {master.address}: {code}"
     try:
+        yield client
+    finally:
+        client.close()
+
+
+def wait_until_writable(master: MooncakeMaster, limit: float = 60.0) -> None:
+    """Return once a put into the store succeeds (after a restart the node remounts its
+    segment at its next ping)."""
+    with probe_client(master) as client:
         deadline = time.monotonic() + limit
         while client.upsert("kvplug-probe", b"x" * 64) != 0:
             assert time.monotonic() < deadline, "the store took no write after its restart"
             time.sleep(0.2)
         client.remove("kvplug-probe", force=True)
-    finally:
-        client.close()
+
+
+def empty_store(master: MooncakeMaster) -> None:
+    """Remove every object, leases or not: a test that filled the store leaves it full until
+    the master's next eviction round, which a busy machine delays."""
+    with probe_client(master) as client:
+        removed = client.remove_all(force=True)
+        assert removed >= 0, f"remove_all on {master.address} failed: {removed}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from mooncake_helpers import mooncake_store, wait_until_writable
+from mooncake_helpers import empty_store, mooncake_store, wait_until_writable
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
@@ -85,6 +85,7 @@ class TestFullMooncakeConformance(CapacityContract):
 
     @pytest.fixture
     def kvplug_url(self, small_store: MooncakeMaster) -> str:
+        empty_store(small_store)  # each test starts from an empty store, not the last one's
         return small_store.url(global_segment_size=0)
 
     @pytest.fixture

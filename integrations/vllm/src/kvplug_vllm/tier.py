@@ -93,8 +93,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.integration import (
+    QUICK_SWITCH_SECONDS,
     CallHealth,
     EngineIO,
+    QuickSwitches,
     check_keys,
     check_target,
     flag,
@@ -141,6 +143,10 @@ KVPLUG_KEYS = {
     "max_queued_chunks": "chunks of store jobs in flight before new ones are refused",
     "locality": "'LOCAL' or 'REMOTE': where the store is relative to this instance",
     "enable_kv_events": "publish KV events for chunks stored here (default false)",
+    "gil_switch_interval": (
+        f"seconds: the interpreter's switch interval while a load or lookup is in flight "
+        f"(default {QUICK_SWITCH_SECONDS}; null leaves it alone)"
+    ),
 }
 VLLM_KEYS = ("type", "module_path", "backpressure")
 """Tier config keys that vLLM's SecondaryTierFactory reads itself."""
@@ -161,6 +167,7 @@ class _Settings:
     max_queued_chunks: int | None
     locality: Locality | None
     enable_kv_events: bool
+    gil_switch_interval: float | None
 
     @classmethod
     def parse(cls, settings: Mapping[str, Any]) -> _Settings:
@@ -219,6 +226,9 @@ class _Settings:
             enable_kv_events=flag(
                 settings.get("enable_kv_events", False), name="enable_kv_events", what=_WHAT
             ),
+            gil_switch_interval=None
+            if (switch := settings.get("gil_switch_interval", QUICK_SWITCH_SECONDS)) is None
+            else positive_seconds(switch, name="gil_switch_interval", what=_WHAT),
         )
 
 
@@ -394,6 +404,8 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         self.locality = parsed.locality
         rows = byte_rows(primary_kv_view)
         self._rows = torch.from_numpy(rows)
+        self._row_views: dict[int, MemoryObj] = {}
+        self._quick = QuickSwitches(parsed.gil_switch_interval)
         self._row_bytes = int(rows.shape[1])
         self._target = mask_url(parsed.url) if parsed.url else f"the tiers in {parsed.config}"
         self._calls = CallHealth(self._what, _FAILURES, logger)
@@ -482,10 +494,19 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         return [namespace.key_of(bytes(key)) for key in keys]
 
     def _views(self, chunk_ids: Sequence[int]) -> list[MemoryObj]:
-        return [
-            MemoryObj.from_tensor(self._rows[int(chunk)], MemoryFormat.BINARY_BUFFER)
-            for chunk in chunk_ids
-        ]
+        """The primary rows of ``chunk_ids`` (on the IO thread), each made once and kept: every
+        torch call lets go of the GIL, and getting it back waits up to the interpreter's switch
+        interval (5 ms) while the engine's scheduler thread runs Python, so three calls per
+        chunk and job cost a 2,000-token prefix about 0.3 s of time to first token. Each holds
+        one reference, the tier's, which jobs use as theirs (vLLM never moves one chunk in two
+        jobs at once)."""
+        views = self._row_views
+        for chunk in chunk_ids:
+            if chunk not in views:
+                views[chunk] = MemoryObj.from_tensor(
+                    self._rows[int(chunk)], MemoryFormat.BINARY_BUFFER
+                )
+        return [views[chunk] for chunk in chunk_ids]
 
     def _submit(self, job: TransferJob, work: Any, chunks: int) -> None:
         """Run coroutine ``work`` (which returns the job's JobResult) on kvplug's IO thread and
@@ -523,15 +544,21 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             if not job.is_promotion:
                 self._queued_chunks -= chunks
             self._job_done.notify_all()
+        if job.is_promotion:
+            self._quick.release()
 
     # -- lookups --------------------------------------------------------------------------------
 
     async def _contains_each(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each of ``keys`` is stored (not a prefix count: vLLM asks per key), asked
-        at once."""
+        """Whether each of ``keys`` is stored (vLLM asks per key): the leading stored keys in
+        one batched call (a prefix that came back whole: every key, in one trip), then each
+        key after the first missing one, asked at once."""
         backend = self._client.backend
-        found = await asyncio.gather(*(backend.contains(key) for key in keys))
-        return [bool(hit) for hit in found]
+        leading = await backend.batched_contains(list(keys))
+        rest = keys[leading + 1 :]
+        found = await asyncio.gather(*(backend.contains(key) for key in rest))
+        head = [True] * leading + [False] * (leading < len(keys))
+        return head + [bool(hit) for hit in found]
 
     async def _lookup(self, keys: Sequence[CacheKey]) -> list[bool]:
         """:meth:`_contains_each` within ``lookup_timeout``."""
@@ -544,6 +571,13 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         failure, and at once after ``lookups`` is shut down)."""
         if not keys:
             return []
+        self._quick.hold()
+        try:
+            return self._ask(keys, lookups)
+        finally:
+            self._quick.release()
+
+    def _ask(self, keys: Sequence[OffloadKey], lookups: _Lookups) -> list[bool]:
         try:
             asking = self._client.run(self._lookup(self._keys(keys)))
         except Exception as error:
@@ -644,11 +678,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         present = await self._contains_each(cache_keys)
         wanted = [index for index, hit in enumerate(present) if not hit]
         views = self._views([chunk_ids[index] for index in wanted])
-        try:
-            await self._io.store([cache_keys[index] for index in wanted], views)
-        finally:
-            for view in views:
-                view.release()
+        await self._io.store([cache_keys[index] for index in wanted], views)
         return len(wanted)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -658,6 +688,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         keys = list(job.keys)
         with self._state:
             self._load_keys[job.job_id] = keys
+        self._quick.hold()  # released in _finish
         self._submit(job, self._load(job, keys), len(keys))
 
     async def _load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
@@ -668,9 +699,6 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         except Exception as error:
             self._calls.failed("failed_loads", error)
             return JobResult(job_id=job.job_id, success=False)
-        finally:
-            for view in views:
-                view.release()
         self._calls.succeeded()
         loaded = [key for key, hit in zip(keys, found, strict=True) if hit]
         with self._state:
@@ -791,6 +819,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
                 mask_text(f"{type(error).__name__}: {error}"),
             )
         # vLLM unmaps the primary tier next, which it can only do once no view of it is left.
+        self._row_views.clear()
         self._rows = torch.empty(0, 0, dtype=torch.uint8)
 
     def __repr__(self) -> str:

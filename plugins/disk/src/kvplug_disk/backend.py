@@ -118,6 +118,7 @@ from kvplug_disk.fileops import (
     kind_of,
     move_aside,
     open_object,
+    open_object_sized,
     read_all,
     reason,
     unlink_quietly,
@@ -1124,16 +1125,16 @@ class DiskBackend(Backend):
     def _verify(
         self,
         fd: int,
+        size: int,
         key_text: str,
         entry: IndexEntry,
         payload: Payload,
         path: str,
     ) -> ObjectHeader | None:
-        """Read and verify the file into ``payload``. Returns None when the object is
-        complete, or the header of a different valid object the file holds; raises
+        """Read and verify the file (``size`` bytes) into ``payload``. Returns None when the
+        object is complete, or the header of a different valid object the file holds; raises
         CorruptObject when the file is damaged."""
         head_block = header_buffer()
-        size = os.fstat(fd).st_size
         if size != entry.size:
             # Never read the payload past a short file with O_DIRECT: check the header first.
             count = read_all(fd, [memoryview(head_block)], 0)
@@ -1306,7 +1307,7 @@ class DiskBackend(Backend):
                 obj, padded(entry.payload_len), entry.directory.o_direct, False, access
             )
             try:
-                fd = open_object(path, O_DIRECT if payload.o_direct else 0)
+                fd, size = open_object_sized(path, O_DIRECT if payload.o_direct else 0)
             except FileNotFoundError:
                 self._forget(key, entry)
                 return None
@@ -1320,7 +1321,7 @@ class DiskBackend(Backend):
                 ) from None
             try:
                 try:
-                    other = self._verify(fd, key_text, entry, payload, path)
+                    other = self._verify(fd, size, key_text, entry, payload, path)
                 except CorruptObject as error:
                     self._discard_corrupt(key, entry, fd, error)
                     return None
