@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -27,7 +28,8 @@ def _python_blocks() -> list[tuple[str, int, str]]:
 @pytest.mark.parametrize(
     "source", [b[2] for b in _python_blocks()], ids=[f"{b[0]}#{b[1]}" for b in _python_blocks()]
 )
-def test_python_examples_in_the_docs_run(source: str) -> None:
+def test_python_examples_in_the_docs_run(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # an example's settings stay in it
     exec(compile(source, "<docs>", "exec"), {"__name__": "docs_example"})
 
 

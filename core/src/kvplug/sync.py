@@ -4,6 +4,12 @@
 ``concurrent.futures.Future`` s, so an engine thread can start a store, keep computing, and
 collect the result later. Vendors write only async code; this is the one bridge.
 
+A client ends its IO thread cleanly: :meth:`SyncClient.close` lets every task on the loop end
+(those started while it closes too) before the loop is closed, and a client still open when
+the interpreter exits is closed then (after the program's own threads have ended), so no task
+is left pending on a loop that goes away (which asyncio reports as "Task was destroyed but it
+is pending" and, for a task whose clean-up awaits, "coroutine ignored GeneratorExit").
+
 Example::
 
     >>> import torch
@@ -22,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -68,12 +75,17 @@ class SyncClient:
     ) -> None:
         self._pid = os.getpid()
         self._closed = False
+        self._stopping = False
+        """Set (under :attr:`_lock`) once the loop was told to stop: nothing is submitted
+        after that, so no coroutine is left unrun on a closed loop."""
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=_serve, args=(self._loop,), name="kvplug-io", daemon=True
         )
         self._thread.start()
+        with _running_lock:
+            _running.add(self)
         if isinstance(backend, Backend):
             self.backend = backend
             return
@@ -113,7 +125,11 @@ class SyncClient:
             raise BackendClosed("this SyncClient is closed; create a new one.")
 
     def _submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        with self._lock:
+            if self._stopping:  # a call that raced with close(): its loop is going away
+                coroutine.close()
+                raise BackendClosed("this SyncClient is closed; create a new one.")
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def _operate(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a backend operation: on the caller's thread when the backend
@@ -242,14 +258,39 @@ class SyncClient:
             self._stop_loop(timeout)
 
     def _stop_loop(self, timeout: float | None = None) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._thread.is_alive():
+            with _running_lock:
+                _running.discard(self)
+        else:
             logger.warning(
                 "the IO thread of the SyncClient for %s did not stop within %s s: an operation "
                 "blocks it; it finishes what is left and ends by itself once it is free",
                 mask_url(str(self.backend.url)),
                 timeout,
+            )
+
+    def _end_at_exit(self) -> None:
+        """Close this client (or, where a close is under way in another thread, wait for its
+        IO thread) within :data:`EXIT_SECONDS`."""
+        if os.getpid() != self._pid:
+            return  # a forked child: the IO thread is the parent's
+        with self._lock:
+            closing = self._closed
+        try:
+            if closing:
+                self._thread.join(EXIT_SECONDS)
+            else:
+                self.close(EXIT_SECONDS)
+        except Exception as error:
+            logger.warning(
+                "closing the SyncClient for %s at interpreter exit failed: %s",
+                mask_url(str(getattr(getattr(self, "backend", None), "url", "a backend"))),
+                error,
             )
 
     def __enter__(self) -> SyncClient:
@@ -261,23 +302,68 @@ class SyncClient:
 
 FINISH_SECONDS = 5.0
 """Seconds a stopped IO loop gives the tasks still on it (a close submitted while an operation
-blocked the loop) before it cancels them."""
+blocked the loop) before it cancels them, and then the cancelled ones to end."""
+EXIT_SECONDS = 10.0
+"""Seconds each client still open at interpreter exit may take to close."""
+
+_running: set[SyncClient] = set()
+"""Clients whose IO thread may still run: closed at interpreter exit. Held strongly: a client
+dropped unclosed leaves its thread running anyway, and exit closes it then."""
+_running_lock = threading.Lock()
+
+
+@atexit.register
+def _end_running_clients() -> None:
+    """Close the clients still open at interpreter exit. ``atexit`` runs this once the
+    program's own (non-daemon) threads have ended, so no caller uses them any more; without
+    it the IO threads (daemons) are frozen mid-loop, and the tasks left on their loops are
+    destroyed pending."""
+    with _running_lock:
+        clients = list(_running)
+    for client in clients:
+        client._end_at_exit()
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    """The IO thread: run ``loop`` until it is stopped, then let the tasks still there finish
-    (cancelled after :data:`FINISH_SECONDS`) and close it, so nothing is left pending."""
+    """The IO thread: run ``loop`` until it is stopped, then let every task on it end
+    (:func:`_finish_tasks`), finalize its async generators and close it, so nothing is left
+    pending."""
     try:
         loop.run_forever()
     finally:
-        pending = asyncio.all_tasks(loop)
-        if pending:
-            _, late = loop.run_until_complete(asyncio.wait(pending, timeout=FINISH_SECONDS))
-            for task in late:
-                task.cancel()
-            if late:
-                loop.run_until_complete(asyncio.wait(late, timeout=FINISH_SECONDS))
-        loop.close()
+        try:
+            loop.run_until_complete(_finish_tasks())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+async def _finish_tasks() -> None:
+    """Wait for the loop's other tasks, including those they start meanwhile and those
+    submitted just before the loop stopped, for :data:`FINISH_SECONDS`; then cancel the rest
+    and give them as long again. A task that outlives both is named in a warning (it ignores
+    cancellation) and is destroyed with the loop."""
+    loop = asyncio.get_running_loop()
+    this = asyncio.current_task()
+    cancelled: set[asyncio.Task[Any]] = set()
+    for cancelling in (False, True):
+        deadline = loop.time() + FINISH_SECONDS
+        while others := asyncio.all_tasks() - {this}:
+            if cancelling:
+                for task in others - cancelled:
+                    task.cancel()
+                cancelled |= others
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await asyncio.wait(others, timeout=remaining)
+    left = asyncio.all_tasks() - {this}
+    if left:
+        logger.warning(
+            "%d task(s) of a SyncClient's IO loop did not end when cancelled and are dropped: %s",
+            len(left),
+            ", ".join(sorted(task.get_name() for task in left)),
+        )
 
 
 __all__ = ["SyncClient"]

@@ -1,6 +1,7 @@
 """What the tests of both LMCache modes share: LMCache's MP adapter built from its plugin JSON
-and driven through its event fds as LMCache's controllers do (``make_adapter``, ``Driver``), and
-the in-process connector inside LMCache's own ``RemoteBackend`` (``remote_backend``)."""
+and driven through its event fds as LMCache's controllers do (``make_adapter``, ``Driver``),
+``lmcache server`` with the adapter (``LMCacheServer``), and the in-process connector inside
+LMCache's own ``RemoteBackend`` (``remote_backend``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import argparse
 import contextlib
 import json
 import select
+import shlex
+import signal
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("lmcache", reason="these tests need LMCache (run them in an LMCache venv)")
 
@@ -32,6 +41,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 from kvplug import BackendSpec, register_backend
 from kvplug_disk import DiskBackend
 from kvplug_lmcache.connector import KvplugConnector
+from kvplug_testing import free_port
 from kvplug_testing.threads import loop_thread
 
 DEADLINE = 60.0
@@ -140,7 +150,133 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
+# -- lmcache server -------------------------------------------------------------------------
+
+LMCACHE_CLI = Path(sys.executable).with_name("lmcache")
+
+
+def server_command(
+    params: dict[str, Any], port: int, http_port: int, *more: str, l1_gb: float = 0.05
+) -> list[str]:
+    """``lmcache server`` on loopback with the kvplug adapter of ``params`` and ``more``
+    arguments."""
+    return [
+        str(LMCACHE_CLI),
+        "server",
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--http-host", "127.0.0.1", "--http-port", str(http_port)),
+        *("--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--disable-observability"),
+        *("--l2-adapter", json.dumps(plugin_spec(params)), *more),
+    ]
+
+
+class LMCacheServer:
+    """``lmcache server`` with the kvplug adapter of ``params`` on free loopback ports, as a
+    context manager: entered once it says it runs and its HTTP API answers; left with SIGINT
+    (killed if it does not stop in time). ``more`` and ``l1_gb`` as :func:`server_command`."""
+
+    def __init__(self, params: dict[str, Any], *more: str, l1_gb: float = 0.05) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.command = server_command(params, self.port, self.http_port, *more, l1_gb=l1_gb)
+        self.lines: list[str] = []
+        self.process: subprocess.Popen[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def __enter__(self) -> LMCacheServer:
+        process = self.process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend(process.stdout or []), daemon=True
+        )
+        self._reader.start()
+        try:
+            wait_until(lambda: self.running() or process.poll() is not None, "lmcache server start")
+            assert process.poll() is None, "".join(self.lines)
+            answered: list[dict[str, Any]] = []
+
+            def answers() -> bool:
+                with contextlib.suppress(OSError):
+                    answered.append(self.status())
+                return bool(answered)
+
+            wait_until(answers, "the HTTP status endpoint")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def running(self) -> bool:
+        return any("cache server is running" in line for line in self.lines)
+
+    def status(self) -> dict[str, Any]:
+        """The server's HTTP ``/status``."""
+        with urllib.request.urlopen(f"{self.url}/status", timeout=10) as response:
+            return dict(json.load(response))
+
+    def adapter_status(self) -> dict[str, Any]:
+        """The kvplug adapter's part of ``/status``."""
+        (adapter,) = self.status()["storage_manager"]["l2_adapters"]
+        return dict(adapter)
+
+    def clear_l1(self) -> None:
+        """Empty LMCache's L1 (its ``POST /cache/clear``): later hits come from L2."""
+        request = urllib.request.Request(f"{self.url}/cache/clear", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.load(response)["status"] == "ok"
+
+    def __exit__(self, *exc_info: object) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        self._reader.join(10)
+
+
 # -- the in-process connector --------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "lmcache.md"
+DOCUMENTED_URL = "remote_storage_plugin.kvplug.url"
+
+
+DOCUMENTED_CHECK = "basic_check --mode test_remote"
+
+
+def _inprocess_section() -> str:
+    return DOCS.read_text().split("## In-process mode", 1)[1].split("\n## ", 1)[0]
+
+
+def documented_config(url: str) -> dict[str, Any]:
+    """The in-process LMCache YAML of docs/lmcache.md (the first ``yaml`` block of its
+    "In-process mode" section), read as LMCache reads it, with its kvplug URL replaced by
+    ``url``: what an operator copies, pointed at a test's store."""
+    block = _inprocess_section().split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = yaml.safe_load(block)
+    assert DOCUMENTED_URL in config["extra_config"], block
+    config["extra_config"][DOCUMENTED_URL] = url
+    return dict(config)
+
+
+def documented_check() -> tuple[dict[str, str], list[str]]:
+    """The environment and the command of the ``basic_check`` line of docs/lmcache.md's
+    "In-process mode" section (``NAME=value ... python -m MODULE --mode test_remote``)."""
+    (line,) = [
+        line
+        for line in _inprocess_section().splitlines()
+        if line.rstrip().endswith(DOCUMENTED_CHECK)
+    ]
+    words = shlex.split(line)
+    env = dict(word.split("=", 1) for word in words if "=" in word)
+    return env, [word for word in words if "=" not in word]
+
 
 PREFIX = "remote_storage_plugin.kvplug."
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 4, 2, 8, 64

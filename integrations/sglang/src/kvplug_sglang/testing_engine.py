@@ -5,10 +5,10 @@ driven by JSON lines, for ``integrations/sglang/tests/test_engine.py``.
 ``python -m kvplug_sglang.testing_engine MODEL_DIR ENGINE_JSON`` starts ``sglang.Engine`` on
 ``MODEL_DIR`` (see :func:`kvplug_testing.models.build_random_llama`) with the keyword arguments
 ``ENGINE_JSON`` (a JSON object, e.g. ``{"enable_hierarchical_cache": true, ...}``),
-``device="cpu"`` and
-``skip_tokenizer_init``, after :func:`install_cpu_shims`. It prints one JSON line when ready
-(``{"ready": true, "start_seconds": ...}``; a failed start ends the process, and SGLang's own
-log on stderr says why), then answers one JSON line per command read from stdin:
+``device="cpu"`` and ``skip_tokenizer_init``, after :func:`install_cpu_shims`. It speaks
+:mod:`kvplug_testing.engine_process`'s protocol (a ready line, or the failed start's error with
+SGLang's own log on stderr; then one JSON answer a command read from stdin, ``{"error": ...,
+"type": ...}`` for a failed one), with these ops:
 
 - ``{"op": "generate", "prompt": [token ids], "max_tokens": 8}``: greedy, streamed;
   ``tokens`` (the output ids), ``ttft`` (seconds to the first streamed chunk), ``seconds``
@@ -17,8 +17,7 @@ log on stderr says why), then answers one JSON line per command read from stdin:
 - ``{"op": "flush"}``: ``flush_cache()`` (the device and host caches; L3 keeps its pages).
 - ``{"op": "exit"}``.
 
-A failed command answers ``{"error": ..., "type": ...}``. :class:`EngineProcess` runs one from
-Python.
+:class:`EngineProcess` runs one from Python.
 
 **What SGLang 0.5.23 lacks on a CPU machine** (its ``--device cpu`` path serves a model with
 the torch-native attention backend, but HiCache on it is written for accelerators).
@@ -53,23 +52,21 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from kvplug_testing import engine_process
+from kvplug_testing.engine_process import Handler, module_argv, serve
 
 SHIMMED_SGLANG = "0.5.23"
 """The SGLang release whose CPU gaps :func:`install_cpu_shims` was written for and checked
 against."""
 START_TIMEOUT = 420.0
 """Seconds an engine may take to start on a busy 2-core machine."""
-COMMAND_TIMEOUT = 300.0
 
 # The engine processes run SGLang on the CPU, keep off any model hub and report nothing anywhere.
 ENGINE_ENVIRONMENT = {
@@ -286,149 +283,63 @@ def _generate(engine: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]
     }
 
 
-def _serve(model_dir: str, engine_json: str) -> int:
+@contextlib.contextmanager
+def _engine(model_dir: str, engine_kwargs: dict[str, Any]) -> Iterator[dict[str, Handler]]:
     import sglang
 
-    started = time.perf_counter()
     engine = sglang.Engine(
         model_path=model_dir,
         device="cpu",
         skip_tokenizer_init=True,
         disable_cuda_graph=True,
-        **json.loads(engine_json),
+        **engine_kwargs,
     )
-    print(json.dumps({"ready": True, "start_seconds": time.perf_counter() - started}), flush=True)
     try:
-        for line in sys.stdin:
-            command = json.loads(line)
-            try:
-                if command["op"] == "exit":
-                    break
-                if command["op"] == "flush":
-                    answer: dict[str, Any] = {"flushed": bool(engine.flush_cache().success)}
-                elif command["op"] == "generate":
-                    answer = _generate(engine, command["prompt"], command.get("max_tokens", 8))
-                else:
-                    raise ValueError(f"unknown op {command['op']!r}")
-            except Exception as error:
-                answer = {"error": str(error), "type": type(error).__name__}
-            print(json.dumps(answer), flush=True)
+        yield {
+            "flush": lambda command: {"flushed": bool(engine.flush_cache().success)},
+            "generate": lambda command: _generate(
+                engine, command["prompt"], command.get("max_tokens", 8)
+            ),
+        }
     finally:
         engine.shutdown()
-    return 0
 
 
-class EngineStartError(RuntimeError):
-    """The engine process ended before it was ready; ``log`` is its stderr."""
-
-    def __init__(self, message: str, log: str) -> None:
-        super().__init__(message)
-        self.log = log
-
-
-class EngineProcess:
-    """One engine process (``python -m kvplug_sglang.testing_engine``) and its children, in a
-    session of their own: started by :meth:`start`, ended by :meth:`close` (``exit``, then the
-    whole session killed if it lingers). Its stderr (SGLang's log) goes to ``log_path``.
+class EngineProcess(engine_process.EngineProcess):
+    """``python -m kvplug_sglang.testing_engine`` as a child process
+    (:class:`kvplug_testing.engine_process.EngineProcess`: its own session, killed on close,
+    with every process SGLang starts), with :data:`ENGINE_ENVIRONMENT`; its stderr (SGLang's
+    log) goes to ``log``.
 
     Example::
 
         with EngineProcess(model_dir, {"enable_hierarchical_cache": True, ...}, log) as engine:
-            answer = engine.call({"op": "generate", "prompt": [1, 2, 3], "max_tokens": 4})
+            answer = engine.ask({"op": "generate", "prompt": [1, 2, 3], "max_tokens": 4})
     """
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], engine_kwargs: dict[str, Any], log_path: Path
+        self, model_dir: str | os.PathLike[str], engine_kwargs: dict[str, Any], log: Path
     ) -> None:
-        self.model_dir = str(model_dir)
-        self.engine_kwargs = engine_kwargs
-        self.log_path = log_path
-        self.start_seconds = 0.0
-        self._process: subprocess.Popen[str] | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._log: IO[str] | None = None
-
-    def start(self) -> EngineProcess:
-        environment = {**os.environ, **ENGINE_ENVIRONMENT}
-        self._log = self.log_path.open("w")  # closed in close()
-        self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvplug_sglang.testing_engine",
-                self.model_dir,
-                json.dumps(self.engine_kwargs),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=environment,
-            start_new_session=True,
+        super().__init__(
+            module_argv("kvplug_sglang.testing_engine", model_dir, json.dumps(engine_kwargs)),
+            log=log,
+            env=ENGINE_ENVIRONMENT,
+            start_timeout=START_TIMEOUT,
         )
-        threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True).start()
-        ready = self._answer(START_TIMEOUT, "start")
-        if ready is None:
-            self.close()
-            log = self.log_path.read_text(errors="replace")
-            raise EngineStartError(f"the engine ended before it was ready; its log:\n{log}", log)
-        self.start_seconds = float(ready["start_seconds"])
-        return self
 
-    def _read(self, stream: IO[str] | None) -> None:
-        assert stream is not None
-        for line in stream:
-            if line.startswith("{"):
-                self._lines.put(line)
-        self._lines.put(None)
 
-    def _answer(self, timeout: float, what: str) -> dict[str, Any] | None:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no answer to {what} from the engine in {timeout} s") from None
-        return None if line is None else dict(json.loads(line))
-
-    def call(self, command: dict[str, Any], timeout: float = COMMAND_TIMEOUT) -> dict[str, Any]:
-        """Send ``command``; its answer (raises ``RuntimeError`` on an error answer)."""
-        assert self._process is not None and self._process.stdin is not None
-        self._process.stdin.write(json.dumps(command) + "\n")
-        self._process.stdin.flush()
-        answer = self._answer(timeout, command["op"])
-        if answer is None:
-            raise RuntimeError(f"the engine ended during {command['op']}; see {self.log_path}")
-        if "error" in answer:
-            raise RuntimeError(f"{command['op']} failed: {answer['type']}: {answer['error']}")
-        return answer
-
-    def close(self) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            try:
-                if process.poll() is None and process.stdin is not None:
-                    process.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                    process.stdin.close()
-                process.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-            finally:
-                # The engine's scheduler and detokenizer share its session.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> EngineProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+__all__ = [
+    "ENGINE_ENVIRONMENT",
+    "SHIMMED_SGLANG",
+    "START_TIMEOUT",
+    "EngineProcess",
+    "install_cpu_shims",
+    "kvplug_extra_config",
+    "serve_torchvision_placeholders_if_needed",
+]
 
 if __name__ in ("__main__", "__mp_main__") and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     install_cpu_shims()  # in the driver and in every process SGLang spawns from it
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], sys.argv[2]))
+    sys.exit(serve(lambda: _engine(sys.argv[1], json.loads(sys.argv[2]))))
