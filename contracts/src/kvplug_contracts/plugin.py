@@ -66,6 +66,7 @@ from kvplug_contracts.support import (
     layers,
     violated,
 )
+from kvplug_contracts.workers import DESELECTED, LEAKS, AcrossWorkers
 
 URL_ENV = "KVPLUG_CONTRACT_URL"
 SUITE_ALLOCATOR_SIZE = 512 << 20
@@ -73,9 +74,7 @@ CLOSE_LIMIT = 10.0
 OUTCOMES = ("passed", "failed", "n/a", "not run", "known failure", "fixed known failure")
 VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
 SMALL_OPTIONS_ATTRIBUTE = "contract_small_options"
-DESELECTED = "deselected (by -k, -m or another selection): the suite did not run it this time"
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
-WORKER_OUTPUT = "kvplug_contract_summary"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -156,7 +155,7 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{ALLOW_MARKER}(*prefixes): threads whose name starts with one of the prefixes may "
         "outlive the contract tests it marks (a client library's thread kept by design)",
     )
-    config.stash[_LEAKS] = LeakTally()
+    config.stash[LEAKS] = LeakTally()
     config.pluginmanager.register(ClauseSummary(config), "kvplug-clause-summary")
     # Learn the secrets of the backend under test before any report could show them.
     pairs = (
@@ -169,7 +168,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _HYPOTHESIS_HOME = pytest.StashKey[bool]()
-_LEAKS = pytest.StashKey[LeakTally]()
 
 
 def _keep_hypothesis_files_in_a_temporary_directory(config: pytest.Config) -> None:
@@ -363,7 +361,7 @@ def clause_verdict(row: dict[str, Any]) -> str:
     return "n/a" if row["n/a"] and not row["not run"] else "not run"
 
 
-class ClauseSummary:
+class ClauseSummary(AcrossWorkers):
     """Collects each contract test's outcome under the clauses it is marked with.
 
     A test's own clauses get the outcome of its call (or of its setup, when that fails or
@@ -410,55 +408,6 @@ class ClauseSummary:
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         RUNNING.clause = None
-
-    # Under pytest-xdist (-n) the controller, which prints the summary, collects nothing: a
-    # test's clauses travel with its reports, and what a worker deselected and its leak tally
-    # with the output it sends when it finishes.
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item
-    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
-        if item.nodeid in self.clauses_of:
-            report.kvplug_clauses = self._marks(item.nodeid)  # type: ignore[attr-defined]
-        return report
-
-    def _marks(self, nodeid: str) -> tuple[list[int], bool]:
-        return list(self.clauses_of[nodeid]), nodeid in self.central
-
-    def _learn_marks(self, nodeid: str, marks: Sequence[Any]) -> None:
-        clauses, central = marks
-        self.clauses_of[nodeid] = tuple(clauses)
-        if central:
-            self.central.add(nodeid)
-
-    def pytest_sessionfinish(self) -> None:
-        output = getattr(self.config, "workeroutput", None)
-        if output is None:
-            return  # not a pytest-xdist worker
-        tally = self.config.stash[_LEAKS]
-        output[WORKER_OUTPUT] = {
-            "deselected": {nodeid: self._marks(nodeid) for nodeid in self.deselected},
-            "leaks": [tally.checked, tally.leaking, sorted(tally.allowed)],
-        }
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_testnodedown(self, node: Any) -> None:
-        """pytest-xdist's controller: a worker finished."""
-        output = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT)
-        if output is None:
-            return  # it crashed (its test fails) or ran no contract plugin
-        for nodeid, marks in output["deselected"].items():
-            self._learn_marks(nodeid, marks)  # every worker deselects the same tests
-            self.outcome_of[nodeid] = "not run"
-            self.reason_of[nodeid] = DESELECTED
-            self.deselected.add(nodeid)
-        checked, leaking, allowed = output["leaks"]
-        tally = self.config.stash[_LEAKS]
-        tally.checked += checked
-        tally.leaking += leaking
-        tally.allowed.update(allowed)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         nodeid = report.nodeid
@@ -531,7 +480,7 @@ class ClauseSummary:
             if verdict in ("n/a", "not run"):
                 for reason in row["reasons"] or ["no test of this clause was collected"]:
                     terminalreporter.write_line(f"{'':>12}{reason}")
-        leaks = self.config.stash[_LEAKS].line()
+        leaks = self.config.stash[LEAKS].line()
         if leaks:
             terminalreporter.write_line(leaks)
         path = self.config.getoption("--kvplug-summary-json")
@@ -593,7 +542,7 @@ def kvplug_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not isinstance(item, pytest.Item) or not _is_contract_test(item):
         yield
         return
-    tally = request.config.stash[_LEAKS]
+    tally = request.config.stash[LEAKS]
     allowed = allowed_thread_prefixes(item)
     tally.allowed.update(allowed)
     check = LeakCheck(request.getfixturevalue("kvplug_runner"), allowed)

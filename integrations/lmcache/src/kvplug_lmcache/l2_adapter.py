@@ -105,6 +105,7 @@ from kvplug.store import store_of, store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
+from kvplug_lmcache.usage import default_capacity, held_by_backend
 
 try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
     from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
@@ -288,15 +289,6 @@ def _byte_view(obj: Any) -> torch.Tensor:
     return view
 
 
-def _default_capacity(backend: Backend) -> int:
-    """The backend's ``max_size`` (the largest tier's for a Store), else 0 (unknown); seen
-    through wrappers (``audit::file://`` has ``file://``'s)."""
-    tiers = tiers_of(backend)
-    sizes = [getattr(tier.options, "max_size", None) for tier in tiers]
-    known = [size for size in sizes if isinstance(size, int)]
-    return max(known) if known and len(known) == len(sizes) else 0
-
-
 def _memory_tags(backend: Backend, shared: bool) -> Any:
     """LMCache's tags for where the backend keeps its bytes, seen through wrappers: REMOTE
     where other hosts may see them (LMCache's meaning), so not for ``file://``, whose directory
@@ -314,29 +306,6 @@ def _memory_tags(backend: Backend, shared: bool) -> Any:
     else:
         segment = MemorySegment.STORAGE
     return MemoryTags(segment, residency)
-
-
-def _held_by_backend(backend: Backend) -> tuple[int, int] | None:
-    """(objects, bytes) the backend holds by its own counters (``keys`` and ``bytes_held`` of
-    its ``stats()``, seen through wrappers), all of them, also those another process or an
-    earlier run stored; for a Store, its largest tier's (where the adapter's default capacity
-    comes from; ties go to the lower tier, which a Store's writes reach last). None when a
-    tier does not count them (``redis://``). Call on the IO thread."""
-    counted: list[tuple[int, int, int]] = []
-    for tier in tiers_of(backend):
-        stats = getattr(tier, "stats", None)
-        values = stats() if callable(stats) else None
-        if not isinstance(values, Mapping):
-            return None
-        keys, held = values.get("keys"), values.get("bytes_held")
-        if not isinstance(keys, int) or not isinstance(held, int):
-            return None
-        max_size = getattr(tier.options, "max_size", None)
-        counted.append((max_size if isinstance(max_size, int) else 0, keys, held))
-    if not counted:
-        return None
-    _, keys, held = max(reversed(counted), key=lambda tier: tier[0])
-    return keys, held
 
 
 _KINDS = ("stores", "lookups", "loads")
@@ -416,7 +385,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             backend = client.backend
             capacity = config.capacity
             if capacity is None:
-                capacity = _default_capacity(backend)
+                capacity = default_capacity(backend)
             super().__init__(max_capacity_bytes=capacity)
             if config.check_on_start:
                 self._check_reachable(client)
@@ -966,7 +935,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
             # whether that thread is alive, with the stats, the failing tiers and the usage.
             failing = [] if store is None else [t.name for t in store.health() if not t.healthy]
             try:
-                held = _held_by_backend(self._backend)
+                held = held_by_backend(self._backend)
                 collected = mask_data(stats()) if callable(stats) else None
             except Exception as error:
                 return KvplugError(mask_text(f"{type(error).__name__}: {error}")), failing, None
