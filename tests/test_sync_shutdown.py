@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,29 @@ def test_a_task_started_while_the_client_closes_ends_before_its_loop_closes(
         gc.collect()
     assert cleaned_up.is_set(), "the task started while closing was dropped with the loop"
     assert "Task was destroyed" not in caplog.text
+
+
+def test_threads_of_the_loops_executor_end_with_the_client(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sync, "FINISH_SECONDS", 0.5)
+    before = set(threading.enumerate())
+    client = SyncClient("cpu://?max_size=1MiB")
+    assert client.run(asyncio.to_thread(time.sleep, 0.01)).result(10) is None
+    client.close()
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+    release = threading.Event()
+    client = SyncClient("cpu://?max_size=1MiB")
+    client.run(asyncio.to_thread(release.wait, 30))  # a blocking call that outlasts the close
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvplug.sync"):
+            started = time.monotonic()
+            client.close()
+        assert time.monotonic() - started < 10
+        assert "executor was still running" in caplog.text
+    finally:
+        release.set()
 
 
 EXITS_WITH_A_CLIENT_OPEN = """

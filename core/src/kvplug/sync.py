@@ -79,9 +79,9 @@ class SyncClient:
         """Set (under :attr:`_lock`) once the loop was told to stop: nothing is submitted
         after that, so no coroutine is left unrun on a closed loop."""
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
+        self._loop, executor = new_io_loop()
         self._thread = threading.Thread(
-            target=_serve, args=(self._loop,), name="kvplug-io", daemon=True
+            target=_serve, args=(self._loop, executor), name="kvplug-io", daemon=True
         )
         self._thread.start()
         with _running_lock:
@@ -324,18 +324,54 @@ def _end_running_clients() -> None:
         client._end_at_exit()
 
 
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
+def _serve(
+    loop: asyncio.AbstractEventLoop, executor: concurrent.futures.ThreadPoolExecutor
+) -> None:
     """The IO thread: run ``loop`` until it is stopped, then let every task on it end
-    (:func:`_finish_tasks`), finalize its async generators and close it, so nothing is left
-    pending."""
+    (:func:`_finish_tasks`) and close it (:func:`close_io_loop`), so nothing is left pending
+    or running."""
     try:
         loop.run_forever()
     finally:
         try:
             loop.run_until_complete(_finish_tasks())
-            loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
-            loop.close()
+            close_io_loop(loop, executor)
+
+
+def new_io_loop() -> tuple[asyncio.AbstractEventLoop, concurrent.futures.ThreadPoolExecutor]:
+    """A new event loop and the default executor it was given (``asyncio.to_thread``,
+    ``run_in_executor(None, ...)`` and ``loop.getaddrinfo`` run there); close both with
+    :func:`close_io_loop`."""
+    loop = asyncio.new_event_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvplug-io-executor")
+    loop.set_default_executor(executor)
+    return loop, executor
+
+
+def close_io_loop(
+    loop: asyncio.AbstractEventLoop, executor: concurrent.futures.ThreadPoolExecutor
+) -> None:
+    """Finalize ``loop``'s async generators, wait up to :data:`FINISH_SECONDS` for the
+    threads of its executor to end, and close it. ``loop.close()`` alone only asks those
+    threads to end, so they would outlive the loop; one still busy after the wait (a blocking
+    call run with ``asyncio.to_thread``) is named in a warning and ends by itself."""
+    try:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+        executor.shutdown(wait=False, cancel_futures=True)
+        waiter = threading.Thread(
+            target=executor.shutdown, name="kvplug-io-executor-end", daemon=True
+        )
+        waiter.start()
+        waiter.join(FINISH_SECONDS)
+        if waiter.is_alive():
+            logger.warning(
+                "a thread of an IO loop's executor was still running %s s after the loop "
+                "stopped (a blocking call run with asyncio.to_thread); it ends by itself",
+                FINISH_SECONDS,
+            )
 
 
 async def _finish_tasks() -> None:

@@ -180,6 +180,35 @@ def test_gets_and_batched_gets_are_bit_exact_through_direct_reads(any_url: str) 
     assert allocator.stats().used == 0
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_an_address_connects_without_an_executor_thread_and_a_name_is_resolved(
+    server: RedisServer, host: str
+) -> None:
+    # A lookup runs on a thread of the loop's default executor, which outlives a loop that
+    # is only closed (a SyncClient's threads were found left over after close that way).
+    url = server.url.replace("127.0.0.1", host)
+    (key,) = keys_of(1)
+    obj = make_obj(6)
+
+    async def scenario() -> list[str]:
+        before = set(threading.enumerate())
+        backend = await kvplug.open_backend(url)
+        try:
+            await backend.put(key, obj)
+            await assert_reads_back(backend, key, obj)
+            assert direct_of(backend).gets == 1
+        finally:
+            await backend.close()
+        return [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+
+    try:
+        started = run(scenario())
+    finally:
+        release(obj)
+    if host == "127.0.0.1":
+        assert started == []
+
+
 def test_a_32_mib_chunk_round_trips_over_tls_and_plain() -> None:
     obj = make_obj(6, (2, 32, 256, 1024))
     try:

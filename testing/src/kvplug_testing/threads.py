@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvplug.sync import close_io_loop, new_io_loop
+
 JOIN_TIMEOUT = 10.0
 """Seconds :func:`loop_thread` waits for its thread to end once its loop was stopped."""
 
@@ -23,7 +25,7 @@ JOIN_TIMEOUT = 10.0
 def loop_thread(name: str = "test-loop") -> Iterator[asyncio.AbstractEventLoop]:
     """An event loop running on a thread of its own (as an engine's storage manager runs
     one); at the end it is stopped, its thread joined and the loop closed."""
-    loop = asyncio.new_event_loop()
+    loop, executor = new_io_loop()
     thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
     thread.start()
     try:
@@ -32,7 +34,7 @@ def loop_thread(name: str = "test-loop") -> Iterator[asyncio.AbstractEventLoop]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(JOIN_TIMEOUT)
         if not thread.is_alive():
-            loop.close()
+            close_io_loop(loop, executor)
 
 
 @contextmanager

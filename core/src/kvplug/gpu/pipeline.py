@@ -383,8 +383,10 @@ class _CallerThreadDriver(_Driver):
                 "and it drives the backend on the calling thread. Call it from a worker thread "
                 "(await asyncio.to_thread(offload, ...)) or pass a kvplug.sync.SyncClient."
             )
+        from kvplug.sync import new_io_loop
+
         self.backend = backend
-        self.loop = asyncio.new_event_loop()
+        self.loop, self.executor = new_io_loop()
 
     def _run(self, coroutine: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -401,7 +403,9 @@ class _CallerThreadDriver(_Driver):
         return self._run(self.backend.get(key))
 
     def close(self) -> None:
-        self.loop.close()
+        from kvplug.sync import close_io_loop
+
+        close_io_loop(self.loop, self.executor)
 
 
 @contextmanager

@@ -41,6 +41,7 @@ LMCache's protocol leaves it open:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -910,8 +911,12 @@ def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
 def run_in_thread(options: ServerOptions) -> Iterator[LMServer]:
     """Run a server on its own event loop in a daemon thread; yields it started (its
     :attr:`~LMServer.port` bound) and stops it gracefully on exit."""
+    from kvplug.sync import close_io_loop
+
     server = LMServer(options)
     loop = _loop_factory(options.loop)()
+    executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvplug-lm-executor")
+    loop.set_default_executor(executor)
     started = threading.Event()
     failure: list[BaseException] = []
 
@@ -931,8 +936,7 @@ def run_in_thread(options: ServerOptions) -> Iterator[LMServer]:
         try:
             loop.run_until_complete(main())
         finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+            close_io_loop(loop, executor)
 
     thread = threading.Thread(target=run, name=f"kvplug-lm-server:{options.port}", daemon=True)
     thread.start()

@@ -490,7 +490,12 @@ async def _open_socket(loop: asyncio.AbstractEventLoop, endpoint: Endpoint) -> s
             sock.close()
             raise
         return sock
-    addresses = await loop.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    try:  # an IP address needs no lookup, and no thread of the loop's executor
+        addresses = socket.getaddrinfo(
+            endpoint.host, endpoint.port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
+        )
+    except socket.gaierror:
+        addresses = await loop.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
     failure: OSError | None = None
     for family, kind, proto, _, address in addresses:
         sock = socket.socket(family, kind, proto)
