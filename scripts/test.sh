@@ -242,6 +242,11 @@ for engine in lmcache sglang vllm; do
 done
 engine_steps+=("lm-lmcache engine_tests lmcache 0.5.6 -m lmcache plugins/lm/tests")
 
+# The engine venvs, done while pytest ran, are taken in first: the engine steps take longest.
+if [ -z "$engines_built" ] && ! kill -0 "${job_pid[engines]}" 2>/dev/null; then
+  finish_job
+  engines_built=1
+fi
 running=0
 while [ ${#steps[@]} -gt 0 ] || [ ${#engine_steps[@]} -gt 0 ] || [ ${#job_pid[@]} -gt 0 ]; do
   if [ -n "$engines_built" ] && [ ${#engine_steps[@]} -gt 0 ]; then

@@ -38,13 +38,13 @@ async def open_disk(root: Path, allocator: FreeListAllocator, **options: Any) ->
 
 @pytest.mark.slow
 def test_a_stored_key_costs_the_process_less_than_1_kib(tmp_path: Path) -> None:
-    """20000 puts of small objects, each a new object with its own shape tuple (an engine's
+    """5000 puts of small objects, each a new object with its own shape tuple (an engine's
     pattern), measured with tracemalloc: what the process still holds afterwards per key,
     the key itself included, is under 1 KiB; the index's share (what the puts added: the
     entries, their strings and ints, the eviction policy's order, the index's dicts) is
     under 512 bytes (it was about 590 with a dict per entry, a stored path and a shape tuple
     per entry)."""
-    count = 20_000
+    count = 5_000
     batch = 64
 
     async def scenario() -> tuple[float, float]:
