@@ -224,8 +224,8 @@ class RefBackend(BytesBackend):
 
         await self.on_server("batched_put", put_all)
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
-        return await self.on_server("batched_contains", lambda s: [k in s.values for k in keys])
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
+        return await self.on_server("batched_exists", lambda s: [k in s.values for k in keys])
 
     async def _pin(self, key: CacheKey) -> bool:
         ttl = self.options.pin_ttl
@@ -371,6 +371,15 @@ class CountsAllPresentKeys(RefBackend):
 
     async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         return sum([await self._contains(key) for key in keys])
+
+
+class ExistsAnswersInKeyOrder(RefBackend):
+    """Clause 4: batched_exists answers in the order of the sorted keys (as a server that
+    returns a set would), not in the order asked."""
+
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
+        found = dict(zip(keys, await super().batched_exists_bytes(keys), strict=True))
+        return [found[key] for key in sorted(keys)]
 
 
 class BatchedGetDropsMisses(RefBackend):
@@ -915,6 +924,7 @@ BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "tears-overwrites": (3, TearsOverwrites),
     "counts-all-present-keys": (4, CountsAllPresentKeys),
     "batched-get-drops-misses": (4, BatchedGetDropsMisses),
+    "exists-answers-in-key-order": (4, ExistsAnswersInKeyOrder),
     "leaks-put-reference": (5, LeaksPutReference),
     "put-takes-callers-reference": (5, PutTakesCallersReference),
     "unchecked-reads": (6, UncheckedReads),

@@ -523,7 +523,7 @@ class StreamingBytes(DictBytes):
         for name, parts in zip(keys, values, strict=True):
             self.values[name] = b"".join(parts)
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
         self.batches.append("contains")
         return [name in self.values for name in keys]
 

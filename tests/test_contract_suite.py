@@ -211,6 +211,13 @@ BROKEN = [
     Broken("tears-overwrites", 3, "read(s) matched none of the written objects"),
     Broken("counts-all-present-keys", 4, "keys 0 1 2 3 4 returned 4, expected 3", True),
     Broken("batched-get-drops-misses", 4, "position 1 is a missing key but got MemoryObj"),
+    Broken(
+        "exists-answers-in-key-order",
+        4,
+        "batched_exists of keys 1 0 1 0 (duplicates) returned [True, True, False, False]",
+        True,
+        frozenset({15}),
+    ),
     Broken("leaks-put-reference", 5, "still allocated: a reference was never released"),
     Broken("put-takes-callers-reference", 5, "after put the caller's object has ref_count 0"),
     Broken("unchecked-reads", 6, "damaged by 'flip' returned an object", True),

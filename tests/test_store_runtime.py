@@ -95,9 +95,9 @@ class CountingTier(DictTier):
             raise CapacityExceeded("the counting tier is full")
         await super()._batched_put(keys, objs)
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        self.calls.append(("contains", [k.chunk_hash for k in keys]))
-        return await super()._batched_contains(keys)
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        self.calls.append(("exists", [k.chunk_hash for k in keys]))
+        return await super()._batched_exists(keys)
 
     def of(self, operation: str) -> list[list[int]]:
         return [keys for op, keys in self.calls if op == operation]
@@ -171,6 +171,27 @@ def test_batched_contains_keeps_its_prefix_meaning_across_tiers() -> None:
         assert await store.batched_contains([key(n) for n in range(7)]) == 4
         assert await store.batched_contains([key(5), key(4)]) == 1
         assert await store.contains(key(3)) and not await store.contains(key(4))
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_batched_exists_asks_each_tier_once_for_the_keys_the_faster_ones_lacked() -> None:
+    async def main() -> None:
+        store, fast, slow = await counting_store()
+        obj = chunk(store.budget, 1.0)
+        for n, tier in ((0, fast), (1, slow), (3, fast), (5, slow)):
+            await tier.put(key(n), obj)
+        obj.release()
+        asked = [key(n) for n in (0, 1, 2, 3, 5, 1, 6)]  # a duplicate, misses in the middle
+        assert await store.batched_exists(asked) == [True, True, False, True, True, True, False]
+        assert fast.of("exists") == [[0, 1, 2, 3, 5, 1, 6]]
+        assert slow.of("exists") == [[1, 2, 5, 1, 6]]
+        obj = chunk(store.budget, 2.0)
+        await fast.put(key(7), obj)
+        obj.release()
+        assert await store.batched_exists([key(7), key(0)]) == [True, True]
+        assert len(slow.of("exists")) == 1  # every key found in the fast tier
         await store.close()
 
     asyncio.run(main())

@@ -395,7 +395,7 @@ class NativeTier(DictTier):
         for name, parts in zip(keys, values, strict=True):
             self.values[name] = b"".join(parts)
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
         return [k in self.values for k in keys]
 
 

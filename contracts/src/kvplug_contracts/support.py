@@ -27,7 +27,7 @@ CLAUSES: dict[int, str] = {
     1: "a miss returns None",
     2: "get after put is bit-identical",
     3: "an overwrite replaces atomically; a reader never sees a mix",
-    4: "batched_contains counts the prefix; batched_get is aligned",
+    4: "batched_exists and batched_get are aligned; batched_contains counts the prefix",
     5: "put releases its reference; get returns an owned object; no leaks",
     6: "corrupt stored data reads as a miss, is counted and removed",
     7: "remove of an absent key is False; contains agrees with get",

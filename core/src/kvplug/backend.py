@@ -71,6 +71,7 @@ import abc
 import asyncio
 import difflib
 import logging
+import reprlib
 import threading
 import time
 from collections.abc import (
@@ -286,6 +287,12 @@ def fill_into(found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj]) -> 
     return hits
 
 
+def leading_present(found: Sequence[bool]) -> int:
+    """How many leading entries of ``found`` are true: ``batched_contains`` from
+    ``batched_exists``."""
+    return next((i for i, present in enumerate(found) if not present), len(found))
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares it can do. Declared means it works; undeclared operations raise
@@ -302,7 +309,7 @@ class Capabilities:
     """``get`` can return memory without copying it (host-memory tiers)."""
     native_batching: bool = False
     """The batched operations are one round trip, not a loop: the backend implements their
-    hooks (``_batched_get``, ``_batched_put``, ``_batched_contains``, or a byte store's
+    hooks (``_batched_get``, ``_batched_put``, ``_batched_exists``, or a byte store's
     ``batched_*_bytes``)."""
     remove: bool = False
     """``remove`` deletes stored objects; without it ``remove`` raises ``NotSupported``.
@@ -397,6 +404,7 @@ _TEMPLATE_METHODS = frozenset(
         "batched_get",
         "batched_put",
         "batched_contains",
+        "batched_exists",
         "batched_get_into",
         "pin",
         "unpin",
@@ -500,7 +508,7 @@ class Backend(abc.ABC):
         "pin": ("_pin", "_unpin"),
         "remove": ("_remove",),
         "list_keys": ("_list_keys",),
-        "native_batching": ("_batched_get", "_batched_put", "_batched_contains"),
+        "native_batching": ("_batched_get", "_batched_put", "_batched_exists"),
     }
     """The hooks each capability needs (``a|b``: either); a class that declares the capability
     and keeps the default of a hook (the one of the class defining ``_GATES``) is refused."""
@@ -1057,6 +1065,43 @@ class Backend(abc.ABC):
         self._count_call("batched_contains", started, count, int(count < len(keys)))
         return count
 
+    async def batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is present: :meth:`contains` of every key, aligned with ``keys``
+        (a key given twice is answered twice), in one round trip where the store allows it
+        (clause 4). What engines ask to learn which chunks of a request they may load and
+        which they must store.
+
+        Example::
+
+            >>> import asyncio, torch, kvplug
+            >>> from kvplug import CacheKey, MemoryObj
+            >>> async def demo():
+            ...     async with await kvplug.open_backend("cpu://?max_size=1MiB") as cache:
+            ...         keys = [CacheKey("demo", 1, 0, n) for n in range(3)]
+            ...         await cache.put(keys[1], MemoryObj.from_tensor(torch.ones(4)))
+            ...         return await cache.batched_exists(keys)
+            >>> asyncio.run(demo())
+            [False, True, False]
+        """
+        _check_keys(keys, "batched_exists")
+        if not keys:
+            self.ensure_open()
+            return []
+        started = time.perf_counter()
+        found = await self._call_hook("batched_exists", started, self._batched_exists, keys)
+        if not isinstance(found, list) or len(found) != len(keys):
+            raise self._refused_result(
+                "batched_exists",
+                started,
+                f"{type(self).__qualname__}._batched_exists returned "
+                f"{reprlib.repr(found)} for {len(keys)} keys; it must return a list of one "
+                "bool per key (clause 4).",
+            )
+        present = [bool(there) for there in found]
+        hits = sum(present)
+        self._count_call("batched_exists", started, hits, len(present) - hits)
+        return present
+
     async def batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
@@ -1192,13 +1237,14 @@ class Backend(abc.ABC):
         await _put_each(self, keys, (self._put(k, o) for k, o in zip(keys, objs, strict=True)))
 
     async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        """The count of leading keys present, asking one key at a time."""
-        count = 0
-        for key in keys:
-            if not await self._contains(key):
-                break
-            count += 1
-        return count
+        """The count of leading keys present, from :meth:`_batched_exists`."""
+        return leading_present(await self._batched_exists(keys))
+
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """``_contains`` of each key, concurrently, aligned with ``keys``. Override it with one
+        round trip (a pipeline, a multi-exists, one pass over an index); ``batched_contains``
+        follows from it."""
+        return [bool(found) for found in await gather_all(self._contains(k) for k in keys)]
 
     async def _batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
@@ -1379,6 +1425,9 @@ class Wrapper(Backend):
     async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
         return await self.inner.batched_contains(keys)
 
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return await self.inner.batched_exists(keys)
+
     async def _batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
@@ -1404,7 +1453,7 @@ class BytesBackend(Backend):
 
     Optional hooks, for stores that do better than one call per key or than a copy:
 
-    * :meth:`batched_get_bytes`, :meth:`batched_put_bytes`, :meth:`batched_contains_bytes`:
+    * :meth:`batched_get_bytes`, :meth:`batched_put_bytes`, :meth:`batched_exists_bytes`:
       one round trip for many keys (a pipeline, a multi-get);
     * :meth:`receive_frames`: zero-copy reads. A transport that receives a value in pieces
       (a socket, a file) hands each piece to a :class:`~kvplug.frame.FrameReceiver`, which
@@ -1425,7 +1474,7 @@ class BytesBackend(Backend):
         "native_batching": (
             "batched_get_bytes|receive_frames",
             "batched_put_bytes",
-            "batched_contains_bytes",
+            "batched_exists_bytes",
         ),
     }
 
@@ -1476,7 +1525,7 @@ class BytesBackend(Backend):
             self, keys, (self.put_bytes(k, v) for k, v in zip(keys, values, strict=True))
         )
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`contains_bytes` of each key, aligned; default: concurrently, one call each."""
         return await gather_all(self.contains_bytes(key) for key in keys)
 
@@ -1584,9 +1633,8 @@ class BytesBackend(Backend):
     async def _contains(self, key: CacheKey) -> bool:
         return await self.contains_bytes(self.key_string(key))
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        found = await self.batched_contains_bytes([self.key_string(key) for key in keys])
-        return next((i for i, present in enumerate(found) if not present), len(found))
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return await self.batched_exists_bytes([self.key_string(key) for key in keys])
 
     async def _remove(self, key: CacheKey) -> bool:
         return await self.remove_bytes(self.key_string(key))
@@ -1608,4 +1656,5 @@ __all__ = [
     "error_text",
     "fill_into",
     "gather_all",
+    "leading_present",
 ]

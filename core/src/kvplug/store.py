@@ -7,7 +7,8 @@ checked with ``kvplug contract --config FILE`` and driven by a ``SyncClient``.
 
 **Batched per tier.** ``batched_get`` asks each tier once for the keys still missing, in lookup
 order; ``batched_put`` hands the first tier one batched call and every lower tier batched calls
-from its write-behind queue; ``batched_contains`` counts the leading keys present in any tier.
+from its write-behind queue; ``batched_exists`` says which keys some tier has (each tier asked
+once, for the keys the faster ones lacked) and ``batched_contains`` counts the leading ones.
 A hit in a lower tier is written back into the faster tiers, batched too, and off the read
 path except into host-memory tiers. ``get_into``/``batched_get_into`` read each tier straight
 into the caller's memory, with no budget in between, and promote lower-tier hits in the
@@ -1396,43 +1397,37 @@ class Store(Backend):
         return await self._read(list(keys))
 
     async def _contains(self, key: CacheKey) -> bool:
-        return await self._batched_contains([key]) == 1
+        return (await self._batched_exists([key]))[0]
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        """How many leading ``keys`` are present in some tier (each key may be in any tier)."""
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is present in some tier (or waits in the write-behind): each tier
+        is asked once, in order, for the keys the faster ones did not have, and the slower
+        ones are not asked once every key is found."""
         self._ensure_usable()
         keys = list(keys)
-        position = 0
-        while position < len(keys):
-            advance = 0
-            while position + advance < len(keys):  # keys waiting in the write-behind
-                entry = self._pending.get(keys[position + advance])
-                if entry is None or entry.obj is None:
-                    break
-                advance += 1
-            if not advance:
-                for tier in self._tiers:
-                    if not self._available(tier):
-                        continue
-                    asked = keys[position:]
-                    # A value older than an accepted one does not count: ask only up to it.
-                    fresh = next(
-                        (n for n, key in enumerate(asked) if self._skipped(key, tier.index)),
-                        len(asked),
-                    )
-                    if not fresh:
-                        continue
-                    ok, count = await self._call(
-                        tier, "contains", tier.backend.batched_contains(asked[:fresh])
-                    )
-                    if ok and count:
-                        advance = max(advance, count)
-                        if position + advance == len(keys):
-                            break  # every key is found: slower tiers need not be asked
-            if not advance:
+        present = [
+            entry is not None and entry.obj is not None for entry in map(self._pending.get, keys)
+        ]
+        for tier in self._tiers:
+            if all(present):
                 break
-            position += advance
-        return position
+            if not self._available(tier):
+                continue
+            # A value older than an accepted one does not count: that tier is not asked.
+            asked = [
+                n
+                for n, there in enumerate(present)
+                if not there and not self._skipped(keys[n], tier.index)
+            ]
+            if not asked:
+                continue
+            ok, found = await self._call(
+                tier, "contains", tier.backend.batched_exists([keys[n] for n in asked])
+            )
+            if ok and found is not None:
+                for n, there in zip(asked, found, strict=True):
+                    present[n] = there
+        return present
 
     async def lookup(self, keys: Sequence[CacheKey]) -> int:
         """The same as :meth:`batched_contains` (LMCache's name for it)."""

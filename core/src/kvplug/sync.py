@@ -242,6 +242,9 @@ class SyncClient:
     def batched_contains(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[int]:
         return self._call(self.backend.batched_contains(list(keys)))
 
+    def batched_exists(self, keys: Sequence[CacheKey]) -> concurrent.futures.Future[list[bool]]:
+        return self._call(self.backend.batched_exists(list(keys)))
+
     def close(self, timeout: float = 30.0) -> None:
         """Close the backend and stop the IO thread, each within ``timeout`` seconds.
         Idempotent. An IO thread that does not stop in time (a backend blocks it) is left to

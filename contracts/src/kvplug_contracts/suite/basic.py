@@ -341,7 +341,8 @@ class OverwriteContract:
 
 
 class BatchedContract:
-    """Clause 4: batched_contains counts the present prefix; batched_get is aligned."""
+    """Clause 4: batched_exists and batched_get are aligned; batched_contains counts the present
+    prefix."""
 
     @clause(4)
     def test_batched_contains_counts_leading_keys_on_gapped_lists(
@@ -366,6 +367,33 @@ class BatchedContract:
                 violated(
                     4,
                     f"stored keys 0 1 2 4; batched_contains of keys {label} returned {count}, "
+                    f"expected {expected}",
+                )
+
+    @clause(4)
+    def test_batched_exists_answers_each_key_in_its_place(
+        self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
+    ) -> None:
+        obj = make_obj(allocator, (2, 1, 16, 64), torch.float16, seed=6)
+        keys = keyspace.keys(6)
+        try:
+            run(backend.batched_put([keys[i] for i in (0, 2, 3, 5)], [obj] * 4))
+        finally:
+            obj.release()
+        cases = {
+            "0 1 2 3 4 5": ([0, 1, 2, 3, 4, 5], [True, False, True, True, False, True]),
+            "4 1": ([4, 1], [False, False]),
+            "1 0 1 0 (duplicates)": ([1, 0, 1, 0], [False, True, False, True]),
+            "5 4 3": ([5, 4, 3], [True, False, True]),
+            "2": ([2], [True]),
+            "empty": ([], []),
+        }
+        for label, (positions, expected) in cases.items():
+            found = run(backend.batched_exists([keys[i] for i in positions]))
+            if found != expected:
+                violated(
+                    4,
+                    f"stored keys 0 2 3 5; batched_exists of keys {label} returned {found}, "
                     f"expected {expected}",
                 )
 
@@ -500,6 +528,34 @@ class RemoveContract:
             violated(7, "get returned data after remove")
         if run(backend.remove(key)) is not False:
             violated(7, "a second remove of the same key did not return False")
+
+    @clause(7)
+    def test_batched_exists_agrees_with_get_after_puts_and_removes(
+        self, backend: Backend, run: Run, keyspace: Keyspace, allocator: FreeListAllocator
+    ) -> None:
+        keys = keyspace.keys(6)
+        obj = make_obj(allocator, (2, 1, 16, 64), torch.float16, seed=13)
+        try:
+            run(backend.batched_put(keys[:4], [obj] * 4))
+            removed = []
+            if backend.capabilities.remove:
+                removed = [keys[1], keys[2]]
+                for key in removed:
+                    run(backend.remove(key))
+            run(backend.put(keys[2], obj))  # stored again after its remove
+        finally:
+            obj.release()
+        found = run(backend.batched_exists(keys))
+        for position, (key, present) in enumerate(zip(keys, found, strict=True)):
+            got = run(backend.get(key))
+            release_all([got])
+            if present != (got is not None):
+                violated(
+                    7,
+                    f"batched_exists says {present} at position {position} but get "
+                    f"{'missed' if got is None else 'hit'}"
+                    + (" (a key removed before)" if key in removed else ""),
+                )
 
     @clause(7)
     def test_contains_agrees_with_get(

@@ -128,6 +128,12 @@ class ConcurrencyContract:
             count = await backend.batched_contains(pair)
             if count != 2:
                 problems.append(f"batched_contains of the pair of task {i} returned {count}, not 2")
+            found = await backend.batched_exists([pair[1], keyspace.key(20_000 + i), pair[0]])
+            if found != [True, False, True]:
+                problems.append(
+                    f"batched_exists of the pair of task {i} around a key never stored returned "
+                    f"{found}, not [True, False, True]"
+                )
             got = await backend.batched_get(pair)
             try:
                 if len(got) != 2:

@@ -621,16 +621,12 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         seen_at = self._stores_done
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
-            answers: list[bool | BaseException] = await self._within_deadline(
-                asyncio.gather(
-                    *(self._backend.contains(k) for k in cache_keys), return_exceptions=True
-                ),
-                "a lookup",
+            present = await self._within_deadline(
+                self._backend.batched_exists(cache_keys), "a lookup"
             )
         except Exception as error:
             return found, error
-        failure = next((a for a in answers if isinstance(a, BaseException)), None)
-        present = [answer is True for answer in answers]
+        failure: Exception | None = None
         async with self._lock_guard:
             for index, (key, cache_key, here) in enumerate(
                 zip(keys, cache_keys, present, strict=True)
@@ -720,9 +716,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         remaining = self._timeout - (time.monotonic() - started)
         if failed and remaining > 0:
             with contextlib.suppress(Exception):
-                present = await asyncio.wait_for(
-                    asyncio.gather(*(self._backend.contains(k) for k in failed)), remaining
-                )
+                present = await asyncio.wait_for(self._backend.batched_exists(failed), remaining)
         hits: list[ObjectKey] = []
         missing: list[ObjectKey] = []
         still_there = iter(present or [])

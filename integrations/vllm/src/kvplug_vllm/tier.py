@@ -57,7 +57,6 @@ each reset, so nothing stored before is served after.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -549,21 +548,13 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
 
     # -- lookups --------------------------------------------------------------------------------
 
-    async def _contains_each(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each of ``keys`` is stored (vLLM asks per key): the leading stored keys in
-        one batched call (a prefix that came back whole: every key, in one trip), then each
-        key after the first missing one, asked at once."""
-        backend = self._client.backend
-        leading = await backend.batched_contains(list(keys))
-        rest = keys[leading + 1 :]
-        found = await asyncio.gather(*(backend.contains(key) for key in rest))
-        head = [True] * leading + [False] * (leading < len(keys))
-        return head + [bool(hit) for hit in found]
-
     async def _lookup(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """:meth:`_contains_each` within ``lookup_timeout``."""
+        """Whether each of ``keys`` is stored (vLLM asks per key), in one batched call, within
+        ``lookup_timeout``."""
         return await within_deadline(
-            self._contains_each(keys), self._settings.lookup_timeout, f"a lookup on {self._target}"
+            self._client.backend.batched_exists(list(keys)),
+            self._settings.lookup_timeout,
+            f"a lookup on {self._target}",
         )
 
     def _present(self, keys: Sequence[OffloadKey], lookups: _Lookups) -> list[bool]:
@@ -675,7 +666,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
     async def _store_missing(self, keys: list[OffloadKey], chunk_ids: list[int]) -> int:
         """Store the rows of ``keys`` that the store does not hold yet; how many it stored."""
         cache_keys = self._keys(keys)
-        present = await self._contains_each(cache_keys)
+        present = await self._client.backend.batched_exists(cache_keys)
         wanted = [index for index, hit in enumerate(present) if not hit]
         views = self._views([chunk_ids[index] for index in wanted])
         await self._io.store([cache_keys[index] for index in wanted], views)

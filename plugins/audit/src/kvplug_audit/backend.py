@@ -520,6 +520,17 @@ class AuditBackend(Wrapper):
             lambda count: ("ok", f" prefix={count}/{len(keys)}"),
         )
 
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        async def call() -> list[bool]:
+            return await self.inner.batched_exists(keys)
+
+        return await self._audited(
+            "batched_exists",
+            _batch_text(keys),
+            call,
+            lambda found: ("ok", f" present={sum(found)}/{len(keys)}"),
+        )
+
     async def _pin(self, key: CacheKey) -> bool:
         async def call() -> bool:
             return await self.inner.pin(key)

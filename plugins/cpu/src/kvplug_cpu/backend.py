@@ -343,14 +343,9 @@ class CpuBackend(Backend):
                 results.append(obj)
         return results
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
         with self._lock:
-            count = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                count += 1
-            return count
+            return [key in self._index for key in keys]
 
     async def _pin(self, key: CacheKey) -> bool:
         """Keep ``key`` from eviction for ``pin_ttl`` seconds or until ``unpin``; pins

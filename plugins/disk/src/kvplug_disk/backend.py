@@ -1438,14 +1438,6 @@ class DiskBackend(Backend):
             self._forget_foreign(key, entry, NotAnObject(entry.path, kind_of(mode)))
         return self._discover(key) is not None
 
-    def _prefix_present(self, keys: Sequence[CacheKey]) -> int:
-        count = 0
-        for key in keys:
-            if not self._present(key):
-                break
-            count += 1
-        return count
-
     def _read_key(self, key: CacheKey) -> MemoryObj | None:
         """The whole get, on a worker thread: a new object, or None (counted as a miss)."""
         self._check_open_worker()
@@ -1597,10 +1589,10 @@ class DiskBackend(Backend):
         """Whether the key's file is there (also one another instance wrote after open)."""
         return await self._run(f"contains of {key}", partial(self._present, key))
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        """The count of leading keys whose files are there, in one trip to a worker thread."""
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key's file is there, in one trip to a worker thread."""
         return await self._run(
-            f"batched_contains of {len(keys)} keys", partial(self._prefix_present, list(keys))
+            f"batched_exists of {len(keys)} keys", lambda: [self._present(key) for key in keys]
         )
 
     async def _remove(self, key: CacheKey) -> bool:

@@ -828,25 +828,38 @@ class InfiniStoreBackend(BytesBackend):
         session = await self._live_session()
         return bool(await self._on(session, f"contains of {key}", session.conn.check_exist, key))
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
+        """``check_exist`` of each key (InfiniStore has no multi-exists), in one trip to the
+        client's thread."""
+        session = await self._live_session()
+        conn = session.conn
+        return await self._on(
+            session,
+            f"contains of {keys[0]} and {len(keys) - 1} more",
+            lambda: [bool(conn.check_exist(key)) for key in keys],
+        )
+
+    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+        """The leading keys present, from InfiniStore's binary search over the list
+        (``get_match_last_index``), checked key by key in ``exact_contains`` mode."""
         session = await self._live_session()
         conn, exact = session.conn, self.options.exact_contains
+        names = [self.key_string(key) for key in keys]
 
         def prefix() -> int:
             try:
-                found = int(conn.get_match_last_index(list(keys))) + 1
+                found = int(conn.get_match_last_index(names)) + 1
             except Exception:
                 # The client raises both for "no key matches" (-1) and for a failed call: ask
                 # about the first key (a failed call fails again there), then count.
-                if not conn.check_exist(keys[0]):
+                if not conn.check_exist(names[0]):
                     return 0
-                return _leading(conn, keys, len(keys))
+                return _leading(conn, names, len(names))
             # A binary search stops at a boundary present->absent, which is at or after the
             # first absent key: exact mode checks the keys before it.
-            return _leading(conn, keys, found) if exact else found
+            return _leading(conn, names, found) if exact else found
 
-        count = await self._on(session, f"contains of {keys[0]} and more", prefix)
-        return [index < count for index in range(len(keys))]
+        return int(await self._on(session, f"contains of {names[0]} and more", prefix))
 
     async def remove_bytes(self, key: str) -> bool:
         session = await self._live_session()

@@ -638,13 +638,13 @@ class LMBackend(Backend):
             lambda c: self._ext_simple(c, wire.Op.DELETE, name, f"remove of {key}")
         )
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
         if self._is_plain():
-            return await super()._batched_contains(keys)
+            return await super()._batched_exists(keys)
         names = [self.wire_key(key) for key in keys]
         payload = wire.pack_keys(names)
 
-        async def request(connection: Connection) -> int:
+        async def request(connection: Connection) -> list[bool]:
             request_id = connection.next_request_id()
             await connection.send(
                 wire.pack_ext_request(
@@ -654,14 +654,14 @@ class LMBackend(Backend):
             )
             header, _ = await self._ext_reply(connection, request_id)
             if header.status != wire.Status.OK:
-                raise await self._refusal(connection, header, "batched_contains")
+                raise await self._refusal(connection, header, "batched_exists")
             found = await connection.recv_exact(header.payload_len)
             if len(found) != len(names):
                 raise KvplugError(
                     f"lm://{self.address} answered EXISTS_MANY of {len(names)} keys with "
                     f"{len(found)} flags; the connection was closed."
                 )
-            return next((i for i, flag in enumerate(found) if not flag), len(found))
+            return [bool(flag) for flag in found]
 
         return await self._pool.run(request)
 

@@ -939,9 +939,8 @@ class MooncakeBackend(Backend):
     async def _contains(self, key: CacheKey) -> bool:
         return (await self._present([self._name(key)]))[0]
 
-    async def _batched_contains(self, keys: Sequence[CacheKey]) -> int:
-        present = await self._present([self._name(key) for key in keys])
-        return next((i for i, found in enumerate(present) if not found), len(present))
+    async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return await self._present([self._name(key) for key in keys])
 
     async def _present(self, names: list[str]) -> list[bool]:
         return await self._run(lambda: self._present_now(names))

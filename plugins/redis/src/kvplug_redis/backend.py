@@ -640,7 +640,7 @@ class RedisBackend(BytesBackend):
         count: int = await self._run("contains", lambda c: c.exists(key), read=True)
         return count > 0
 
-    async def batched_contains_bytes(self, keys: Sequence[str]) -> list[bool]:
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
         """One pipeline of ``EXISTS`` (on kvplug's own connections where reads are)."""
         direct = self.direct
         if direct is not None and self.reads_direct:
