@@ -146,3 +146,30 @@ def test_close_is_idempotent_and_later_operations_raise_backend_closed(tmp_path:
             backend.list_keys()
 
     asyncio.run(main())
+
+
+def test_batched_exists_asks_in_a_few_queries_with_duplicates_in_place(tmp_path: Path) -> None:
+    """1,200 keys (three queries' worth) in one call: the stored ones, every third, answered in
+    place, a key asked twice answered twice; SQLite sees one SELECT per 500 distinct keys."""
+    keys = [KEY.with_hash(n) for n in range(1200)]
+
+    async def scenario() -> tuple[list[bool], list[str]]:
+        backend = await kvplug.open_backend(f"acme://{tmp_path}/kv.sqlite")
+        assert isinstance(backend, AcmeBackend)
+        try:
+            obj = _ones()
+            await backend.batched_put(keys[::3], [obj] * len(keys[::3]))
+            obj.release()
+            statements: list[str] = []
+            db = backend._db
+            assert db is not None
+            db.set_trace_callback(statements.append)
+            found = await backend.batched_exists([*keys, keys[0], keys[1]])
+            db.set_trace_callback(None)
+            return found, statements
+        finally:
+            await backend.close()
+
+    found, statements = asyncio.run(scenario())
+    assert found == [n % 3 == 0 for n in range(1200)] + [True, False]
+    assert len([s for s in statements if s.startswith("SELECT key FROM kv WHERE key IN")]) == 3

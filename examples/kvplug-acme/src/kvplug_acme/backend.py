@@ -57,6 +57,8 @@ T = TypeVar("T")
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB NOT NULL)"
 _FULL = {"SQLITE_FULL", "SQLITE_TOOBIG"}
 _BUSY = {"SQLITE_BUSY", "SQLITE_LOCKED"}
+_KEYS_PER_QUERY = 500
+"""Keys asked in one query (SQLite builds before 3.32 allow 999 parameters)."""
 
 
 class AcmeOptions(BytesBackendOptions):
@@ -167,6 +169,21 @@ class AcmeBackend(BytesBackend):
         return await self._run(
             "contains", lambda db: db.execute(sql, (key,)).fetchone() is not None
         )
+
+    async def batched_exists_bytes(self, keys: Sequence[str]) -> list[bool]:
+        """One worker-thread trip and one query per :data:`_KEYS_PER_QUERY` keys."""
+
+        def present(db: sqlite3.Connection) -> set[str]:
+            found: set[str] = set()
+            distinct = list(dict.fromkeys(keys))
+            for start in range(0, len(distinct), _KEYS_PER_QUERY):
+                some = distinct[start : start + _KEYS_PER_QUERY]
+                sql = f"SELECT key FROM kv WHERE key IN ({', '.join('?' * len(some))})"
+                found.update(row[0] for row in db.execute(sql, some))
+            return found
+
+        stored = await self._run("batched_exists", present)
+        return [key in stored for key in keys]
 
     async def remove_bytes(self, key: str) -> bool:
         sql = "DELETE FROM kv WHERE key = ?"
