@@ -46,6 +46,22 @@ def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
     assert output.count("read back bit-exact through kvplug") == 4
 
 
+def test_lookup_benchmark_counts_what_the_server_saw_for_each_way() -> None:
+    output = run("bench_lookup.py", "--chunks", "8", "--lookups", "3", "--repeat", "1")
+    rows = {
+        line[:26].strip(): line[26:].split()
+        for line in output.splitlines()
+        if line.startswith(("raw", "kvplug"))
+    }
+    assert set(rows) == {
+        "raw pipeline of EXISTS",
+        "kvplug batched_exists",
+        "kvplug contains per key",
+    }
+    assert float(rows["kvplug batched_exists"][2]) == 8.0  # commands per lookup
+    assert float(rows["kvplug contains per key"][3]) >= 8.0  # a round trip per key
+
+
 def test_fresh_memory_probe_times_touches_and_server_gets_with_and_without_a_holder() -> None:
     output = run(
         "probe_fresh_memory.py",

@@ -645,7 +645,7 @@ class RedisBackend(BytesBackend):
         direct = self.direct
         if direct is not None and self.reads_direct:
             return await self._run(
-                "batched_contains",
+                "batched_exists",
                 lambda _client: direct.exists(keys),
                 read=True,
                 direct=True,
@@ -656,7 +656,7 @@ class RedisBackend(BytesBackend):
                 pipe.exists(key)
 
         counts = await self._run(
-            "batched_contains", lambda c: self._pipelined(c, exists), read=True
+            "batched_exists", lambda c: self._pipelined(c, exists), read=True
         )
         return [bool(count) for count in counts]
 
