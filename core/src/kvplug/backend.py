@@ -105,6 +105,7 @@ from kvplug.errors import (
     BackendUnavailable,
     CorruptObject,
     KvplugError,
+    LayoutMismatch,
     NotSupported,
     RefCountError,
     UnexpectedBackendError,
@@ -269,16 +270,24 @@ async def _put_each(
     raise translated from error
 
 
-def fill_into(found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj]) -> list[bool]:
-    """Copy each object of ``found`` into the ``dests`` object at its position when the sizes
-    match (one that already is its destination is left as it is), release every object of
-    ``found``, and say which destinations now hold their object: the end of a ``get_into``
-    that read into memory of its own."""
+def fill_into(
+    found: Sequence[MemoryObj | None], dests: Sequence[MemoryObj], keys: Sequence[CacheKey]
+) -> list[bool]:
+    """Copy each object of ``found`` into the ``dests`` object at its position (one that
+    already is its destination is left as it is), release every object of ``found``, and say
+    which destinations now hold their object: the end of a ``get_into`` that read into memory
+    of its own. An object of another size than its destination raises
+    :class:`~kvplug.errors.LayoutMismatch` naming its key (``keys`` are aligned with
+    ``found``)."""
     hits = []
     try:
-        for got, dest in zip(found, dests, strict=True):
-            hits.append(got is not None and got.nbytes == dest.nbytes)
-            if got is not None and got is not dest and hits[-1]:
+        for key, got, dest in zip(keys, found, dests, strict=True):
+            if got is not None and got.nbytes != dest.nbytes:
+                raise LayoutMismatch.between(
+                    key, (got.shape, got.dtype, got.nbytes), (dest.shape, dest.dtype, dest.nbytes)
+                )
+            hits.append(got is not None)
+            if got is not None and got is not dest:
                 dest.raw.copy_(got.raw)
     finally:
         for got in found:
@@ -965,10 +974,13 @@ class Backend(abc.ABC):
     async def get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """Read the bytes stored under ``key`` into ``dest``'s memory (an engine's own buffer).
 
-        True when ``dest`` now holds exactly the stored bytes; False for a miss, for a stored
-        object whose size is not ``dest.nbytes``, and for anything :meth:`get` would turn into
-        a miss (clause 6). After False, ``dest``'s contents are undefined: use it only after
-        True. The stored shape, dtype and format are not checked: the caller knows its layout.
+        True when ``dest`` now holds exactly the stored bytes; False for a miss and for
+        anything :meth:`get` would turn into a miss (clause 6). A stored object whose size is
+        not ``dest.nbytes`` raises :class:`~kvplug.errors.LayoutMismatch`, naming both
+        layouts: the reader's layout is not the one that stored it, which recomputing would
+        hide (``dest`` is left as it was). After False, ``dest``'s contents are undefined: use
+        it only after True. Of objects of the same size, the stored shape, dtype and format are
+        not checked: the caller knows its layout (a flat byte buffer reads any object).
 
         ``dest`` stays the caller's; the backend retains it while it may write into it, so a
         caller that stopped waiting (a deadline) can wait for ``dest.ref_count`` to drop back
@@ -984,11 +996,14 @@ class Backend(abc.ABC):
             ...     dest = kvplug.MemoryObj.from_tensor(torch.zeros(8))
             ...     hits = [await backend.get_into(key, dest), bool(dest.tensor.sum() == 8)]
             ...     short = kvplug.MemoryObj.from_tensor(torch.zeros(4))
-            ...     hits.append(await backend.get_into(key, short))
+            ...     try:
+            ...         await backend.get_into(key, short)
+            ...     except kvplug.LayoutMismatch as error:
+            ...         hits.append(str(error).split(", but")[0])
             ...     await backend.close()
             ...     return hits
             >>> asyncio.run(demo())
-            [True, True, False]
+            [True, True, 'llama@1@0@7@half is stored as [8] torch.float32 (32 bytes)']
         """
         _check_key(key, "get_into")
         _check_obj(dest, "get_into")
@@ -1224,7 +1239,7 @@ class Backend(abc.ABC):
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         """Read ``key`` into ``dest``; the default is :meth:`_get` and one copy."""
-        return fill_into([await self._get(key)], [dest])[0]
+        return fill_into([await self._get(key)], [dest], [key])[0]
 
     async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """``_get`` of each key, concurrently; every object read is released if one fails or
@@ -1250,7 +1265,7 @@ class Backend(abc.ABC):
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
         """The default is one :meth:`_batched_get` and one copy per hit."""
-        return fill_into(await self._batched_get(keys), dests)
+        return fill_into(await self._batched_get(keys), dests, keys)
 
     async def _pin(self, key: CacheKey) -> bool:
         """Pin ``key``; False if absent. Required with the ``pin`` capability."""
@@ -1584,6 +1599,15 @@ class BytesBackend(Backend):
             raise
         if damaged:
             await self._drop_damaged(damaged)
+        for key, receiver in zip(keys, receivers, strict=True):
+            if receiver.mismatch is not None and receiver.into is not None:
+                _release_objects(results)
+                header, into = receiver.mismatch, receiver.into
+                raise LayoutMismatch.between(
+                    key,
+                    (header.shape, header.dtype, header.payload_len),
+                    (into.shape, into.dtype, into.nbytes),
+                )
         return results
 
     async def _drop_damaged(self, names: Sequence[str]) -> None:
@@ -1611,12 +1635,12 @@ class BytesBackend(Backend):
         return await self._read(keys, [None] * len(keys))
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
-        return fill_into(await self._read([key], [dest]), [dest])[0]
+        return fill_into(await self._read([key], [dest]), [dest], [key])[0]
 
     async def _batched_get_into(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj]
     ) -> list[bool]:
-        return fill_into(await self._read(keys, dests), dests)
+        return fill_into(await self._read(keys, dests), dests, keys)
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         from kvplug.frame import encode_frame

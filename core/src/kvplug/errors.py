@@ -15,6 +15,7 @@ The hierarchy::
     ├── PluginConflict
     ├── PluginLoadError
     ├── RefCountError
+    ├── LayoutMismatch               get_into's buffer is not the stored object's size
     └── BackendError                 an operation on a backend failed
         ├── BackendUnavailable       retryable: the store cannot be reached now
         │   └── BackendTimeout       retryable: the deadline passed
@@ -65,6 +66,31 @@ class PluginLoadError(KvplugError):
 
 class RefCountError(KvplugError):
     """A :class:`~kvplug.memory.MemoryObj` was released, unpinned or used once too often."""
+
+
+class LayoutMismatch(KvplugError):
+    """``get_into`` (or its batched form) found the key stored with another size than the
+    caller's buffer: the engine's layout (model, dtype, chunk size, parallelism) is not the
+    one the object was stored with. Not a miss, so an engine does not recompute silently, and
+    not a failing store, so a tiered store does not take the tier out of service."""
+
+    @classmethod
+    def between(
+        cls,
+        key: object,
+        stored: tuple[tuple[int, ...], object, int],
+        wanted: tuple[tuple[int, ...], object, int],
+    ) -> LayoutMismatch:
+        """The error for ``key``, stored as ``(shape, dtype, nbytes)`` and asked for into a
+        buffer of ``wanted`` (the same three)."""
+        (shape, dtype, nbytes), (into_shape, into_dtype, into_nbytes) = stored, wanted
+        return cls(
+            f"{key} is stored as {list(shape)} {dtype} ({nbytes} bytes), but get_into's buffer "
+            f"is {list(into_shape)} {into_dtype} ({into_nbytes} bytes): the layout it was "
+            "stored with (model, dtype, chunk size or parallelism) is not the reader's. Read "
+            "it with the layout that stored it, or remove the old entries (their keys name "
+            "the model and the worker)."
+        )
 
 
 class BackendError(KvplugError):
@@ -120,6 +146,7 @@ __all__ = [
     "CorruptObject",
     "InvalidBackendURL",
     "KvplugError",
+    "LayoutMismatch",
     "NotSupported",
     "PluginConflict",
     "PluginLoadError",

@@ -257,7 +257,7 @@ class FrameReceiver:
        the whole value when shorter) says how many bytes the header takes;
     3. :meth:`take_header` with those bytes returns the memory the next :attr:`remaining`
        bytes go to, or ``None`` when they are to be read and dropped (the value is damaged, is
-       not the caller's size, or the allocator is full);
+       not the caller's size (:attr:`mismatch`), or the allocator is full);
     4. :meth:`finish` verifies the payload's checksum and returns the object.
 
     Between 3 and 4 the transport may call :meth:`received` as the payload arrives: the checksum
@@ -295,6 +295,7 @@ class FrameReceiver:
         "header",
         "into",
         "length",
+        "mismatch",
         "remaining",
     )
 
@@ -305,6 +306,9 @@ class FrameReceiver:
         """The stored value's length, once :meth:`start` ran; ``None`` is a miss."""
         self.header: FrameHeader | None = None
         self.damage: CorruptObject | None = None
+        self.mismatch: FrameHeader | None = None
+        """The header of a sound value of another size than ``into``: its bytes are dropped,
+        and the reader raises :class:`~kvplug.errors.LayoutMismatch`."""
         self.remaining = 0
         """Bytes of the value after the header, to be written into the sink (or dropped)."""
         self._obj: MemoryObj | None = None
@@ -356,7 +360,8 @@ class FrameReceiver:
             into = self.into
             if into is not None and into.device.type == "cpu":
                 if into.nbytes != header.payload_len:
-                    return None  # not the caller's size: a miss
+                    self.mismatch = header
+                    return None
                 self._obj = into.retain()
                 return self._hash_as_received(into.memoryview())
             obj = self._allocator.allocate(header.shape, header.dtype, header.fmt)

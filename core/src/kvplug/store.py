@@ -1296,7 +1296,7 @@ class Store(Backend):
                 newest = {i: entry.obj for i in missing if (entry := self._pending.get(keys[i]))}
                 for i, obj in newest.items():
                     if obj is not None:  # the newest value: the tiers may hold an older one
-                        found[i] = fill_into([obj.retain()], [dests[i]])[0]
+                        found[i] = fill_into([obj.retain()], [dests[i]], [keys[i]])[0]
                 missing = [i for i in missing if i not in newest or newest[i] is None]
             promotions: list[tuple[_Tier, list[int]]] = []
             for tier in self._tiers:

@@ -19,6 +19,7 @@ from kvplug.errors import (
     BackendUnavailable,
     CapacityExceeded,
     ConfigError,
+    LayoutMismatch,
     NotSupported,
     UnknownOption,
 )
@@ -431,12 +432,13 @@ def test_pipelined_batches_are_aligned_and_bit_exact(lm_server: LMServerProcess)
             dests = [
                 MemoryObj(torch.zeros(o.nbytes, dtype=torch.uint8), o.shape, o.dtype) for o in objs
             ]
-            dests[5] = MemoryObj(torch.zeros(8, dtype=torch.uint8), (8,), torch.uint8)
-            hits = await backend.batched_get_into(keys, dests)
-            assert hits == [n != 5 for n in range(40)]
-            assert all(
-                torch.equal(d.raw, o.raw) for d, o, h in zip(dests, objs, hits, strict=True) if h
-            )
+            short = MemoryObj(torch.zeros(8, dtype=torch.uint8), (8,), torch.uint8)
+            with pytest.raises(LayoutMismatch, match=r"stored as \[32, 33\] torch.float16"):
+                await backend.batched_get_into(keys, [*dests[:5], short, *dests[6:]])
+            absent = key(97, "batch")
+            hits = await backend.batched_get_into([*keys, absent], [*dests, short])
+            assert hits == [True] * 40 + [False]
+            assert all(torch.equal(d.raw, o.raw) for d, o in zip(dests, objs, strict=True))
             assert await backend.batched_contains([*keys[:7], key(98, "batch"), *keys[7:]]) == 7
             assert await backend.batched_contains(keys) == 40
             assert await backend.remove(keys[0]) and not await backend.remove(keys[0])

@@ -21,7 +21,13 @@ import torch
 from mooncake_helpers import mooncake_store
 
 import kvplug
-from kvplug.errors import BackendUnavailable, CapacityExceeded, ConfigError, UnknownOption
+from kvplug.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ConfigError,
+    LayoutMismatch,
+    UnknownOption,
+)
 from kvplug.frame import payload_checksum
 from kvplug.memory import FreeListAllocator, MemoryObj
 from kvplug_mooncake import codes
@@ -281,7 +287,8 @@ def test_get_into_a_buffer_of_another_rank_or_size(
     store: MooncakeMaster, allocator: FreeListAllocator
 ) -> None:
     """The header's length depends on the rank: a flat destination of the same size is read
-    after a second try; one of another size is a miss and stays the caller's."""
+    after a second try; one of another size raises LayoutMismatch naming both layouts, and
+    stays the caller's."""
 
     async def scenario() -> None:
         backend = await opened(store.url(global_segment_size=0), allocator)
@@ -292,7 +299,9 @@ def test_get_into_a_buffer_of_another_rank_or_size(
         assert flat is not None and short is not None
         assert await backend.get_into(key(300), flat)
         assert torch.equal(flat.raw, obj.raw)
-        assert not await backend.get_into(key(300), short)
+        with pytest.raises(LayoutMismatch, match="get_into's buffer is"):
+            await backend.get_into(key(300), short)
+        assert short.ref_count == 1
         assert await backend.get_into(key(300), obj)  # and its own rank, at the first try
         for each in (obj, flat, short):
             each.release()

@@ -24,6 +24,7 @@ from kvplug import (
     BackendUnavailable,
     CacheKey,
     FreeListAllocator,
+    LayoutMismatch,
     MemoryFormat,
     MemoryObj,
 )
@@ -624,7 +625,7 @@ async def paused_mid_value(
         server.resume()
 
 
-def test_get_into_receives_into_the_callers_memory_and_damage_or_another_size_misses(
+def test_get_into_receives_into_the_callers_memory_damage_misses_another_size_raises(
     server: RedisServer,
 ) -> None:
     keys = keys_of(4)
@@ -649,7 +650,8 @@ def test_get_into_receives_into_the_callers_memory_and_damage_or_another_size_mi
             assert torch.equal(dests[0].raw, objs[0].raw) and torch.equal(dests[2].raw, objs[2].raw)
             assert backend.corrupt_objects == 1
             assert not await backend.contains(keys[1])  # the damaged value was deleted
-            assert await backend.batched_get_into([keys[0]], [short]) == [False]
+            with pytest.raises(LayoutMismatch, match=r"stored as \[2, 2, 64, 256\]"):
+                await backend.batched_get_into([keys[0]], [short])
             assert bool((short.raw == 7).all())  # another size: nothing written
             assert all(dest.ref_count == 1 for dest in [*dests, short])
             assert allocator.stats().used == 0  # nothing went through kvplug's own memory

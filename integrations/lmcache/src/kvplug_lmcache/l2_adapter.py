@@ -66,7 +66,6 @@ import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -84,6 +83,7 @@ from kvplug.errors import (
     BackendUnavailable,
     ConfigError,
     KvplugError,
+    LayoutMismatch,
 )
 from kvplug.eviction import PinTable
 from kvplug.integration import (
@@ -698,52 +698,54 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 f"a load task got {len(keys)} keys but {len(objects)} buffers"
             )
         seen_at = self._stores_done
-        started = time.monotonic()
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
             dests = [
                 MemoryObj.from_tensor(_byte_view(buffer), MemoryFormat.BINARY_BUFFER)
                 for buffer in objects
             ]
-            found = await self._io.load(cache_keys, dests)
+            try:
+                found: list[bool | None] = list(await self._io.load(cache_keys, dests))
+            except LayoutMismatch:
+                found = await self._load_each(keys, cache_keys, dests)
         except Exception as error:
             return loaded, error
-        # A False is a miss or a stored object of another size: only the latter is still
-        # there. Asked only on this rare path, within what is left of the task's deadline;
-        # unanswered, the keys are reported missing and nothing else is concluded.
-        failed = [cache_keys[i] for i, hit in enumerate(found) if not hit]
-        present: list[bool] | None = None
-        remaining = self._timeout - (time.monotonic() - started)
-        if failed and remaining > 0:
-            with contextlib.suppress(Exception):
-                present = await asyncio.wait_for(self._backend.batched_exists(failed), remaining)
         hits: list[ObjectKey] = []
         missing: list[ObjectKey] = []
-        still_there = iter(present or [])
-        for index, (key, hit, dest) in enumerate(zip(keys, found, dests, strict=True)):
+        for index, (key, hit) in enumerate(zip(keys, found, strict=True)):
             if hit:
                 loaded.set(index)
                 hits.append(key)
-            elif present is None:
-                continue
-            elif next(still_there):
-                self._size_mismatch(key, dest.nbytes)
-            else:
+            elif hit is not None:
                 missing.append(key)
         self._forget(missing, seen_at)
         if hits:
             self._notify_keys_accessed(hits)
         return loaded, None
 
-    def _size_mismatch(self, key: ObjectKey, wanted: int) -> None:
+    async def _load_each(
+        self, keys: list[ObjectKey], cache_keys: list[CacheKey], dests: list[MemoryObj]
+    ) -> list[bool | None]:
+        """The keys of a load that met an object of another size than LMCache's buffer, one
+        at a time: the hits, False for a miss, and None for each key stored in another
+        layout, which is counted and logged (LMCache reports its load failed)."""
+        found: list[bool | None] = []
+        for key, cache_key, dest in zip(keys, cache_keys, dests, strict=True):
+            try:
+                found.extend(await self._io.load([cache_key], [dest]))
+            except LayoutMismatch as mismatch:
+                self._size_mismatch(key, mismatch)
+                found.append(None)
+        return found
+
+    def _size_mismatch(self, key: ObjectKey, mismatch: LayoutMismatch) -> None:
         with self._state:
             self._size_mismatches += 1
         logger.warning(
-            "KvplugL2Adapter: %s holds %s in another size than LMCache's buffer of %d bytes; "
-            "the load of this key fails (the model's layout or chunk size changed?).",
-            self._config.target(),
+            "KvplugL2Adapter: the load of %s from %s fails: %s",
             key,
-            wanted,
+            self._config.target(),
+            mismatch,
         )
 
     # -- touch, delete, list --------------------------------------------------------------------

@@ -83,6 +83,7 @@ from kvplug.errors import (
     ConfigError,
     CorruptObject,
     InvalidBackendURL,
+    LayoutMismatch,
 )
 from kvplug.frame import encode_header, payload_checksum, verify_payload
 from kvplug.index import EvictableIndex, Reservation
@@ -1292,8 +1293,12 @@ class DiskBackend(Backend):
         object or into the one ``into`` lends, every write there inside ``into.use()``."""
         access: Access = nullcontext
         if into is not None:
-            if nbytes_of(entry.shape, entry.dtype) != into.obj.nbytes:
-                return None
+            stored = nbytes_of(entry.shape, entry.dtype)
+            if stored != into.obj.nbytes:
+                dest = into.obj
+                raise LayoutMismatch.between(
+                    key, (entry.shape, entry.dtype, stored), (dest.shape, dest.dtype, dest.nbytes)
+                )
             obj: MemoryObj | None = into.obj
             access = into.use
         else:

@@ -58,6 +58,7 @@ from kvplug.errors import (
     CapacityExceeded,
     ConfigError,
     KvplugError,
+    LayoutMismatch,
     NotSupported,
 )
 from kvplug.keys import CacheKey
@@ -387,13 +388,23 @@ class LMBackend(Backend):
         dest: MemoryObj | None,
         hasher: Hasher | None = None,
     ) -> MemoryObj | None:
-        """Read a payload of ``length`` bytes into ``dest`` (when its size matches) or a new
-        object, feeding ``hasher`` as it arrives; drain it and return None when neither can
-        take it."""
+        """Read a payload of ``length`` bytes into ``dest`` or a new object, feeding
+        ``hasher`` as it arrives; drain it and return None when no new object can take it.
+        A ``dest`` of another size drains it and raises
+        :class:`~kvplug.errors.LayoutMismatch`."""
         if dest is not None:
             if dest.nbytes != length:
                 await connection.drain(length)
-                return None
+                import torch
+
+                from kvplug.memory import DTYPES_BY_CODE
+
+                stored = torch.uint8 if dtype_code == 0 else DTYPES_BY_CODE.get(dtype_code)
+                raise LayoutMismatch.between(
+                    key.decode(errors="replace"),
+                    (tuple(shape), stored, length),
+                    (dest.shape, dest.dtype, dest.nbytes),
+                )
             await connection.recv_into(dest.memoryview(), hasher)
             return dest
         target = self._allocate(shape, dtype_code, fmt, length)
@@ -605,7 +616,7 @@ class LMBackend(Backend):
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         if dest.device.type != "cpu":
-            return fill_into([await self._get(key)], [dest])[0]
+            return fill_into([await self._get(key)], [dest], [key])[0]
         name = self.wire_key(key)
         if self._is_plain():
             got = await self._pool.run(lambda c: self._plain_get(c, name, dest))

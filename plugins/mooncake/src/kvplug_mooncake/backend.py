@@ -57,6 +57,7 @@ from kvplug.errors import (
     BackendUnavailable,
     ConfigError,
     CorruptObject,
+    LayoutMismatch,
 )
 from kvplug.frame import (
     MAX_HEADER_LEN,
@@ -860,7 +861,9 @@ class MooncakeBackend(Backend):
             dest.retain() if dest.device.type == "cpu" else _host_like(dest) for dest in dests
         ]
         try:
-            hits, damaged = await self._run(lambda: self._read_into(names, targets), targets)
+            hits, damaged, resized = await self._run(
+                lambda: self._read_into(names, targets), targets
+            )
             for dest, target, hit in zip(dests, targets, hits, strict=True):
                 if hit and target is not dest:
                     dest.raw.copy_(target.raw)
@@ -868,16 +871,32 @@ class MooncakeBackend(Backend):
             for target in targets:
                 target.release()
         await self._drop_damaged(damaged)
+        for index in resized:
+            # Read whole, once, to name the stored layout (a reader with another layout).
+            stored, dest = await self._get(keys[index]), dests[index]
+            if stored is not None:
+                stored.release()
+                if stored.nbytes != dest.nbytes:  # not overwritten to the reader's size since
+                    raise LayoutMismatch.between(
+                        keys[index],
+                        (stored.shape, stored.dtype, stored.nbytes),
+                        (dest.shape, dest.dtype, dest.nbytes),
+                    )
         return hits
 
-    def _read_into(self, names: list[str], dests: list[MemoryObj]) -> tuple[list[bool], list[str]]:
+    def _read_into(
+        self, names: list[str], dests: list[MemoryObj]
+    ) -> tuple[list[bool], list[str], list[int]]:
         """Scatter each value into a header slot and its destination (a worker thread). The
         header's length is not known before it is read: the destination's rank gives it, and
         a read the store refuses for its size is tried with the other naive length; a value
-        being written is waited for (see :func:`_while_being_written`)."""
+        being written is waited for (see :func:`_while_being_written`). Returns the hits, the
+        names of damaged values, and the positions whose value has another size than its
+        destination at every header length."""
         registrations = self._registrations
         assert registrations is not None
         hits = [False] * len(names)
+        resized: list[int] = []
         damage = _Damage()
         slots = [self._slot() for _ in names]
         guesses = [[header_len(len(dest.shape))] for dest in dests]
@@ -908,9 +927,11 @@ class MooncakeBackend(Backend):
                     elif code == codes.REPLICA_IS_NOT_READY:
                         again.append(i)
                     elif _is_damage_free_size_mismatch(code):
-                        tried[i] += 1  # another header length; past the last, a miss
+                        tried[i] += 1  # another header length; past the last, another size
                         if tried[i] < len(guesses[i]):
                             again.append(i)
+                        else:
+                            resized.append(i)
                     elif code < 0 and code not in codes.MISSES:
                         self._check(code, "get", names[i])
 
@@ -923,7 +944,7 @@ class MooncakeBackend(Backend):
         finally:
             for slot in slots:
                 slot.obj.release()
-        return hits, damage.confirmed_names
+        return hits, damage.confirmed_names, resized
 
     def _verify_into(self, name: str, slot: _Slot, length: int, dest: MemoryObj) -> bool:
         """Whether ``dest`` now holds the naive payload the header in ``slot`` describes;

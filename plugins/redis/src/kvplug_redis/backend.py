@@ -655,9 +655,7 @@ class RedisBackend(BytesBackend):
             for key in keys:
                 pipe.exists(key)
 
-        counts = await self._run(
-            "batched_exists", lambda c: self._pipelined(c, exists), read=True
-        )
+        counts = await self._run("batched_exists", lambda c: self._pipelined(c, exists), read=True)
         return [bool(count) for count in counts]
 
     @staticmethod
