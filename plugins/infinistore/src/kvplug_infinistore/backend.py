@@ -738,7 +738,8 @@ class InfiniStoreBackend(BytesBackend):
 
     def _read_room(self, receiver: FrameReceiver) -> int:
         """The room to reserve for one read: the largest value accepted, or for a read into
-        the caller's memory, the largest frame of that size (a larger one is a miss)."""
+        the caller's memory, the largest frame of that size (a larger one is read again with
+        the largest room)."""
         room = self.options.max_value_size
         into = receiver.into
         if into is not None and into.device.type == "cpu":
@@ -811,10 +812,10 @@ class InfiniStoreBackend(BytesBackend):
                     mapped = self._server_error(session, error, doing)
                     limited = room < self.options.max_value_size
                     if limited and error_code(error) == CODE_INVALID_REQUEST:
-                        # Larger than the caller's memory: a miss for get_into (one by one,
-                        # since InfiniStore fails the whole request).
-                        if len(batch) > 1:
-                            pending.extend((room, [i]) for i in batch)
+                        # Larger than the caller's memory: read again, one by one (InfiniStore
+                        # fails the whole request), with room for any value, so that the
+                        # frame's header tells another layout (LayoutMismatch) from damage.
+                        pending.extend((self.options.max_value_size, [i]) for i in batch)
                         continue
                     raise mapped from None
                 for block, index in zip(blocks, batch, strict=True):
