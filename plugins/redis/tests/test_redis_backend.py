@@ -35,7 +35,13 @@ from kvplug import (
 )
 from kvplug.store import Store
 from kvplug_redis import Mode, RedisBackend, escape_glob
-from kvplug_testing import RedisCluster, RedisServer, SentinelGroup, make_tls_files
+from kvplug_testing import (
+    RedisCluster,
+    RedisServer,
+    SentinelGroup,
+    make_tls_files,
+    open_backend_for_failover,
+)
 from kvplug_testing.tier_checks import (
     keys_of,
     make_obj,
@@ -948,7 +954,7 @@ suite beside two CPU hogs) one failover took over 19 s."""
 
 
 async def _failover_under_load(group: SentinelGroup, deadline: float) -> dict[str, float]:
-    backend = await kvplug.open_backend(group.url, timeout=deadline)
+    backend = await open_backend_for_failover(group.url, timeout=deadline)
     model = new_model()
     objs = {n: make_obj(1000 + n) for n in range(20)}
     for n, obj in objs.items():

@@ -21,7 +21,13 @@ from kvplug import BackendTimeout, BackendUnavailable, CacheKey, MemoryObj
 from kvplug.frame import encode_frame
 from kvplug_redis import RedisBackend
 from kvplug_redis.sentinel import Answer, choose
-from kvplug_testing import SentinelGroup, TLSUnsupported, ValkeySentinelGroup, tls_problem
+from kvplug_testing import (
+    SentinelGroup,
+    TLSUnsupported,
+    ValkeySentinelGroup,
+    open_backend_for_failover,
+    tls_problem,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -171,7 +177,7 @@ def test_reads_follow_the_sentinels_when_the_old_master_lives_on(
     began (nor a miss)."""
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(group.url, timeout=DEADLINE)
+        backend = await open_backend_for_failover(group.url, timeout=DEADLINE)
         assert isinstance(backend, RedisBackend) and backend.tracker is not None
         interval = backend.options.master_check_interval
         load = Load(backend, f"failover-{how}-{random.randrange(10**9)}")
@@ -348,7 +354,7 @@ def test_a_failover_of_the_master_in_use_is_logged_with_what_the_sentinels_said(
     group = plain_group
 
     async def scenario() -> tuple[tuple[str, int], tuple[str, int], str]:
-        backend = await kvplug.open_backend(group.url, timeout=DEADLINE)
+        backend = await open_backend_for_failover(group.url, timeout=DEADLINE)
         assert isinstance(backend, RedisBackend) and backend.tracker is not None
         try:
             await backend.ping()

@@ -37,6 +37,7 @@ from kvplug_testing import (
     ValkeySentinelGroup,
     ValkeyServer,
     find_binary,
+    open_backend_for_failover,
     tls_problem,
 )
 from kvplug_testing.tier_checks import (
@@ -338,7 +339,7 @@ def test_valkey_sentinel_failover_is_followed_without_a_reopen(tls: bool) -> Non
         assert group.url.startswith("valkeys+sentinel://" if tls else "valkey+sentinel://")
 
         async def scenario() -> float:
-            backend = await kvplug.open_backend(group.url, timeout=deadline)
+            backend = await open_backend_for_failover(group.url, timeout=deadline)
             model = new_model()
             objs = [make_obj(100 + n) for n in range(8)]
             try:

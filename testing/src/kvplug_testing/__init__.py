@@ -50,7 +50,12 @@ from kvplug_testing.cluster import SLOTS, RedisCluster
 from kvplug_testing.lm import LMServerProcess, lmcache_python
 from kvplug_testing.ports import HOST, free_port
 from kvplug_testing.redis import RedisServer, ServerProcess
-from kvplug_testing.sentinel import DOWN_AFTER_MS, SentinelGroup, SentinelProcess
+from kvplug_testing.sentinel import (
+    DOWN_AFTER_MS,
+    SentinelGroup,
+    SentinelProcess,
+    open_backend_for_failover,
+)
 from kvplug_testing.tls import (
     TLSFiles,
     make_tls_files,
@@ -94,6 +99,7 @@ __all__ = [
     "free_port",
     "lmcache_python",
     "make_tls_files",
+    "open_backend_for_failover",
     "tls_client_settings",
     "tls_config_lines",
     "tls_problem",
