@@ -3,8 +3,8 @@
 The version is the repository's ``VERSION`` file. A distribution lists its requirements under
 ``[tool.hatch.metadata.hooks.custom]`` instead of ``[project]``; a requirement on a sibling
 distribution (a name starting with ``kvplug``) written without a version, such as ``"kvplug"``
-or ``"kvplug-disk[gds]"``, is pinned to the same release series: ``kvplug~=0.1.0`` while
-``VERSION`` says 0.1.0. So a release changes one file, and the distributions of one checkout
+or ``"kvplug-disk[gds]"``, is pinned to the same release series: ``kvplug~=0.2.0`` while
+``VERSION`` says 0.2.0. So a release changes one file, and the distributions of one checkout
 always require each other at the version they were built with.
 """
 

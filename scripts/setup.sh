@@ -99,7 +99,10 @@ else
   # kvplug-gds was folded into kvplug-disk (its gds extra): a venv from before keeps a copy.
   "$VENV/bin/python" -m pip uninstall --quiet --yes kvplug-gds 2>/dev/null || true
   step "installing this repository's distributions into $VENV, editable"
-  "${PIP[@]}" "${editable[@]}"
+  # Built with the venv's own hatchling (requirements-dev.txt) and editables: an isolated build
+  # environment for each of them took most of this step.
+  "${PIP[@]}" editables
+  "${PIP[@]}" --no-build-isolation "${editable[@]}"
   echo "$stamp" >"$VENV/.kvplug-stamp"
 fi
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import json
 import socket
 import subprocess
@@ -39,6 +40,7 @@ from kvplug import (
     CacheKey,
     Capabilities,
     CapacityExceeded,
+    FreeListAllocator,
     MemoryObj,
     NotSupported,
     register_backend,
@@ -336,9 +338,8 @@ class UncheckedReads(ReadsItsOwnWay):
             return None
         try:
             return _decode_unchecked(data, self)
-        except CorruptObject:
-            self.corrupt_objects += 1
-            await self.remove_bytes(name)
+        except CorruptObject as error:
+            await self.damaged_values.drop({name: error})
             return None
 
 
@@ -653,10 +654,36 @@ class CloseBlocksForLong(RefBackend):
 
 
 class NoSmallOptions(RefBackend):
-    """A correct store that does not tell the suite how to make it small: the capacity and
-    pin-pressure tests are not run (unless --kvplug-small-option gives the options)."""
+    """A correct store that does not tell the suite how to make it small: the suite finds its
+    ``max_size`` option by name."""
 
     contract_small_options = None
+
+
+class ArenaOptions(BytesBackendOptions):
+    """The reference backend's options with the size limit under a name the suite cannot
+    guess."""
+
+    timeout: float = Field(1.0, gt=0, description="deadline of one operation, in seconds")
+    arena: int | None = Field(None, description="bytes the store holds; unbounded if unset")
+    pin_ttl: float = Field(300.0, gt=0, description="seconds a pin lasts")
+    trace_file: str = Field("", description="open() appends its options here as a JSON line")
+
+    @field_validator("arena", mode="before")
+    @classmethod
+    def _parse_arena(cls, value: object) -> int | None:
+        return None if value is None else parse_size(value, what="arena")
+
+    @property
+    def max_size(self) -> int | None:
+        return self.arena
+
+
+class SizedByArena(NoSmallOptions):
+    """A correct store whose size option the suite cannot find: the capacity and pin-pressure
+    tests are not run (unless --kvplug-small-option gives the options)."""
+
+    Options: ClassVar[type[BackendOptions]] = ArenaOptions
 
 
 class NoPin(RefBackend):
@@ -667,6 +694,7 @@ class NoPin(RefBackend):
 
 REPORTING: dict[str, type[RefBackend]] = {
     "no-small-options": NoSmallOptions,
+    "sized-by-arena": SizedByArena,
     "no-pin": NoPin,
 }
 """Scheme -> a correct backend that the suite must report as not run or n/a in some clause."""
@@ -714,6 +742,35 @@ class RemovesInTwoSteps(ReadsItsOwnWay):
             return False
         await asyncio.sleep(0.002)
         return await self.on_server("remove", lambda store: store.remove(key))
+
+
+class FindsThenReads(RefBackend):
+    """Clause 15: a read first looks the values up, yields, then takes them, so a remove that
+    lands in between makes it raise KeyError (as a file store that opens a path it found a
+    moment before raises FileNotFoundError)."""
+
+    async def batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        found = await self.batched_exists_bytes(keys)
+        await asyncio.sleep(0)
+
+        def take(store: Store) -> list[Buffer | None]:
+            pairs = zip(keys, found, strict=True)
+            return [store.values[key] if there else None for key, there in pairs]
+
+        return await self.on_server("get", take)
+
+
+@functools.cache
+def _private_arena() -> FreeListAllocator:
+    return FreeListAllocator(64 << 20, pin=False)
+
+
+class AllocatesElsewhere(ReadsItsOwnWay):
+    """Clause 5: get decodes into an arena of its own instead of :attr:`allocator`, so what
+    it returns escapes the caller's memory budget (and pinning)."""
+
+    async def decode(self, name: str, data: Buffer | None) -> MemoryObj | None:
+        return None if data is None else decode_frame(data, _private_arena())
 
 
 class BindsTheOpeningLoop(RefBackend):
@@ -953,6 +1010,8 @@ BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "close-blocks-for-long": (11, CloseBlocksForLong),
     "keeps-first-write": (3, KeepsFirstWrite),
     "removes-in-two-steps": (15, RemovesInTwoSteps),
+    "finds-then-reads": (15, FindsThenReads),
+    "allocates-elsewhere": (5, AllocatesElsewhere),
     "binds-the-opening-loop": (15, BindsTheOpeningLoop),
     "truncates-hash-to-64-bits": (12, TruncatesHashTo64Bits),
     "contains-ignores-key-prefix": (12, ContainsIgnoresKeyPrefix),

@@ -315,6 +315,37 @@ def test_declaring_a_capability_without_its_hooks_is_refused(capability: str, mi
         assert missing in str(error)
 
 
+def test_a_vendor_name_that_would_replace_the_templates_own_is_refused_at_class_creation() -> None:
+    async def _read(self: Any, keys: Any, dests: Any) -> None:
+        return None
+
+    with pytest.raises(TypeError, match=r"defines or assigns _read, .*Rename yours"):
+        type("HasAReadHelper", (DictBytes,), {"_read": _read})
+
+    class Plain(Backend):  # _read is a byte store's internal, free for a plain Backend
+        async def _read(self, key: CacheKey) -> None:
+            return None
+
+    with pytest.raises(TypeError, match=r"defines or assigns _closed, _stats_lock"):
+
+        class KeepsItsOwnState(DictBytes):
+            def __init__(self, url: str) -> None:
+                super().__init__(url)
+                self._closed = False
+
+            def stop(self) -> None:
+                def later() -> None:
+                    self._stats_lock = threading.Lock()
+
+                later()
+
+    class ReadsTheState(DictBytes):  # reading the template's state is no clash
+        def is_done(self) -> bool:
+            return self._closed
+
+    assert Plain.__name__ and ReadsTheState.__name__
+
+
 def test_a_byte_store_without_remove_bytes_cannot_declare_remove() -> None:
     namespace = {
         "capabilities": Capabilities(remove=True),

@@ -17,7 +17,11 @@ import click
 
 # The suite's constants, without importing pytest (see the module docstring).
 DEFAULT_TIMEOUT = 10.0
-VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
+VERDICTS = ("FAIL", "known", "pass", "n/a", "waived", "not run")
+INCOMPLETE = 6
+"""The exit status of a run that failed nothing but left a clause not run for want of a
+declaration (a way to fill the store, to pause its server, to damage its data), unwaived: not a
+pass. pytest's own statuses are 0 to 5."""
 
 
 @click.command("contract")
@@ -44,6 +48,15 @@ VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
     help="Option that makes the store small enough to fill (repeatable), for the capacity "
     "and pin-pressure tests (clauses 8, 9); without it the backend class's "
     "contract_small_options are used, or those tests are not run.",
+)
+@click.option(
+    "--waive",
+    "waivers",
+    multiple=True,
+    metavar="CLAUSE=REASON",
+    help="Waive a clause the suite cannot run against this backend, with the reason "
+    "(repeatable); joins the backend class's contract_waivers. A clause left not run and not "
+    f"waived makes the run INCOMPLETE (exit status {INCOMPLETE}).",
 )
 @click.option(
     "--xfails-file",
@@ -81,6 +94,7 @@ def contract_command(
     config_file: str | None,
     option_pairs: tuple[str, ...],
     small_option_pairs: tuple[str, ...],
+    waivers: tuple[str, ...],
     xfails_file: str | None,
     timeout: float,
     proxy: bool,
@@ -134,6 +148,8 @@ def contract_command(
             args += ["--kvplug-option", pair]
         for pair in small_option_pairs:
             args += ["--kvplug-small-option", pair]
+        for pair in waivers:
+            args += ["--kvplug-waive", pair]
         if xfails_file:
             args += ["--kvplug-xfails-file", str(Path(xfails_file).resolve())]
         if proxy:
@@ -149,30 +165,48 @@ def contract_command(
         code = int(pytest.main(args))
         rows = json.loads(summary.read_text()) if summary.exists() else []
 
-    click.echo(f"kvplug contract {mask_url(url)}: {verdict_line(rows, code)}")
-    sys.exit(code)
+    line, status = verdict_of(rows, code)
+    click.echo(f"kvplug contract {mask_url(url)}: {line}")
+    sys.exit(status)
 
 
-def verdict_line(rows: list[dict[str, Any]], code: int) -> str:
+def verdict_of(rows: list[dict[str, Any]], code: int) -> tuple[str, int]:
     """The one-line verdict from the suite's per-clause summary rows and pytest's exit code,
-    for example ``PASS with clauses 8, 9 not run; of 15 clauses 11 kept, ...``."""
+    for example ``INCOMPLETE: clauses 8, 9 not run; of 15 clauses 11 kept, ...``, and the exit
+    status: pytest's, or :data:`INCOMPLETE` when a clause was left not run, unwaived, for
+    another reason than ``-k`` deselecting its tests."""
     from kvplug_contracts.plugin import clause_verdict
+    from kvplug_contracts.workers import DESELECTED
 
     verdicts = {row["clause"]: clause_verdict(row) for row in rows}
     numbers = {v: [str(n) for n, got in verdicts.items() if got == v] for v in VERDICTS}
     failed, not_run = numbers["FAIL"], numbers["not run"]
+    wanting = [
+        str(row["clause"])
+        for row in rows
+        if verdicts[row["clause"]] == "not run"
+        and any(reason != DESELECTED for reason in row["reasons"] or [""])
+    ]
+    status = code
     if failed or code:
         verdict = f"FAIL ({_clauses(failed)})" if failed else f"FAIL (pytest exit code {code})"
+    elif wanting:
+        verdict = f"INCOMPLETE: {_clauses(wanting)} not run, not waived"
+        status = INCOMPLETE
     else:
         verdict = "PASS"
-    if not_run:
+    if not_run and not wanting:
         verdict += f" with {_clauses(not_run)} not run"
-    return (
+    if numbers["waived"]:
+        verdict += f" ({_clauses(numbers['waived'])} waived)"
+    line = (
         f"{verdict}; of {len(rows)} clauses {len(numbers['pass'])} kept, "
         f"{len(numbers['known'])} with declared known failures, "
         f"{len(numbers['n/a'])} not applicable to this backend's declared capabilities, "
+        f"{len(numbers['waived'])} waived, "
         f"{len(not_run)} not run (the reasons are listed above)"
     )
+    return line, status
 
 
 def _clauses(numbers: list[str]) -> str:

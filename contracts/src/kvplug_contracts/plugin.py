@@ -24,6 +24,7 @@ Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -72,8 +73,9 @@ URL_ENV = "KVPLUG_CONTRACT_URL"
 SUITE_ALLOCATOR_SIZE = 512 << 20
 CLOSE_LIMIT = 10.0
 OUTCOMES = ("passed", "failed", "n/a", "not run", "known failure", "fixed known failure")
-VERDICTS = ("FAIL", "known", "pass", "n/a", "not run")
+VERDICTS = ("FAIL", "known", "pass", "n/a", "waived", "not run")
 SMALL_OPTIONS_ATTRIBUTE = "contract_small_options"
+WAIVERS_ATTRIBUTE = "contract_waivers"
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
 
 
@@ -98,6 +100,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME=VALUE",
         help="option that makes the store small enough to fill (repeatable), for the capacity "
         f"and pin-pressure tests (clauses 8, 9); wins over the class's {SMALL_OPTIONS_ATTRIBUTE}",
+    )
+    group.addoption(
+        "--kvplug-waive",
+        action="append",
+        default=[],
+        metavar="CLAUSE=REASON",
+        help="a clause the suite cannot run against this backend, waived with the reason "
+        f"(repeatable); joins the backend class's {WAIVERS_ATTRIBUTE}",
     )
     group.addoption(
         "--kvplug-xfails-file",
@@ -272,6 +282,44 @@ def _parse_options(pairs: list[str], flag: str = "--kvplug-option") -> dict[str,
     return options
 
 
+def configured_waivers(config: pytest.Config) -> dict[int, str]:
+    """The clauses waived for this run, with their reasons: the ``contract_waivers`` of the
+    classes of the URL's chain (for a ``store://`` URL, those every tier waives), then
+    ``--kvplug-waive CLAUSE=REASON``."""
+    waived: dict[int, str] = {}
+    url = _configured_url(config)
+    if url:
+        # A URL that does not resolve reports its own error where it is opened.
+        with contextlib.suppress(kvplug.KvplugError):
+            waived.update(_declared_waivers(url))
+    for pair in config.getoption("--kvplug-waive"):
+        number, _, reason = pair.partition("=")
+        if not number.strip().isdigit() or int(number) not in CLAUSES or not reason.strip():
+            raise pytest.UsageError(
+                f"--kvplug-waive {pair!r} is not CLAUSE=REASON with a clause of 1 to "
+                f"{max(CLAUSES)} and a reason; write e.g. --kvplug-waive '10=in-process, no "
+                "server to pause'"
+            )
+        waived[int(number)] = reason.strip()
+    return waived
+
+
+def _declared_waivers(url: str) -> dict[int, str]:
+    waived: dict[int, str] = {}
+    for part in split_chain(url):
+        parsed = BackendURL.parse(part if "://" in part else f"{part}://")
+        spec = registry().resolve(parsed.scheme)
+        if spec.kind != "backend":
+            continue
+        factory = registry().factory(spec)
+        if issubclass(factory, Store):
+            tiers = [_declared_waivers(tier.url) for tier in Store.config_of(parsed).tiers]
+            common = set.intersection(*(set(tier) for tier in tiers)) if tiers else set()
+            waived.update({n: tiers[0][n] for n in sorted(common)})
+        waived.update(getattr(factory, WAIVERS_ATTRIBUTE, {}))
+    return waived
+
+
 def describe_backend(url: str) -> list[str]:
     """Header lines: each part of the URL chain with its plugin, version and capabilities (for
     a ``store://`` URL, each tier of its config too)."""
@@ -345,8 +393,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def clause_verdict(row: dict[str, Any]) -> str:
     """The verdict of one clause from its summary row: ``FAIL``, ``known`` (declared known
     failures), ``pass``, ``n/a`` (it does not apply: every central test, or every test, was
-    skipped as not applicable) or ``not run`` (the suite could not run, or did not select, a
-    central test: never a pass)."""
+    skipped as not applicable), ``waived`` (not run, and waived with a reason: ``waived`` in
+    the row) or ``not run`` (the suite could not run, or did not select, a central test: never
+    a pass)."""
+    verdict = _unwaived_verdict(row)
+    return "waived" if verdict == "not run" and row.get("waived") else verdict
+
+
+def _unwaived_verdict(row: dict[str, Any]) -> str:
     if row["failed"]:
         return "FAIL"
     if row["known failure"]:
@@ -379,11 +433,13 @@ class ClauseSummary(AcrossWorkers):
         self.failed_clause: dict[str, int] = {}
         self.findings: dict[str, set[int]] = {}
         self.deselected: set[str] = set()
+        self.waived = configured_waivers(config)
 
     def _learn(self, item: pytest.Item) -> bool:
         marker = item.get_closest_marker("kvplug_clause")
         if marker is None:
             return False
+        self.waived.update(getattr(getattr(item, "cls", None), "kvplug_waivers", {}))
         self.clauses_of[item.nodeid] = tuple(int(n) for n in marker.args)
         if marker.kwargs.get("central"):
             self.central.add(item.nodeid)
@@ -445,7 +501,12 @@ class ClauseSummary(AcrossWorkers):
         """Per clause: how many tests had each outcome, the same for its central tests
         (``central``), and why tests were skipped (``reasons``)."""
         counts: dict[int, dict[str, Any]] = {
-            n: {**dict.fromkeys(OUTCOMES, 0), "central": {"total": 0}, "reasons": []}
+            n: {
+                **dict.fromkeys(OUTCOMES, 0),
+                "central": {"total": 0},
+                "reasons": [],
+                "waived": self.waived.get(n),
+            }
             for n in CLAUSES
         }
         for nodeid, outcome in self.outcome_of.items():
@@ -477,7 +538,9 @@ class ClauseSummary(AcrossWorkers):
             verdict = clause_verdict(row)
             shown = ", ".join(f"{row[o]} {o}" for o in OUTCOMES if row[o])
             terminalreporter.write_line(f"{number:>3} {verdict:<7} {title}: {shown or 'no test'}")
-            if verdict in ("n/a", "not run"):
+            if verdict == "waived":
+                terminalreporter.write_line(f"{'':>12}waived: {row['waived']}")
+            if verdict in ("n/a", "not run", "waived"):
                 for reason in row["reasons"] or ["no test of this clause was collected"]:
                     terminalreporter.write_line(f"{'':>12}{reason}")
         leaks = self.config.stash[LEAKS].line()
@@ -701,7 +764,9 @@ def small_store_options(pytestconfig: pytest.Config, backend: Backend) -> dict[s
         class AcmeBackend(BytesBackend):
             contract_small_options: ClassVar[dict[str, Any]] = {"max_size": "4MiB"}
 
-    else None. A vendor may also override this fixture."""
+    else, when the backend's ``Options`` has one size limit named as such (``max_size``,
+    ``capacity``, ``max_bytes``, ``max_memory``, ``size_limit``, ...), 4 MiB of it; else None.
+    A vendor may also override this fixture."""
     given = _parse_options(pytestconfig.getoption("--kvplug-small-option"), "--kvplug-small-option")
     if given:
         return dict(given)
@@ -709,7 +774,30 @@ def small_store_options(pytestconfig: pytest.Config, backend: Backend) -> dict[s
         declared = getattr(type(layer), SMALL_OPTIONS_ATTRIBUTE, None)
         if declared is not None:
             return dict(declared)
+    for layer in layers(backend):
+        found = size_limit_option(type(layer))
+        if found is not None:
+            return found
     return None
+
+
+_SIZE_LIMIT = re.compile(
+    r"^(max_?(size|bytes|memory|capacity)|capacity|(size|memory|capacity|bytes)_limit)$"
+)
+SMALL_SIZE = 4 << 20
+
+
+def size_limit_option(backend_class: type[Backend]) -> dict[str, Any] | None:
+    """``{name: 4 MiB}`` for the one option of ``backend_class.Options`` named as a size limit
+    (``max_size``, ``capacity``, ``max_bytes``, ``max_memory``, ``size_limit``, ...), as an
+    int, or as ``"4MiB"`` where the option is not an int; None when there is no such option,
+    or more than one."""
+    fields = backend_class.Options.model_fields
+    named = [name for name in fields if _SIZE_LIMIT.match(name)]
+    if len(named) != 1:
+        return None
+    name = named[0]
+    return {name: SMALL_SIZE if fields[name].annotation is int else "4MiB"}
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ class AcrossWorkers:
     outcome_of: dict[str, str]
     reason_of: dict[str, str]
     deselected: set[str]
+    waived: dict[int, str]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -54,6 +55,7 @@ class AcrossWorkers:
         output[WORKER_OUTPUT] = {
             "deselected": {nodeid: self._marks(nodeid) for nodeid in self.deselected},
             "leaks": [tally.checked, tally.leaking, sorted(tally.allowed)],
+            "waived": {str(number): reason for number, reason in self.waived.items()},
         }
 
     @pytest.hookimpl(optionalhook=True)
@@ -67,6 +69,7 @@ class AcrossWorkers:
             self.outcome_of[nodeid] = "not run"
             self.reason_of[nodeid] = DESELECTED
             self.deselected.add(nodeid)
+        self.waived.update({int(n): reason for n, reason in output.get("waived", {}).items()})
         checked, leaking, allowed = output["leaks"]
         tally = self.config.stash[LEAKS]
         tally.checked += checked

@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Config": "kvplug.config",
     "TierConfig": "kvplug.config",
     "load_config": "kvplug.config",
+    "DamagedValues": "kvplug.damage",
     "BackendClosed": "kvplug.errors",
     "BackendError": "kvplug.errors",
     "BackendTimeout": "kvplug.errors",
@@ -79,6 +80,7 @@ _EXPORTS: dict[str, str] = {
 if TYPE_CHECKING:
     from kvplug.backend import Backend, BackendOptions, BytesBackend, Capabilities
     from kvplug.config import Config, TierConfig, load_config
+    from kvplug.damage import DamagedValues
     from kvplug.env import plugin_env
     from kvplug.errors import (
         BackendClosed,
@@ -161,6 +163,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptObject",
+    "DamagedValues",
     "FreeListAllocator",
     "InvalidBackendURL",
     "KvplugError",

@@ -70,6 +70,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import difflib
+import dis
 import logging
 import reprlib
 import threading
@@ -85,7 +86,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -98,6 +99,7 @@ from typing import (
     runtime_checkable,
 )
 
+from kvplug.damage import DamagedValues
 from kvplug.errors import (
     BackendClosed,
     BackendError,
@@ -372,9 +374,13 @@ class Wraps(Protocol):
 
 @runtime_checkable
 class CountsCorruptObjects(Protocol):
-    """A backend that counts the damaged objects it read as misses (clause 6)."""
+    """A backend that counts the damaged objects it read as misses (clause 6); keep the count
+    in a :class:`~kvplug.damage.DamagedValues`, which also logs and removes them."""
 
-    corrupt_objects: int
+    @property
+    def corrupt_objects(self) -> int:
+        """Damaged values read as misses so far."""
+        ...
 
 
 @runtime_checkable
@@ -420,6 +426,56 @@ _TEMPLATE_METHODS = frozenset(
         "list_keys",
     }
 )
+
+_TEMPLATE_STATE = frozenset(
+    {"_closed", "_opened", "_home_loop", "_close_lock", "_stats_lock", "_operation_stats"}
+)
+"""The instance attributes the template keeps its own state in (``_allocator`` is not one: an
+``allocator`` property of a subclass may set it)."""
+
+
+def _template_internals(cls: type) -> set[str]:
+    """The private names the template classes ``cls`` derives from use for their own workings:
+    their helpers (``_run_hook``, a byte store's ``_read``) and their state, not the hooks."""
+    hooks = {"_" + name for name in _TEMPLATE_METHODS}
+    names = set(_TEMPLATE_STATE)
+    for base in cls.__mro__[1:]:
+        if base.__module__ == __name__:
+            names.update(
+                name
+                for name in base.__dict__
+                if name.startswith("_")
+                and not name.startswith("__")
+                and name not in hooks
+                and name not in {"_GATES", "_abc_impl"}
+            )
+    return names
+
+
+def _assigned_on_self(cls: type) -> set[str]:
+    """The attributes the functions ``cls`` defines assign on ``self`` (``self.x = ...``), in
+    nested functions too."""
+    assigned: set[str] = set()
+    codes: list[CodeType] = []
+    for value in cls.__dict__.values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+        codes.extend(code for part in parts if (code := getattr(part, "__code__", None)))
+    while codes:
+        code = codes.pop()
+        codes.extend(const for const in code.co_consts if isinstance(const, CodeType))
+        previous = None
+        for instruction in dis.get_instructions(code):
+            if (
+                instruction.opname == "STORE_ATTR"
+                and previous is not None
+                and previous.opname in {"LOAD_FAST", "LOAD_DEREF"}
+                and previous.argval == "self"
+            ):
+                assigned.add(instruction.argval)
+            previous = instruction
+    return assigned
 
 
 class _DefaultOptions:
@@ -554,6 +610,18 @@ class Backend(abc.ABC):
                 "references). Implement the hook instead: "
                 f"{', '.join('_' + name for name in overridden)}."
             )
+        if cls.__module__.partition(".")[0] != "kvplug":  # the template's own classes may
+            internals = _template_internals(cls)
+            clashes = sorted(
+                (internals & cls.__dict__.keys()) | (internals & _assigned_on_self(cls))
+            )
+            if clashes:
+                raise TypeError(
+                    f"{cls.__qualname__} defines or assigns {', '.join(clashes)}, which the "
+                    "kvplug template it derives from uses for its own workings; yours would "
+                    "replace it and break every operation. Rename yours (for example "
+                    f"{clashes[0][0]}{cls.__name__.lower()}{clashes[0]})."
+                )
         capabilities = cls.__dict__.get("capabilities")
         if isinstance(capabilities, Capabilities):
             for name in capabilities.declared():
@@ -606,6 +674,12 @@ class Backend(abc.ABC):
         model = cls.Options
         known = sorted(model.model_fields)
         for name in merged:
+            if name == "serde" and name not in model.model_fields:
+                raise UnknownOption(
+                    f"{cls.__name__} ({url.scheme}://) stores each object's own bytes and has "
+                    f"no 'serde' option, so serde {merged[name]!r} cannot apply. Leave it out "
+                    "(in an LMCache config: remote_serde: naive)."
+                )
             if name not in model.model_fields:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -1500,8 +1574,16 @@ class BytesBackend(Backend):
         from kvplug.serde import get_serde
 
         self.serde: Serde = get_serde(self.options.serde)
-        self.corrupt_objects = 0
-        """Damaged values read as misses (and deleted) so far (clause 6)."""
+        # Deleted with remove_bytes also where the store does not declare remove but has it.
+        self.damaged_values = DamagedValues[str](
+            self.url, remove=None if self.missing_hooks("remove") else self.remove_bytes
+        )
+        """Damaged values read as misses, counted, logged and deleted (clause 6)."""
+
+    @property
+    def corrupt_objects(self) -> int:
+        """:class:`CountsCorruptObjects`: damaged values read as misses so far."""
+        return self.damaged_values.count
 
     def key_string(self, key: CacheKey) -> str:
         """The store key for ``key``: the prefix and LMCache's string form."""
@@ -1583,22 +1665,21 @@ class BytesBackend(Backend):
         names = [self.key_string(key) for key in keys]
         receivers = [FrameReceiver(self.allocator, into=dest) for dest in dests]
         results: list[MemoryObj | None] = []
-        damaged: list[str] = []
+        damaged: dict[str, CorruptObject] = {}
         try:
             await self.receive_frames(names, receivers)
             for name, receiver in zip(names, receivers, strict=True):
                 try:
                     results.append(receiver.finish())
-                except CorruptObject:
+                except CorruptObject as error:
                     results.append(None)
-                    damaged.append(name)
+                    damaged[name] = error
         except BaseException:
             for receiver in receivers:
                 receiver.abandon()
             _release_objects(results)
             raise
-        if damaged:
-            await self._drop_damaged(damaged)
+        await self.damaged_values.drop(damaged)
         for key, receiver in zip(keys, receivers, strict=True):
             if receiver.mismatch is not None and receiver.into is not None:
                 _release_objects(results)
@@ -1609,24 +1690,6 @@ class BytesBackend(Backend):
                     (into.shape, into.dtype, into.nbytes),
                 )
         return results
-
-    async def _drop_damaged(self, names: Sequence[str]) -> None:
-        """Count damaged values and delete them (clause 6), also in a store that does not
-        declare ``remove`` but implements :meth:`remove_bytes`; a failed delete is logged, and
-        the value reads as a miss again next time."""
-        self.corrupt_objects += len(names)
-        if self.missing_hooks("remove"):
-            return  # a store that cannot delete: the value stays, and reads as a miss
-        outcomes = await asyncio.gather(
-            *(self.remove_bytes(name) for name in names), return_exceptions=True
-        )
-        for name, outcome in zip(names, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                logger.warning(
-                    "could not delete the damaged value %s from %s: %s", name, self.url, outcome
-                )
-            elif isinstance(outcome, BaseException):
-                raise outcome
 
     async def _get(self, key: CacheKey) -> MemoryObj | None:
         return (await self._read([key], [None]))[0]

@@ -162,8 +162,10 @@ def test_an_lmcache_config_with_remote_url_lm_opens_and_a_transforming_serde_is_
     config.write_text("chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: naive\n")
     tier = load_config(config, env={}).tiers[-1]
     assert isinstance(LMBackend(tier.url, **tier.options), LMBackend)
-    with pytest.raises(UnknownOption, match="raw tensors"):
-        LMBackend("lm://127.0.0.1:7000?serde=cachegen")
+    config.write_text("chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: cachegen\n")
+    tier = load_config(config, env={}).tiers[-1]
+    with pytest.raises(UnknownOption, match=r"no 'serde' option.*remote_serde: naive"):
+        LMBackend(tier.url, **tier.options)
 
 
 def test_the_secret_is_masked_in_reprs_and_errors() -> None:

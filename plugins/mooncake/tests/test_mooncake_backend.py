@@ -122,7 +122,7 @@ def test_lmcache_json_config_is_read_from_mooncake_config_path(
     ("url", "options", "error", "says"),
     [
         ("mooncakestore://h:1", {"storage_root_dir": "/ssd"}, ConfigError, "SSD offload"),
-        ("mooncakestore://h:1", {"serde": "cachegen"}, UnknownOption, "zero-copy"),
+        ("mooncakestore://h:1", {"serde": "cachegen"}, UnknownOption, "no 'serde' option"),
         ("mooncakestore://h:1", {"protocol": "efa"}, UnknownOption, "protocol"),
         ("mooncakestore://h:1", {"global_segment_size": "lots"}, UnknownOption, "size"),
         ("mooncakestore://h:1", {"leased_remove": "ignore"}, UnknownOption, "leased_remove"),

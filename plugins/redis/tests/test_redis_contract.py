@@ -13,7 +13,7 @@ import pytest
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
-from kvplug_testing import RedisCluster, RedisServer, SentinelGroup
+from kvplug_testing import OverTLS, RedisCluster, RedisServer, SentinelGroup
 
 pytestmark = pytest.mark.redis
 
@@ -45,7 +45,7 @@ class TestRedisThroughTheClientLibraryConformance(BackendContract):
         return standalone
 
 
-class TestRedissConformance(BackendContract):
+class TestRedissConformance(OverTLS, BackendContract):
     @pytest.fixture
     def kvplug_url(self, tls_server: RedisServer) -> str:
         return tls_server.url
@@ -74,7 +74,7 @@ class TestSentinelConformance(BackendContract):
         return sentinel_group.url
 
 
-class TestTLSSentinelConformance(BackendContract):
+class TestTLSSentinelConformance(OverTLS, BackendContract):
     """rediss+sentinel://: TLS to the sentinels and to the master they name, with a client
     certificate (every process asks for one). Clause 10 is n/a, as for plain Sentinel."""
 

@@ -15,7 +15,13 @@ import pytest
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
-from kvplug_testing import ValkeyCluster, ValkeySentinelGroup, ValkeyServer, tls_problem
+from kvplug_testing import (
+    OverTLS,
+    ValkeyCluster,
+    ValkeySentinelGroup,
+    ValkeyServer,
+    tls_problem,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -36,7 +42,7 @@ class TestValkeyConformance(BackendContract):
 
 if TLS_PROBLEM is None:
 
-    class TestValkeysConformance(BackendContract):
+    class TestValkeysConformance(OverTLS, BackendContract):
         @pytest.fixture
         def kvplug_url(self, tls_server: ValkeyServer) -> str:
             assert tls_server.url.startswith("valkeys://")
@@ -46,7 +52,7 @@ if TLS_PROBLEM is None:
         def server_control(self, tls_server: ValkeyServer) -> ValkeyServer:
             return tls_server
 
-    class TestValkeysSentinelConformance(BackendContract):
+    class TestValkeysSentinelConformance(OverTLS, BackendContract):
         """valkeys+sentinel://: TLS to the sentinels and to the master they name, with a
         client certificate. Clause 10 is n/a, as for plain Sentinel."""
 

@@ -57,6 +57,7 @@ from kvplug_testing.sentinel import (
     open_backend_for_failover,
 )
 from kvplug_testing.tls import (
+    OverTLS,
     TLSFiles,
     make_tls_files,
     tls_client_settings,
@@ -83,6 +84,7 @@ __all__ = [
     "HOST",
     "SLOTS",
     "LMServerProcess",
+    "OverTLS",
     "RedisCluster",
     "RedisServer",
     "SentinelGroup",

@@ -69,7 +69,7 @@ class LMServerProcess(ControlledProcess):
         python: str | None = None,
         argv: Sequence[str] | None = None,
         port: int | None = None,
-        startup_timeout: float = 30.0,
+        startup_timeout: float = 60.0,
     ) -> None:
         self.port = port if port is not None else free_port()
         self.host = HOST

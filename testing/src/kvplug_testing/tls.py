@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvplug_testing.ports import HOST
 
@@ -158,3 +161,23 @@ def tls_query(files: TLSFiles, *, client_certificate: bool) -> str:
 
 
 __all__ = ["TLSFiles", "make_tls_files", "tls_client_settings", "tls_config_lines", "tls_query"]
+
+
+TLS_OPERATION_BUDGET = 30.0
+"""Seconds one contract-suite step may take over TLS (the suite's default is 10)."""
+
+
+class OverTLS:
+    """Mixin for a contract-suite class whose backend speaks TLS: each step of the suite gets
+    :data:`TLS_OPERATION_BUDGET` seconds. The budget only tells a hang from slowness; every
+    handshake and record costs CPU in Python's ssl, and the suite's step of 200 concurrent
+    tasks outran 10 s on a 2-core machine under a CPU hog and a parallel test session."""
+
+    @pytest.fixture
+    def run(self, kvplug_runner: Any) -> Callable[..., Any]:
+        def run(coroutine: Any, timeout: float | None = None) -> Any:
+            return kvplug_runner.run(
+                coroutine, TLS_OPERATION_BUDGET if timeout is None else timeout
+            )
+
+        return run

@@ -20,7 +20,9 @@ from kvplug import (
     MemoryObj,
 )
 from kvplug.backend import gather_all
+from kvplug.integration import keeps_objects
 from kvplug.memory import KV_DTYPES
+from kvplug.store import layers
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,
@@ -247,6 +249,33 @@ class RoundTripContract:
             _put_get(run, backend, keyspace, obj)
         finally:
             obj.release()
+
+    @clause(5)
+    def test_get_returns_an_object_of_the_backends_own_allocator(
+        self, backend: Backend, run: Run, keyspace: Keyspace
+    ) -> None:
+        foreign = FreeListAllocator(16 << 20, pin=False)
+        obj = make_obj(foreign, (2, 2, 32, 128), torch.float16, seed=5)
+        try:
+            run(backend.put(keyspace.key(0), obj))
+            got = run(backend.get(keyspace.key(0)))
+        finally:
+            obj.release()
+        if got is None:
+            return  # a miss right after a put: the round-trip tests of clauses 1 and 2 say so
+        own = [layer.allocator for layer in layers(backend)]
+        if keeps_objects(backend):
+            own.append(foreign)  # its stored value may be the very object it was given
+        try:
+            if not any(got.allocator is allocator for allocator in own):
+                violated(
+                    5,
+                    f"get returned an object of {got.allocator!r}, not of the backend's "
+                    f"allocator {backend.allocator!r}: callers budget and pin memory by that "
+                    "allocator. Allocate what get returns from self.allocator",
+                )
+        finally:
+            got.release()
 
     @clause(2)
     def test_round_trip_into_the_callers_memory_is_bit_exact(

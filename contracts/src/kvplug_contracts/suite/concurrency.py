@@ -31,9 +31,11 @@ TASKS = 200
 THREADS = 8
 OPS_PER_THREAD = 25
 SHARED_VALUES = 4
-# Rounds of put, then remove racing reads of the key: reads start 0 to 3 loop steps apart, so
-# some land inside a remove that takes more than one step.
-RACE_ROUNDS = 24
+# Rounds of put, then remove racing reads of the key, in both orders: the remove first and the
+# reads 0 to 3 loop steps after it, or the reads first and the remove 0 to 3 steps after them,
+# so that some reads land inside a remove that takes several steps, and some removes inside a
+# read that has found the value but not yet read it.
+RACE_ROUNDS = 32
 
 
 def _report(problems: list[str], what: str) -> None:
@@ -200,10 +202,21 @@ class ConcurrencyContract:
                 if problem is not None:
                     problems.append(f"{what} during remove returned a damaged object: {problem}")
 
+        async def remove_after(steps: int) -> bool:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            return await backend.remove(key)
+
         async def race(round_: int) -> None:
             await backend.put(key, obj)
-            readers = [read((round_ + n) % 4, batched=n == 3) for n in range(4)]
-            outcomes = await asyncio.gather(backend.remove(key), *readers, return_exceptions=True)
+            offset = round_ // 2
+            if round_ % 2 == 0:
+                remover = remove_after(0)
+                readers = [read((offset + n) % 4, batched=n == 3) for n in range(4)]
+            else:
+                readers = [read(0, batched=n == 3) for n in range(4)]
+                remover = remove_after(offset % 4 + 1)
+            outcomes = await asyncio.gather(remover, *readers, return_exceptions=True)
             if isinstance(outcomes[0], Exception):
                 error = outcomes[0]
                 problems.append(f"remove racing gets raised {type(error).__name__}: {error}")

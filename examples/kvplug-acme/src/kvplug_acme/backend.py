@@ -88,6 +88,12 @@ class AcmeBackend(BytesBackend):
         persistent=True, shared_across_processes=True, remove=True, list_keys=True
     )
     Options: ClassVar[type[BackendOptions]] = AcmeOptions
+    # The clauses the contract suite cannot run against one SQLite file, and why: `kvplug
+    # contract` reports them as waived instead of leaving the run incomplete.
+    contract_waivers: ClassVar[dict[int, str]] = {
+        9: "the file grows with its disk: there is no size limit to fill",
+        10: "a local file: there is no server to pause or stop",
+    }
     options: AcmeOptions
 
     def __init__(

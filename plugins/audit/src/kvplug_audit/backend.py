@@ -68,6 +68,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import Field, ValidationInfo, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Wrapper
+from kvplug.damage import DamagedValues
 from kvplug.errors import BackendUnavailable, ConfigError
 from kvplug.frame import payload_checksum
 from kvplug.keys import CacheKey
@@ -199,9 +200,20 @@ class AuditBackend(Wrapper):
         self._lock = threading.Lock()
         self._expected: OrderedDict[CacheKey, _Expected] = OrderedDict()
         self._counts: dict[str, dict[str, int]] = {}
-        self.corrupt_objects = 0
+        self.damaged_values = DamagedValues[CacheKey](
+            self.url,
+            remove=inner.remove if inner.capabilities.remove else None,
+            level=logging.ERROR,
+        )
+        """Reads that returned other bytes than were put: misses, counted, logged as errors
+        and removed from the inner store (when it can delete)."""
         self.untracked_keys = 0
         """Keys forgotten to keep within ``max_tracked_keys``."""
+
+    @property
+    def corrupt_objects(self) -> int:
+        """:class:`~kvplug.backend.CountsCorruptObjects`: reads that returned other bytes."""
+        return self.damaged_values.count
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Operation -> outcome -> count, e.g. ``{"get": {"hit": 3, "miss": 1}}``."""
@@ -359,30 +371,13 @@ class AuditBackend(Wrapper):
         verdict = self._end_get(key, checksum)
         if verdict is not False:
             return obj
-        with self._lock:
-            self.corrupt_objects += 1
-        logger.error(
-            "checksum mismatch: key=%s size=%d backend=%s returned bytes that differ from what "
-            "was put (xxh3-64 %016x). The object is treated as a miss%s; check the store for "
-            "corruption or writers outside kvplug.",
-            key,
-            obj.nbytes,
-            self._inner_text,
-            checksum,
-            " and removed" if self.inner.capabilities.remove else "",
+        why = (
+            f"checksum mismatch: the {obj.nbytes} bytes {self._inner_text} returned differ from "
+            f"what was put (xxh3-64 {checksum:016x}); check the store for corruption or writers "
+            "outside kvplug"
         )
         obj.release()
-        if self.inner.capabilities.remove:
-            try:
-                await self.inner.remove(key)
-            except Exception as error:
-                logger.warning(
-                    "could not remove corrupt key=%s from %s: %s: %s",
-                    key,
-                    self._inner_text,
-                    type(error).__name__,
-                    error,
-                )
+        await self.damaged_values.drop({key: why})
         self._forget(key)
         return None
 

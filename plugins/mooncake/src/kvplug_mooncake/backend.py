@@ -51,9 +51,9 @@ import torch
 import xxhash
 
 from kvplug.backend import Backend, Capabilities
+from kvplug.damage import DamagedValues
 from kvplug.errors import (
     BackendError,
-    BackendTimeout,
     BackendUnavailable,
     ConfigError,
     CorruptObject,
@@ -284,8 +284,10 @@ class MooncakeBackend(Backend):
                 f"{self.url} names no Mooncake master: write mooncakestore://host:port (the "
                 "master's --rpc_port, 50051 by default) or set master_server_address."
             )
-        self.corrupt_objects = 0
-        """Damaged values read as misses and removed so far (clause 6)."""
+        self.damaged_values = DamagedValues[str](
+            self.url, remove=lambda name: self._remove_name(name, force=True)
+        )
+        """Damaged values read as misses, counted, logged and removed (clause 6)."""
         self.copied_overwrites = 0
         """Puts that overwrote an existing key: the one path that copies an object."""
         self._store: Any = None
@@ -668,7 +670,7 @@ class MooncakeBackend(Backend):
             lambda: self._read_objects(names), abandoned=_release_found
         )
         try:
-            await self._drop_damaged(damaged)
+            await self.damaged_values.drop(damaged)
         except BaseException:
             _release_found((found, damaged))
             raise
@@ -689,7 +691,9 @@ class MooncakeBackend(Backend):
                         sizes[name] = size
         return sizes
 
-    def _read_objects(self, names: list[str]) -> tuple[list[MemoryObj | None], list[str]]:
+    def _read_objects(
+        self, names: list[str]
+    ) -> tuple[list[MemoryObj | None], dict[str, CorruptObject]]:
         """Read each name's whole value into one allocator block and return its payload in
         place (a worker thread). A value being written is waited for (see
         :func:`_while_being_written`); one that changed size between the size query and the
@@ -739,8 +743,8 @@ class MooncakeBackend(Backend):
                         if code == block.nbytes:
                             try:
                                 results[name] = self._payload_in_place(name, block)
-                            except CorruptObject:
-                                if damage.confirmed(name):
+                            except CorruptObject as error:
+                                if damage.confirmed(name, error):
                                     results[name] = None
                                 else:
                                     again.append(name)
@@ -782,7 +786,7 @@ class MooncakeBackend(Backend):
             obj = results.get(name)
             found.append(obj.retain() if obj is not None and name in given else obj)
             given.add(name)
-        return found, damage.confirmed_names
+        return found, damage.found
 
     def _probe(self, names: list[str]) -> list[int]:
         """Ask for each name's value into a header slot, to learn whether it is there when
@@ -870,7 +874,7 @@ class MooncakeBackend(Backend):
         finally:
             for target in targets:
                 target.release()
-        await self._drop_damaged(damaged)
+        await self.damaged_values.drop(damaged)
         for index in resized:
             # Read whole, once, to name the stored layout (a reader with another layout).
             stored, dest = await self._get(keys[index]), dests[index]
@@ -886,7 +890,7 @@ class MooncakeBackend(Backend):
 
     def _read_into(
         self, names: list[str], dests: list[MemoryObj]
-    ) -> tuple[list[bool], list[str], list[int]]:
+    ) -> tuple[list[bool], dict[str, CorruptObject], list[int]]:
         """Scatter each value into a header slot and its destination (a worker thread). The
         header's length is not known before it is read: the destination's rank gives it, and
         a read the store refuses for its size is tried with the other naive length; a value
@@ -921,8 +925,8 @@ class MooncakeBackend(Backend):
                     if code == length + dests[i].nbytes:
                         try:
                             hits[i] = self._verify_into(names[i], slots[i], length, dests[i])
-                        except CorruptObject:
-                            if not damage.confirmed(names[i]):
+                        except CorruptObject as error:
+                            if not damage.confirmed(names[i], error):
                                 again.append(i)
                     elif code == codes.REPLICA_IS_NOT_READY:
                         again.append(i)
@@ -944,7 +948,7 @@ class MooncakeBackend(Backend):
         finally:
             for slot in slots:
                 slot.obj.release()
-        return hits, damage.confirmed_names, resized
+        return hits, damage.found, resized
 
     def _verify_into(self, name: str, slot: _Slot, length: int, dest: MemoryObj) -> bool:
         """Whether ``dest`` now holds the naive payload the header in ``slot`` describes;
@@ -994,25 +998,10 @@ class MooncakeBackend(Backend):
                 raise self._error(code, "remove", name)
             await asyncio.sleep(LEASE_RETRY)  # a reader holds the lease: wait it out
 
-    async def _drop_damaged(self, names: Sequence[str]) -> None:
-        """Count damaged values and remove them (clause 6); a failed removal is logged and the
-        value reads as a miss again next time."""
-        self.corrupt_objects += len(names)
-        if not names:
-            return
-        listed = list(names)
-        try:
-            removed = await self._run(lambda: self._store.batch_remove(listed, force=True))
-        except (BackendUnavailable, BackendTimeout) as error:
-            removed = [str(error)] * len(listed)
-        for name, code in zip(listed, removed, strict=True):
-            if code != 0 and code != codes.OBJECT_NOT_FOUND:
-                logger.warning(
-                    "could not remove the damaged value %s from %s: %s",
-                    name,
-                    self.url,
-                    codes.describe(code) if isinstance(code, int) else code,
-                )
+    @property
+    def corrupt_objects(self) -> int:
+        """:class:`~kvplug.backend.CountsCorruptObjects`: damaged values read as misses."""
+        return self.damaged_values.count
 
     # -- the suite's look at stored bytes (clause 6) -----------------------------------------
 
@@ -1124,12 +1113,13 @@ class _Damage:
 
     def __init__(self) -> None:
         self._suspects: set[str] = set()
-        self.confirmed_names: list[str] = []
+        self.found: dict[str, CorruptObject] = {}
+        """The damaged values: name -> the second failure."""
 
-    def confirmed(self, name: str) -> bool:
+    def confirmed(self, name: str, error: CorruptObject) -> bool:
         """Note a failed frame of ``name``: True the second time (damage), False the first."""
         if name in self._suspects:
-            self.confirmed_names.append(name)
+            self.found[name] = error
             return True
         self._suspects.add(name)
         return False

@@ -64,8 +64,6 @@ class MooncakeOptions(BackendOptions):
       refuses because a reader holds the key's lease (code -706) is forced at once, or retried
       until the lease ends (within ``timeout``, else :class:`~kvplug.errors.BackendTimeout`).
     * ``key_prefix`` (default empty): prepended to every stored key.
-    * ``serde`` (``naive`` only): objects are stored as their raw bytes behind a kvplug frame
-      header, so that they move zero-copy.
     * ``config_file``: a JSON file of these settings in LMCache's form (``local_hostname``,
       ``metadata_server``, ``master_server_address``, ``global_segment_size``,
       ``local_buffer_size``, ``protocol``, ``device_name``, ``transfer_timeout``); by default
@@ -88,24 +86,12 @@ class MooncakeOptions(BackendOptions):
     threads: int = Field(8, ge=1, le=256, description="threads running Mooncake's calls")
     leased_remove: Literal["force", "wait"] = Field("force", description="force or wait")
     key_prefix: str = Field("", description="prepended to every stored key")
-    serde: str = Field("naive", description="naive only")
     config_file: str | None = Field(None, description="LMCache's Mooncake JSON config")
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_size(value, what="a Mooncake size")
-
-    @field_validator("serde")
-    @classmethod
-    def _only_naive(cls, value: str) -> str:
-        if value != "naive":
-            raise ValueError(
-                f"mooncakestore:// moves each object's own bytes zero-copy between registered "
-                f"memory and the store; serde {value!r} would transform them first. Leave "
-                "serde out (naive)"
-            )
-        return value
 
     @field_validator("protocol", mode="before")
     @classmethod
