@@ -10,7 +10,8 @@ Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a c
 * ``small_store_options``: options that make the store small enough to fill, for the
   capacity and pin-pressure tests of clauses 8 and 9 (default: ``--kvplug-small-option
   NAME=VALUE`` when given, else the backend class's ``contract_small_options`` mapping, else
-  None, and those tests are ``not run`` with a reason saying how to enable them);
+  4 MiB of the one option named as a size limit, else None, and those tests are ``not run``
+  with a reason saying how to enable them);
 * ``damage_stored``: an async ``damage(backend, key, mode) -> bool`` that damages stored
   data (default: for :class:`~kvplug.backend.RawValues` backends, every
   :class:`~kvplug.backend.BytesBackend` among them, rewrites the stored value; for
@@ -20,6 +21,11 @@ Fixtures a vendor may override in a subclass of a ``*Contract`` class (or in a c
   for the server behind the URL (default: None, so deadline and recovery clauses are not run;
   with ``--kvplug-proxy``, the :class:`~kvplug_contracts.faultproxy.FaultProxy` that the
   backend is routed through).
+
+A clause that cannot run against a backend by its nature is waived with a reason: the backend
+class's ``contract_waivers`` mapping (clause -> reason), a ``kvplug_waivers`` mapping on the
+contract subclass, or ``--kvplug-waive CLAUSE=REASON``; its verdict is ``waived``. ``kvplug
+contract`` exits 6 (INCOMPLETE) when a clause is ``not run`` and not waived.
 """
 
 from __future__ import annotations

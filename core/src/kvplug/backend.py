@@ -610,7 +610,7 @@ class Backend(abc.ABC):
                 "references). Implement the hook instead: "
                 f"{', '.join('_' + name for name in overridden)}."
             )
-        if cls.__module__.partition(".")[0] != "kvplug":  # the template's own classes may
+        if cls.__module__.partition(".")[0] != "kvplug":  # kvplug's own (Store) are template
             internals = _template_internals(cls)
             clashes = sorted(
                 (internals & cls.__dict__.keys()) | (internals & _assigned_on_self(cls))

@@ -5,6 +5,7 @@ also while the store is down or paused."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -20,6 +21,8 @@ from sglang.srt.mem_cache.pool_host import HostKVCache
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+import kvplug
+from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer, free_port
@@ -231,6 +234,41 @@ def test_a_damaged_stored_page_is_a_miss_never_data(
     loaded = storage.batch_get_v1(keys, slots(2, 3))
     assert loaded.count(False) == 1  # the page with the damaged segment
     assert storage.batch_exists(keys) < 2  # and it is gone from the store
+
+
+def test_a_stored_page_of_another_size_fails_the_load_loudly_naming_both_sizes(
+    tmp_path: Path,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: Callable[..., KvplugHiCacheStorage],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A page stored under this pool's own keys with another size (a build with another layout
+    writing the same keys): the get fails, counted and logged with kvplug's LayoutMismatch,
+    instead of turning into a silent miss."""
+    file = Target("file", f"file://{tmp_path}/store", {})
+    storage = open_storage(make_host_pool("page_first_direct", page_size=PAGE), extra(file))
+    keys = keys_of("resized", 2)
+    assert storage.batch_set_v1(keys, slots(0, 1)) == [True, True]
+    asyncio.run(_halve_every_value(file.url))
+    with caplog.at_level(logging.WARNING):
+        assert storage.batch_get_v1(keys, slots(2, 3)) == [False, False]
+    health = storage.health()
+    assert health.failed_gets == 1, health
+    assert (health.last_error or "").startswith("LayoutMismatch: "), health
+    assert any("LayoutMismatch" in record.getMessage() for record in caplog.records)
+
+
+async def _halve_every_value(url: str) -> None:
+    backend = await kvplug.open_backend(url)
+    try:
+        for key in [key async for key in backend.list_keys()]:
+            stored = await backend.get(key)
+            assert stored is not None
+            half = torch.zeros(stored.nbytes // 2, dtype=torch.uint8)
+            stored.release()
+            await backend.put(key, MemoryObj.from_tensor(half, MemoryFormat.BINARY))
+    finally:
+        await backend.close()
 
 
 def test_clear_removes_this_ranks_pages_only(

@@ -6,6 +6,7 @@ resets with transfers in flight, and under vLLM's back-pressure detector."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import sys
@@ -16,11 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+import kvplug
+from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
 from kvplug_testing import RedisServer, free_port
 from kvplug_vllm import KvplugTier
@@ -208,6 +212,37 @@ def test_other_weights_dtypes_or_layouts_are_misses_never_their_bytes(
         reader.close()
     same = start({"url": url, "model_identity": "checkpoint-1"})
     assert same.fetch(keys) == data
+
+
+def test_a_stored_row_of_another_size_fails_the_load_loudly_naming_both_sizes(
+    start: Start, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value under the reader's own key whose size is not its row's (written by a build with
+    another layout under the same key): the load fails, counted and logged with kvplug's
+    LayoutMismatch, instead of turning into a silent miss."""
+    url = f"file://{tmp_path}/kv"
+    keys = chunk_keys(1)
+    stored_then_stopped(start, {"url": url}, keys, payloads(1, ROW_BYTES))
+    asyncio.run(_replace_every_value_with_half_of_it(url))
+    reader = start({"url": url})
+    with caplog.at_level(logging.WARNING):
+        assert reader.lookup(keys) == ["MISS"]
+    health = reader.tier.health()
+    assert health.failed_loads == 1, health
+    error = health.last_error or ""
+    assert error.startswith("LayoutMismatch: ") and f"({ROW_BYTES} bytes)" in error, error
+    assert f"({ROW_BYTES // 2} bytes)" in error, error
+    assert any("LayoutMismatch" in record.getMessage() for record in caplog.records)
+
+
+async def _replace_every_value_with_half_of_it(url: str) -> None:
+    backend = await kvplug.open_backend(url)
+    try:
+        for key in [key async for key in backend.list_keys()]:
+            half = torch.zeros(ROW_BYTES // 2, dtype=torch.uint8)
+            await backend.put(key, MemoryObj.from_tensor(half, MemoryFormat.BINARY))
+    finally:
+        await backend.close()
 
 
 def test_parallelism_agnostic_rows_are_shared_across_tp_sizes(start: Start, tmp_path: Path) -> None:
