@@ -21,13 +21,13 @@ from kvplug_vllm.keys import (  # noqa: E402  # only once a supported vLLM is kn
     model_identity,
     offload_key_of,
 )
-from kvplug_vllm.tier import KvplugTier, TierHealth, backend_url_and_options  # noqa: E402
+from kvplug_vllm.tier import KvplugTier, KvplugTierHealth, backend_url_and_options  # noqa: E402
 
 __all__ = [
     "VLLM",
     "ChunkNamespace",
     "KvplugTier",
-    "TierHealth",
+    "KvplugTierHealth",
     "backend_url_and_options",
     "key_dtype",
     "model_identity",

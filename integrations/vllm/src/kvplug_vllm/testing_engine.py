@@ -15,7 +15,7 @@ read from stdin, ``{"error": ..., "type": ...}`` for a failed one), with these o
 - ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)``; with ``"connector":
   false``, vLLM's own prefix cache only (``reset_prefix_cache()``).
 - ``{"op": "tiers"}``: ``{"tiers": [{"type": ..., "health": {...}}, ...]}``, each secondary
-  tier, with kvplug's :class:`~kvplug_vllm.tier.TierHealth` for a kvplug tier.
+  tier, with kvplug's :class:`~kvplug_vllm.tier.KvplugTierHealth` for a kvplug tier.
 - ``{"op": "settle", "timeout": 60}``: steps the engine until no tier has a job in flight.
 - ``{"op": "exit"}``.
 

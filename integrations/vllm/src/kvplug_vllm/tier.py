@@ -253,7 +253,7 @@ def backend_url_and_options(tier_config: Mapping[str, Any]) -> tuple[str, dict[s
 
 
 @dataclass(frozen=True)
-class TierHealth:
+class KvplugTierHealth:
     """What :meth:`KvplugTier.health` reports."""
 
     healthy: bool
@@ -782,12 +782,12 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
 
     # -- reporting and shutdown -----------------------------------------------------------------
 
-    def health(self) -> TierHealth:
+    def health(self) -> KvplugTierHealth:
         """A snapshot of this tier's health and chunk counters."""
         with self._state:
             counts: dict[str, Any] = dict(self._counts)
             in_flight = len(self._in_flight)
-        return TierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
+        return KvplugTierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
 
     def shutdown(self) -> None:
         """Stop the lookup thread, wait for the jobs in flight (each ends at its deadline,
@@ -823,5 +823,5 @@ __all__ = [
     "DEFAULT_TASK_TIMEOUT",
     "UNWIND_SECONDS",
     "KvplugTier",
-    "TierHealth",
+    "KvplugTierHealth",
 ]
