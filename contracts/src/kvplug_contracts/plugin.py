@@ -30,7 +30,6 @@ contract`` exits 6 (INCOMPLETE) when a clause is ``not run`` and not waived.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -73,6 +72,7 @@ from kvplug_contracts.support import (
     layers,
     violated,
 )
+from kvplug_contracts.waivers import configured_waivers, size_limit_option
 from kvplug_contracts.workers import DESELECTED, LEAKS, AcrossWorkers
 
 URL_ENV = "KVPLUG_CONTRACT_URL"
@@ -81,7 +81,6 @@ CLOSE_LIMIT = 10.0
 OUTCOMES = ("passed", "failed", "n/a", "not run", "known failure", "fixed known failure")
 VERDICTS = ("FAIL", "known", "pass", "n/a", "waived", "not run")
 SMALL_OPTIONS_ATTRIBUTE = "contract_small_options"
-WAIVERS_ATTRIBUTE = "contract_waivers"
 _VIOLATED_CLAUSE = re.compile(r"clause (\d+) \(")
 
 
@@ -113,7 +112,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="CLAUSE=REASON",
         help="a clause the suite cannot run against this backend, waived with the reason "
-        f"(repeatable); joins the backend class's {WAIVERS_ATTRIBUTE}",
+        "(repeatable); joins the backend class's contract_waivers",
     )
     group.addoption(
         "--kvplug-xfails-file",
@@ -288,44 +287,6 @@ def _parse_options(pairs: list[str], flag: str = "--kvplug-option") -> dict[str,
     return options
 
 
-def configured_waivers(config: pytest.Config) -> dict[int, str]:
-    """The clauses waived for this run, with their reasons: the ``contract_waivers`` of the
-    classes of the URL's chain (for a ``store://`` URL, those every tier waives), then
-    ``--kvplug-waive CLAUSE=REASON``."""
-    waived: dict[int, str] = {}
-    url = _configured_url(config)
-    if url:
-        # A URL that does not resolve reports its own error where it is opened.
-        with contextlib.suppress(kvplug.KvplugError):
-            waived.update(_declared_waivers(url))
-    for pair in config.getoption("--kvplug-waive"):
-        number, _, reason = pair.partition("=")
-        if not number.strip().isdigit() or int(number) not in CLAUSES or not reason.strip():
-            raise pytest.UsageError(
-                f"--kvplug-waive {pair!r} is not CLAUSE=REASON with a clause of 1 to "
-                f"{max(CLAUSES)} and a reason; write e.g. --kvplug-waive '10=in-process, no "
-                "server to pause'"
-            )
-        waived[int(number)] = reason.strip()
-    return waived
-
-
-def _declared_waivers(url: str) -> dict[int, str]:
-    waived: dict[int, str] = {}
-    for part in split_chain(url):
-        parsed = BackendURL.parse(part if "://" in part else f"{part}://")
-        spec = registry().resolve(parsed.scheme)
-        if spec.kind != "backend":
-            continue
-        factory = registry().factory(spec)
-        if issubclass(factory, Store):
-            tiers = [_declared_waivers(tier.url) for tier in Store.config_of(parsed).tiers]
-            common = set.intersection(*(set(tier) for tier in tiers)) if tiers else set()
-            waived.update({n: tiers[0][n] for n in sorted(common)})
-        waived.update(getattr(factory, WAIVERS_ATTRIBUTE, {}))
-    return waived
-
-
 def describe_backend(url: str) -> list[str]:
     """Header lines: each part of the URL chain with its plugin, version and capabilities (for
     a ``store://`` URL, each tier of its config too)."""
@@ -439,7 +400,7 @@ class ClauseSummary(AcrossWorkers):
         self.failed_clause: dict[str, int] = {}
         self.findings: dict[str, set[int]] = {}
         self.deselected: set[str] = set()
-        self.waived = configured_waivers(config)
+        self.waived = configured_waivers(config, _configured_url(config))
 
     def _learn(self, item: pytest.Item) -> bool:
         marker = item.get_closest_marker("kvplug_clause")
@@ -785,25 +746,6 @@ def small_store_options(pytestconfig: pytest.Config, backend: Backend) -> dict[s
         if found is not None:
             return found
     return None
-
-
-_SIZE_LIMIT = re.compile(
-    r"^(max_?(size|bytes|memory|capacity)|capacity|(size|memory|capacity|bytes)_limit)$"
-)
-SMALL_SIZE = 4 << 20
-
-
-def size_limit_option(backend_class: type[Backend]) -> dict[str, Any] | None:
-    """``{name: 4 MiB}`` for the one option of ``backend_class.Options`` named as a size limit
-    (``max_size``, ``capacity``, ``max_bytes``, ``max_memory``, ``size_limit``, ...), as an
-    int, or as ``"4MiB"`` where the option is not an int; None when there is no such option,
-    or more than one."""
-    fields = backend_class.Options.model_fields
-    named = [name for name in fields if _SIZE_LIMIT.match(name)]
-    if len(named) != 1:
-        return None
-    name = named[0]
-    return {name: SMALL_SIZE if fields[name].annotation is int else "4MiB"}
 
 
 @pytest.fixture
