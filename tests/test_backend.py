@@ -30,6 +30,7 @@ from kvplug import (
     UnknownOption,
 )
 from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
+from kvplug.stats import summarize
 from kvplug.sync import SyncClient
 from kvplug_testing.threads import loop_thread
 
@@ -326,7 +327,7 @@ def test_a_vendor_name_that_would_replace_the_templates_own_is_refused_at_class_
         async def _read(self, key: CacheKey) -> None:
             return None
 
-    with pytest.raises(TypeError, match=r"defines or assigns _closed, _stats_lock"):
+    with pytest.raises(TypeError, match=r"defines or assigns _closed, _counters"):
 
         class KeepsItsOwnState(DictBytes):
             def __init__(self, url: str) -> None:
@@ -335,7 +336,7 @@ def test_a_vendor_name_that_would_replace_the_templates_own_is_refused_at_class_
 
             def stop(self) -> None:
                 def later() -> None:
-                    self._stats_lock = threading.Lock()
+                    self._counters = threading.Lock()
 
                 later()
 
@@ -409,10 +410,23 @@ def test_operation_stats_count_calls_hits_misses_bytes_and_errors(allocator) -> 
     assert (stats["get"].calls, stats["get"].hits, stats["get"].misses) == (3, 2, 1)
     assert stats["get"].bytes == 2 * obj.nbytes
     assert (stats["put"].calls, stats["put"].errors, stats["put"].bytes) == (2, 1, obj.nbytes)
-    assert (stats["batched_contains"].hits, stats["batched_contains"].misses) == (1, 1)
+    assert stats["put"].keys == 1  # the failed put handled no key
+    # batched_contains: the leading present key is a hit, each key after the first miss a miss
+    assert (stats["batched_contains"].hits, stats["batched_contains"].misses) == (1, 2)
     assert stats["get"].seconds > 0
+    assert sum(stats["get"].latency_counts) == 3 and sum(stats["put"].latency_counts) == 2
     stats["get"].calls = 100
-    assert backend.operation_stats()["get"].calls == 3  # a copy
+    stats["get"].latency_counts[0] = 100
+    again = backend.operation_stats()["get"]
+    assert again.calls == 3 and sum(again.latency_counts) == 3  # a copy
+    summary = summarize(backend.operation_stats())
+    assert (summary.reads, summary.hits, summary.misses, summary.hit_rate) == (3, 2, 1, 2 / 3)
+    assert (summary.writes, summary.bytes_written, summary.bytes_read) == (
+        1,
+        obj.nbytes,
+        2 * obj.nbytes,
+    )
+    assert (summary.lookups, summary.lookup_hits, summary.errors) == (3, 1, 1)
 
 
 def test_a_hook_returning_the_wrong_thing_is_an_error_that_leaks_nothing(allocator) -> None:

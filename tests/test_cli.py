@@ -41,6 +41,20 @@ def test_check_round_trips_through_a_url() -> None:
     assert code == 0, output
     assert "OK" in output and "put" in output and "get" in output
     assert "zero_copy" in output
+    # The backend's own counters, as the Store and the engines report them: 3 shapes x 3
+    # rounds of put/contains/get, and one get of a key never stored.
+    assert "the backend's operation counters" in output
+    assert _counter_row(output, "get")[:5] == ["10", "0", "10", "9", "1"]
+    assert _counter_row(output, "put")[:5] == ["9", "0", "9", "0", "0"]
+
+
+def _counter_row(output: str, operation: str) -> list[str]:
+    """The cells after the operation's name in the counters table."""
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip("│┃ ").split("│")]
+        if cells[0] == operation and len(cells) == 8:
+            return cells[1:]
+    raise AssertionError(f"no counters row for {operation} in:\n{output}")
 
 
 def test_check_without_url_uses_the_configured_first_tier(tmp_path: Path) -> None:
@@ -89,6 +103,9 @@ def test_check_without_url_also_round_trips_every_object_through_the_whole_store
         "OK the Store of 2 tier(s): each of 3 objects put through it, flushed and read back "
         "bit-exact from every tier" in flat
     )
+    assert "the Store's tiers: their operation counters" in output
+    rows = [line for line in output.splitlines() if ":cpu://" in line or ":file://" in line]
+    assert len(rows) == 2 and all("100%" in row for row in rows), output
 
 
 def test_check_fails_naming_a_tier_the_store_never_writes_though_it_passes_alone(

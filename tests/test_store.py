@@ -23,6 +23,7 @@ from kvplug import (
 )
 from kvplug.backend import Buffer
 from kvplug.config import Config
+from kvplug.stats import summarize
 from kvplug.store import Store, open_store
 
 
@@ -233,10 +234,25 @@ def test_metrics_export_in_prometheus_format() -> None:
         (await store.get(key(1))).release()
         assert await store.get(key(2)) is None
         text = store.prometheus_text()
-        assert 'kvplug_tier_hits_total{tier="0:dict://"} 1.0' in text
-        assert 'kvplug_tier_misses_total{tier="1:dict://"} 1.0' in text
-        assert "kvplug_tier_op_seconds_bucket" in text
-        assert f'kvplug_tier_written_bytes_total{{tier="0:dict://"}} {obj.nbytes}.0' in text
+        assert 'kvplug_tier_hits_total{op="batched_get",tier="0:dict://"} 1.0' in text
+        assert 'kvplug_tier_misses_total{op="batched_get",tier="1:dict://"} 1.0' in text
+        assert 'kvplug_tier_op_seconds_count{op="batched_get",tier="0:dict://"} 2.0' in text
+        assert 'kvplug_tier_op_seconds_bucket{le="+Inf",op="batched_get",tier="0:dict://"} 2.0' in (
+            text
+        )
+        assert (
+            f'kvplug_tier_bytes_total{{op="batched_put",tier="0:dict://"}} {obj.nbytes}.0' in text
+        )
+        # one set of counters: the series, stats() and each tier's own operation_stats agree
+        for name, tier in zip(store.tier_names, store.tiers, strict=True):
+            own = tier.operation_stats()
+            for op, counts in own.items():
+                for counter in ("calls", "errors", "keys", "hits", "misses", "bytes"):
+                    line = f'kvplug_tier_{counter}_total{{op="{op}",tier="{name}"}} '
+                    assert f"{line}{float(getattr(counts, counter))}" in text
+            assert store.stats()["tiers"][name]["reads"] == summarize(own).reads
+        tiers = store.stats()["tiers"]
+        assert (tiers["0:dict://"]["hit_rate"], tiers["1:dict://"]["hit_rate"]) == (0.5, 0.0)
         await store.close()
 
     asyncio.run(main())

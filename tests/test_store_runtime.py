@@ -388,7 +388,7 @@ def test_a_failing_first_tier_with_no_other_tier_is_a_backend_unavailable_put() 
         obj = chunk(allocator, 1.0)
         with pytest.raises(BackendUnavailable, match="dict tier is down"):
             await store.put(key(1), obj)
-        assert store.stats()["tiers"][store.tier_names[0]]["errors_by_op"]["put"] == 1
+        assert store.stats()["tiers"][store.tier_names[0]]["errors_by_op"]["batched_put"] == 1
         obj.release()
         await store.close()
 

@@ -115,6 +115,7 @@ from kvplug.errors import (
 )
 from kvplug.keys import CacheKey
 from kvplug.secrets import MASK, install_log_filter, is_secret_name, mask_repr, mask_text, remember
+from kvplug.stats import OperationCounters, OperationStats
 from kvplug.url import BackendURL
 
 if TYPE_CHECKING:
@@ -345,23 +346,6 @@ class Capabilities:
         return tuple(f.name for f in fields(self) if getattr(self, f.name))
 
 
-@dataclass
-class OperationStats:
-    """What one public operation of a backend has done so far: its finished calls, each
-    counted once, with its outcome, when it returns or raises."""
-
-    calls: int = 0
-    errors: int = 0
-    """Calls that raised (a miss is not an error)."""
-    hits: int = 0
-    """Keys found, by ``get``, ``contains``, ``get_into`` and their batched forms."""
-    misses: int = 0
-    bytes: int = 0
-    """Bytes of the objects put, or read by hits."""
-    seconds: float = 0.0
-    """Time spent in the operation, summed over calls."""
-
-
 # -- protocols the contract suite (and tools) use to look inside a backend ------------------
 
 
@@ -427,9 +411,7 @@ _TEMPLATE_METHODS = frozenset(
     }
 )
 
-_TEMPLATE_STATE = frozenset(
-    {"_closed", "_opened", "_home_loop", "_close_lock", "_stats_lock", "_operation_stats"}
-)
+_TEMPLATE_STATE = frozenset({"_closed", "_opened", "_home_loop", "_close_lock", "_counters"})
 """The instance attributes the template keeps its own state in (``_allocator`` is not one: an
 ``allocator`` property of a subclass may set it)."""
 
@@ -659,9 +641,7 @@ class Backend(abc.ABC):
         self._opened = False
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._close_lock = threading.Lock()
-        self._operation_stats: dict[str, OperationStats] = {}
-        # Operations of a runs_inline backend finish on many engine threads at once.
-        self._stats_lock = threading.Lock()
+        self._counters = OperationCounters()
 
     @classmethod
     def parse_options(cls, url: BackendURL, explicit: dict[str, Any]) -> BackendOptions:
@@ -722,10 +702,7 @@ class Backend(abc.ABC):
         copy, taken while no operation is being counted (each call is counted once, when it
         returns or raises, so ``calls == errors + hits + misses`` for ``get``, ``contains``
         and ``get_into``)."""
-        with self._stats_lock:
-            return {
-                name: OperationStats(**vars(stats)) for name, stats in self._operation_stats.items()
-            }
+        return self._counters.snapshot()
 
     def describe(self) -> dict[str, str]:
         """What ``kvplug check`` prints about this backend once it is open, beyond its URL and
@@ -739,36 +716,6 @@ class Backend(abc.ABC):
         template checks before every hook; a hook that waits long may check again)."""
         if self._closed:
             raise BackendClosed(f"{self.url} is closed; open a new backend with open_backend().")
-
-    def _count_call(
-        self,
-        operation: str,
-        started: float | None,
-        hits: int = 0,
-        misses: int = 0,
-        nbytes: int = 0,
-        errors: int = 0,
-        calls: int = 1,
-    ) -> None:
-        """Count one finished call of ``operation`` (begun at ``started``, a
-        ``time.perf_counter()``; ``None``: no time) in one step under the lock, so that callers
-        on many threads at once (a :attr:`runs_inline` backend's) lose no update and a snapshot
-        never sees a call half counted."""
-        seconds = 0.0 if started is None else time.perf_counter() - started
-        lock = self._stats_lock
-        lock.acquire()  # half the cost of "with lock" (about 0.1 us here), once per call
-        try:
-            stats = self._operation_stats.get(operation)
-            if stats is None:
-                stats = self._operation_stats[operation] = OperationStats()
-            stats.calls += calls
-            stats.errors += errors
-            stats.hits += hits
-            stats.misses += misses
-            stats.bytes += nbytes
-            stats.seconds += seconds
-        finally:
-            lock.release()
 
     def translate_error(
         self, operation: str, error: Exception, args: Sequence[object] = ()
@@ -849,7 +796,7 @@ class Backend(abc.ABC):
         kvplug errors, and one count of the call (calls, errors, time)."""
         started = time.perf_counter()
         result = await self._call_hook(operation, started, hook, *args)
-        self._count_call(operation, started)
+        self._counters.count(operation, started)
         return result
 
     async def _call_hook(
@@ -892,7 +839,7 @@ class Backend(abc.ABC):
                     "store is slow or unreachable. Raise the 'timeout' option or check the store."
                 ) from None
         except BaseException as error:
-            self._count_call(operation, started, errors=1)
+            self._counters.count(operation, started, errors=1)
             self._hook_failed(operation, args, error)
 
     def _refused_result(
@@ -901,7 +848,7 @@ class Backend(abc.ABC):
         """The error for a hook's result the template refuses (counted as a failed call),
         once the objects in ``others`` are released."""
         _release_objects(others)
-        self._count_call(operation, started, errors=1)
+        self._counters.count(operation, started, errors=1)
         return TypeError(message)
 
     def _check_result(
@@ -1003,10 +950,10 @@ class Backend(abc.ABC):
         started = time.perf_counter()
         obj = await self._call_hook("get", started, self._get, key)
         if obj is None:
-            self._count_call("get", started, 0, 1)
+            self._counters.count("get", started, 0, 1)
             return None
         self._check_result("get", started, obj, "_get")
-        self._count_call("get", started, 1, 0, obj.nbytes)
+        self._counters.count("get", started, 1, 0, obj.nbytes)
         return obj
 
     async def put(self, key: CacheKey, obj: MemoryObj) -> None:
@@ -1027,14 +974,14 @@ class Backend(abc.ABC):
             await self._call_hook("put", started, self._put, key, obj)
         finally:
             obj.release()
-        self._count_call("put", started, 0, 0, obj.nbytes)
+        self._counters.count("put", started, 0, 0, obj.nbytes, keys=1)
 
     async def contains(self, key: CacheKey) -> bool:
         """Whether ``get`` would hit now (clause 7: no "exists but cannot be read")."""
         _check_key(key, "contains")
         started = time.perf_counter()
         found = bool(await self._call_hook("contains", started, self._contains, key))
-        self._count_call("contains", started, int(found), int(not found))
+        self._counters.count("contains", started, int(found), int(not found))
         return found
 
     async def remove(self, key: CacheKey) -> bool:
@@ -1087,7 +1034,7 @@ class Backend(abc.ABC):
             hit = bool(await self._call_hook("get_into", started, self._get_into, key, dest))
         finally:
             dest.release()
-        self._count_call("get_into", started, int(hit), int(not hit), dest.nbytes if hit else 0)
+        self._counters.count("get_into", started, int(hit), int(not hit), dest.nbytes if hit else 0)
         return hit
 
     async def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
@@ -1111,7 +1058,7 @@ class Backend(abc.ABC):
             if obj is not None:
                 self._check_result("batched_get", started, obj, "_batched_get", objs)
         hits = [obj for obj in objs if obj is not None]
-        self._count_call(
+        self._counters.count(
             "batched_get", started, len(hits), len(objs) - len(hits), sum(o.nbytes for o in hits)
         )
         return objs
@@ -1130,10 +1077,19 @@ class Backend(abc.ABC):
         held = [obj.retain() for obj in objs]
         try:
             await self._call_hook("batched_put", started, self._batched_put, keys, objs)
+        except BackendError as error:
+            if error.stored is not None and len(error.stored) == len(keys) and any(error.stored):
+                kept = [obj for obj, done in zip(objs, error.stored, strict=True) if done]
+                self._counters.count(  # the failed call is counted; here what it stored
+                    "batched_put", None, nbytes=sum(o.nbytes for o in kept), calls=0, keys=len(kept)
+                )
+            raise
         finally:
             for obj in held:
                 obj.release()
-        self._count_call("batched_put", started, 0, 0, sum(obj.nbytes for obj in objs))
+        self._counters.count(
+            "batched_put", started, 0, 0, sum(obj.nbytes for obj in objs), keys=len(keys)
+        )
 
     async def batched_contains(self, keys: Sequence[CacheKey]) -> int:
         """How many leading keys are present: the prefix length up to the first miss
@@ -1151,7 +1107,7 @@ class Backend(abc.ABC):
                 f"{type(self).__qualname__}._batched_contains returned {count!r} for "
                 f"{len(keys)} keys; it must return the count of leading keys present (clause 4).",
             )
-        self._count_call("batched_contains", started, count, int(count < len(keys)))
+        self._counters.count("batched_contains", started, count, len(keys) - count)
         return count
 
     async def batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -1188,7 +1144,7 @@ class Backend(abc.ABC):
             )
         present = [bool(there) for there in found]
         hits = sum(present)
-        self._count_call("batched_exists", started, hits, len(present) - hits)
+        self._counters.count("batched_exists", started, hits, len(present) - hits)
         return present
 
     async def batched_get_into(
@@ -1223,7 +1179,7 @@ class Backend(abc.ABC):
                 f"{len(keys)} keys; it must return one per key.",
             )
         nbytes = sum(dest.nbytes for dest, hit in zip(dests, hits, strict=True) if hit)
-        self._count_call("batched_get_into", started, sum(hits), len(hits) - sum(hits), nbytes)
+        self._counters.count("batched_get_into", started, sum(hits), len(hits) - sum(hits), nbytes)
         return hits
 
     async def pin(self, key: CacheKey) -> bool:
@@ -1250,9 +1206,9 @@ class Backend(abc.ABC):
         try:
             keys = self._list_keys()
         except BaseException as error:
-            self._count_call("list_keys", started, errors=1)
+            self._counters.count("list_keys", started, errors=1)
             self._hook_failed("list_keys", (), error)
-        self._count_call("list_keys", started)
+        self._counters.count("list_keys", started)
         return self._listing(keys)
 
     async def _listing(self, keys: AsyncIterator[CacheKey]) -> AsyncIterator[CacheKey]:
@@ -1267,7 +1223,7 @@ class Backend(abc.ABC):
                 if close is not None:
                     await close()
         except Exception as error:
-            self._count_call("list_keys", None, errors=1, calls=0)
+            self._counters.count("list_keys", None, errors=1, calls=0)
             self._hook_failed("list_keys", (), error)
 
     def _require_capability(self, capability: str, cannot: str) -> None:

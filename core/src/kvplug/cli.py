@@ -36,6 +36,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
 from kvplug.registry import create_backend, plugins
 from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.stats import OperationStats
 from kvplug.store import open_store
 from kvplug.units import format_size
 
@@ -162,7 +163,7 @@ async def _check(
     shapes: Sequence[tuple[int, ...]],
     dtype: torch.dtype,
     rounds: int,
-) -> tuple[dict[str, list[float]], Any, dict[str, str]]:
+) -> tuple[dict[str, list[float]], Any, dict[str, str], dict[str, OperationStats]]:
     largest = max(nbytes_of(shape, dtype) for shape in shapes)
     allocator = FreeListAllocator(max(2 * largest + (1 << 20), 1 << 22))
     backend = create_backend(url, allocator=allocator, **options)
@@ -214,7 +215,47 @@ async def _check(
             raise KvplugError(f"{shown}: get() of a key never stored did not miss")
     finally:
         await _timed(samples, "close", backend.close())
-    return samples, backend.capabilities, details
+    return samples, backend.capabilities, details, backend.operation_stats()
+
+
+def _tiers_table(tier_stats: dict[str, dict[str, Any]]) -> Table:
+    """Each tier's counters as ``Store.stats()`` gives them (and its Prometheus series)."""
+    table = Table(title="the Store's tiers: their operation counters")
+    columns = ("tier", "reads", "hits", "hit rate", "writes", "written", "errors", "dropped")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for name, tier in tier_stats.items():
+        rate = tier["hit_rate"]
+        table.add_row(
+            mask_url(name),
+            str(tier["reads"]),
+            str(tier["hits"]),
+            "-" if rate is None else f"{rate:.0%}",
+            str(tier["writes"]),
+            format_size(tier["bytes_written"]),
+            str(tier["errors"]),
+            str(int(tier["dropped_puts"])),
+        )
+    return table
+
+
+def _counters_table(title: str, stats: dict[str, OperationStats]) -> Table:
+    """A backend's :meth:`~kvplug.backend.Backend.operation_stats`, one row per operation: the
+    counters the Store's series and the engines' status reports show."""
+    table = Table(title=title)
+    columns = ("operation", "calls", "errors", "keys", "hits", "misses", "bytes", "mean ms")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    for name, counts in sorted(stats.items()):
+        mean = counts.seconds / counts.calls * 1000 if counts.calls else 0.0
+        table.add_row(
+            name,
+            *(str(n) for n in (counts.calls, counts.errors, counts.keys, counts.hits)),
+            str(counts.misses),
+            format_size(counts.bytes),
+            f"{mean:.3f}",
+        )
+    return table
 
 
 def _with_options(config: Config, extra: dict[str, Any]) -> Config:
@@ -228,11 +269,12 @@ def _with_options(config: Config, extra: dict[str, Any]) -> Config:
 
 async def _check_store(
     config: Config, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, rounds: int
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[str], dict[str, dict[str, Any]]]:
     """Round-trip each object through the whole Store of ``config``, one at a time: put it
     through the Store, flush the write-behind, read it back from every tier, remove it. How
-    many objects went through, and one problem per tier that did not return each bit-exact
-    (with its drop reasons and what to change)."""
+    many objects went through, one problem per tier that did not return each bit-exact
+    (with its drop reasons and what to change), and each tier's counters
+    (``Store.stats()["tiers"]``)."""
     store = await open_store(config)
     names = store.tier_names
     missed: dict[str, dict[int, int]] = {name: {} for name in names}
@@ -323,7 +365,7 @@ async def _check_store(
             )
             parts.append(f"to fix: {advice}")
         problems.append("; ".join(parts))
-    return total, problems
+    return total, problems, stats
 
 
 @main.command("check")
@@ -388,7 +430,7 @@ def check_command(
     failed = 0
     for label, target, options in targets:
         try:
-            samples, capabilities, details = asyncio.run(
+            samples, capabilities, details, counters = asyncio.run(
                 _check(target, options, shapes, KV_DTYPES[dtype], rounds)
             )
         except KvplugError as error:
@@ -406,18 +448,22 @@ def check_command(
                 name, str(len(values)), f"{statistics.median(values):.3f}", f"{max(values):.3f}"
             )
         console.print(table)
+        console.print(_counters_table("the backend's operation counters", counters))
         console.print("capabilities: " + (", ".join(capabilities.declared()) or "none"))
         for name, value in details.items():
             console.print(f"{name}: {value}", markup=False, highlight=False)
         console.print(f"[green]OK[/green] {escape(label + mask_url(target))}")
     if store_config is not None:
         targets.append(("the Store", "", {}))
+        tier_stats: dict[str, dict[str, Any]] = {}
         try:
-            total, problems = asyncio.run(
+            total, problems, tier_stats = asyncio.run(
                 _check_store(store_config, shapes, KV_DTYPES[dtype], rounds)
             )
         except KvplugError as error:
             total, problems = 0, [f"{type(error).__name__}: {error}"]
+        if tier_stats:
+            console.print(_tiers_table(tier_stats))
         for problem in problems:
             click.echo(f"check failed: the Store: {mask_text(problem)}", err=True)
         if problems:

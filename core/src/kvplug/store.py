@@ -97,6 +97,7 @@ from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.metrics import StoreMetrics
 from kvplug.registry import backend_class, create_backend
 from kvplug.secrets import mask_text
+from kvplug.stats import OperationStats, summarize
 from kvplug.units import GiB, format_size, parse_size
 from kvplug.url import BackendURL, split_chain
 
@@ -210,7 +211,9 @@ class _Tier:
     name: str
     backend: Backend
     health: TierHealth
-    counters: _TierCounters
+    offered: Any
+    """The Store's count of puts routed to this tier (its labelled series, looked up once: a
+    label lookup costs about a microsecond, the cpu tier's whole batched get a few)."""
     waiting: deque[CacheKey] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     worker: asyncio.Task[None] | None = None
@@ -220,30 +223,6 @@ class _Tier:
     """Puts dropped in a row with none written (busy write-behind drops not counted)."""
     starved: bool = False
     """The streak reached :data:`STARVED_AFTER` and was warned about."""
-
-
-@dataclass
-class _TierCounters:
-    """One tier's labelled metrics, looked up once (a label lookup costs about a microsecond,
-    the cpu tier's whole batched get a few)."""
-
-    hits: Any
-    misses: Any
-    bytes_read: Any
-    bytes_written: Any
-    offered: Any
-    latency: dict[str, Any]
-
-    @classmethod
-    def of(cls, metrics: StoreMetrics, name: str) -> _TierCounters:
-        return cls(
-            metrics.hits.labels(name),
-            metrics.misses.labels(name),
-            metrics.bytes_read.labels(name),
-            metrics.bytes_written.labels(name),
-            metrics.offered.labels(name),
-            {op: metrics.latency.labels(name, op) for op in ("get", "put", "contains", "remove")},
-        )
 
 
 @dataclass
@@ -391,7 +370,7 @@ class Store(Backend):
             raise ConfigError("give a Store its tiers or a config (or a config path), not both.")
         self.on_latency = on_latency
         """Called as ``(tier, op, seconds, nbytes)`` after each tier get and put (benchmarks)."""
-        self.metrics = StoreMetrics()
+        self.metrics = StoreMetrics(self._tier_stats)
         self._config = config
         self._given_allocator = allocator
         self._tiers: list[_Tier] = []
@@ -511,7 +490,7 @@ class Store(Backend):
             limit = self._config.write_behind_size
         self.write_behind_limit = limit if limit is not None else capacity // WRITE_BEHIND_SHARE
         self._tiers = [
-            _Tier(i, name, backend, TierHealth(name), _TierCounters.of(self.metrics, name))
+            _Tier(i, name, backend, TierHealth(name), self.metrics.offered.labels(name))
             for i, backend in enumerate(backends)
             for name in [f"{i}:{backend.url}"]  # str(BackendURL) masks its secrets
         ]
@@ -608,7 +587,6 @@ class Store(Backend):
             )
         health.healthy = False
         self._progress.set()
-        self.metrics.errors.labels(tier.name, op).inc()
         self.metrics.healthy.labels(tier.name).set(0)
 
     async def _call(
@@ -623,12 +601,9 @@ class Store(Backend):
         except (BackendError, OSError) as error:
             self._failed(tier, op, error)
             return False, None
-        finally:
-            elapsed = time.perf_counter() - start
-            tier.counters.latency[op].observe(elapsed)
         self._succeeded(tier)
         if self.on_latency is not None:
-            self.on_latency(tier.name, op, elapsed, nbytes)
+            self.on_latency(tier.name, op, time.perf_counter() - start, nbytes)
         return True, result
 
     def _note_write(self, key: CacheKey) -> None:
@@ -690,9 +665,8 @@ class Store(Backend):
                 ADVICE[reason],
             )
 
-    def _wrote(self, tier: _Tier, nbytes: int) -> None:
-        """A put reached ``tier``: count its bytes and end a streak of drops."""
-        tier.counters.bytes_written.inc(nbytes)
+    def _wrote(self, tier: _Tier) -> None:
+        """A put reached ``tier``: end a streak of drops."""
         tier.drop_streak = 0
         if tier.starved:
             tier.starved = False
@@ -758,7 +732,7 @@ class Store(Backend):
             return False  # a put or remove of the key is under way: it wins
         if newer:
             for tier in targets:
-                tier.counters.offered.inc()
+                tier.offered.inc()
         held = entry.obj.phy_size if entry is not None and entry.obj is not None else 0
         others = self._pending_bytes - held
         # An empty write-behind takes one object of any size: a limit below the chunk size
@@ -891,17 +865,15 @@ class Store(Backend):
             # A bug in the tier, not a storage failure: nobody awaits this put to see it, so it
             # is logged in full and counted; the worker keeps draining the queue.
             logger.exception("tier %s raised an unexpected error on a queued put", tier.name)
-            self.metrics.errors.labels(tier.name, "put").inc()
             ok, reason, detail = False, "tier_error", f"{type(error).__name__}: {error}"
         else:
             reason, detail = "tier_error", f"{tier.health.last_error}"
         if ok:
-            self._wrote(tier, nbytes)
+            self._wrote(tier)
             return
         if stored is not None:  # the tier says which it kept: only the others are dropped
-            kept = sum(obj.nbytes for obj, done in zip(objs, stored, strict=True) if done)
-            if kept:
-                self._wrote(tier, kept)
+            if any(stored):
+                self._wrote(tier)
             keys = [key for key, done in zip(keys, stored, strict=True) if not done]
         # Which of these the tier kept is unknown: each is removed again, so that no older
         # value outlives the newer one accepted elsewhere.
@@ -929,7 +901,7 @@ class Store(Backend):
     async def _put_first(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[bool]:
         """Store in the first tier now; which keys it took."""
         first = self._tiers[0]
-        first.counters.offered.inc(len(keys))
+        first.offered.inc(len(keys))
         if not self._available(first):
             self._dropped(first, "tier_failing", f"skipped ({first.health.last_error})", len(keys))
             return [False] * len(keys)
@@ -950,14 +922,13 @@ class Store(Backend):
                 ]
             stored = stored or [False]
             self._dropped(tier, "full", f"CapacityExceeded: {error}", stored.count(False))
-            kept = sum(obj.nbytes for obj, done in zip(objs, stored, strict=True) if done)
-            if kept:
-                self._wrote(tier, kept)
+            if any(stored):
+                self._wrote(tier)
             return stored
         if not ok:
             self._dropped(tier, "tier_error", f"{tier.health.last_error}", len(keys))
             return [False] * len(keys)
-        self._wrote(tier, nbytes)
+        self._wrote(tier)
         return [True] * len(keys)
 
     @staticmethod
@@ -1221,18 +1192,10 @@ class Store(Backend):
                     continue
                 got, short = await self._get_from(tier, [keys[i] for i in asked], deadline)
                 hits = 0
-                nbytes = 0
                 for i, obj in zip(asked, got, strict=True):
                     if obj is not None:
                         results[i] = obj
                         hits += 1
-                        nbytes += obj.nbytes
-                counters = tier.counters
-                if hits:
-                    counters.hits.inc(hits)
-                    counters.bytes_read.inc(nbytes)
-                if hits < len(asked):
-                    counters.misses.inc(len(asked) - hits)
                 missing = [i for i in missing if results[i] is None]
                 if hits and tier.index and (self.options.promote or write_back_now):
                     found = [(keys[i], obj) for i in asked if (obj := results[i]) is not None]
@@ -1284,7 +1247,7 @@ class Store(Backend):
             except CapacityExceeded:
                 ok = False
             if ok:
-                self._wrote(tier, nbytes)
+                self._wrote(tier)
             for key in keys:
                 if self._changed_since(key, started):
                     with contextlib.suppress(BackendError, OSError):
@@ -1321,14 +1284,8 @@ class Store(Backend):
                 got = [i for i, hit in zip(asked, hits, strict=True) if hit]
                 for i in got:
                     found[i] = True
-                counters = tier.counters
-                if got:
-                    counters.hits.inc(len(got))
-                    counters.bytes_read.inc(sum(dests[i].nbytes for i in got))
-                    if tier.index and self.options.promote:
-                        promotions.append((tier, got))
-                if len(got) < len(asked):
-                    counters.misses.inc(len(asked) - len(got))
+                if got and tier.index and self.options.promote:
+                    promotions.append((tier, got))
                 missing = [i for i in missing if not found[i]]
             if missing:
                 self.metrics.store_misses.labels("absent").inc(len(missing))
@@ -1550,30 +1507,31 @@ class Store(Backend):
         """Each tier's state, fastest first (copies)."""
         return [dataclasses.replace(tier.health) for tier in self._tiers]
 
+    def _tier_stats(self) -> dict[str, dict[str, OperationStats]]:
+        """Each tier's :meth:`~kvplug.backend.Backend.operation_stats`, by tier name: the
+        source of the per-tier series (thread-safe: read at a Prometheus scrape)."""
+        return {tier.name: tier.backend.operation_stats() for tier in self._tiers}
+
     def stats(self) -> dict[str, Any]:
-        """Counters of the store: per tier (hits, misses, bytes, errors by operation, dropped
-        puts by reason, keys queued, health), the write-behind (bytes and keys queued, limit),
-        the memory budget (capacity, used, shortages) and misses by reason."""
+        """Counters of the store: per tier, what its operations did (from its own
+        :meth:`~kvplug.backend.Backend.operation_stats`, summed by :func:`~kvplug.stats.summarize`:
+        ``reads``, ``hits``, ``misses``, ``hit_rate``, ``bytes_read``, ``writes``,
+        ``bytes_written``, ``lookups``, ``errors`` and ``errors_by_op``) and what the Store did
+        with it (puts offered and dropped by reason, keys queued, health); the write-behind
+        (bytes and keys queued, limit), the memory budget (capacity, used, shortages) and
+        misses by reason."""
         value = self.metrics.value
         tiers: dict[str, dict[str, Any]] = {}
         for tier in self._tiers:
-            name = tier.name
-            errors = {
-                op: value("kvplug_tier_errors_total", tier=name, op=op)
-                for op in ("get", "put", "contains", "remove")
-            }
+            tier_name, operations = tier.name, tier.backend.operation_stats()
             dropped = {
-                reason: value("kvplug_tier_dropped_puts_total", tier=name, reason=reason)
+                reason: value("kvplug_tier_dropped_puts_total", tier=tier_name, reason=reason)
                 for reason in DROP_REASONS
             }
-            tiers[name] = {
-                "hits": value("kvplug_tier_hits_total", tier=name),
-                "misses": value("kvplug_tier_misses_total", tier=name),
-                "bytes_read": value("kvplug_tier_read_bytes_total", tier=name),
-                "bytes_written": value("kvplug_tier_written_bytes_total", tier=name),
-                "errors": sum(errors.values()),
-                "errors_by_op": errors,
-                "offered_puts": value("kvplug_tier_offered_puts_total", tier=name),
+            tiers[tier_name] = {
+                **summarize(operations).as_dict(),
+                "errors_by_op": {op: stats.errors for op, stats in operations.items()},
+                "offered_puts": value("kvplug_tier_offered_puts_total", tier=tier_name),
                 "dropped_puts": sum(dropped.values()),
                 "dropped_by_reason": dropped,
                 "starved": tier.starved,

@@ -328,8 +328,9 @@ def test_miss_is_none_and_counted() -> None:
         assert not await backend.contains(key(404))
         await put_value(backend, 1)
         assert await value_of(backend, 1) == 1
-        stats = backend.stats()
-        assert (stats["hits"], stats["misses"], backend.hits, backend.misses) == (1, 1, 1, 1)
+        stats = backend.operation_stats()
+        assert (stats["get"].hits, stats["get"].misses) == (1, 1)
+        assert (stats["contains"].hits, stats["contains"].misses) == (0, 1)
         await backend.close()
 
     run(main())

@@ -35,6 +35,7 @@ from disk_helpers import (
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug.cli import main as kvplug_cli
+from kvplug.stats import summarize
 from kvplug_disk import backend as disk_module
 from kvplug_disk import directories
 from kvplug_disk.backend import DiskBackend
@@ -375,7 +376,7 @@ def test_puts_and_gets_across_the_switch_to_o_direct_stay_bit_exact(
             stored.update(replaced)
             assert all(watch.write_was_direct(k) for k in replaced)
             await assert_bit_exact(disk, stored)
-            assert disk.corrupt_objects == 0 and disk.stats()["misses"] == 0
+            assert disk.corrupt_objects == 0 and summarize(disk.operation_stats()).misses == 0
         finally:
             await disk.close()
         again = await open_disk(f"file://{tmp_path}", allocator)

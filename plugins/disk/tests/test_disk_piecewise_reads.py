@@ -128,7 +128,7 @@ def test_a_flipped_byte_in_any_piece_is_a_counted_miss(
         path = disk.stored_files(key(1))[0]
         flip(path, BLOCK + offsets[where])
         assert await disk.get(key(1)) is None
-        assert disk.corrupt_objects == 1 and disk.stats()["misses"] == 1
+        assert disk.corrupt_objects == 1 and disk.operation_stats()["get"].misses == 1
         assert not path.exists() and not await disk.contains(key(1))
         back = await read_back(disk, key(2))
         assert back is not None and torch.equal(back, seeded_bytes(size, 2))

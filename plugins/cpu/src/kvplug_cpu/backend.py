@@ -111,8 +111,9 @@ class CpuBackend(Backend):
     **Concurrency.** The index is guarded by a thread lock that is never held across an
     ``await``, so one backend serves tasks of several event loops and threads at once.
 
-    Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`bytes_held` and
-    :meth:`stats`.
+    Counters: hits, misses, bytes and latency per operation in
+    :meth:`~kvplug.backend.Backend.operation_stats` (as for every backend); what is the tier's
+    own in :attr:`evictions`, :attr:`bytes_held` and :meth:`stats`.
     """
 
     # releases_on_cancel: no hook awaits, so an operation is cancelled before it starts or not
@@ -151,8 +152,6 @@ class CpuBackend(Backend):
         self._index: EvictableIndex[CacheKey, MemoryObj] = EvictableIndex(
             self.max_size, self.options.eviction, pin_ttl=self.options.pin_ttl
         )
-        self.hits = 0
-        self.misses = 0
         self.evictions = 0
 
     @property
@@ -191,8 +190,6 @@ class CpuBackend(Backend):
         """A consistent snapshot of the counters."""
         with self._lock:
             return {
-                "hits": self.hits,
-                "misses": self.misses,
                 "evictions": self.evictions,
                 "bytes_held": self._index.bytes_held,
                 "keys": len(self._index),
@@ -284,10 +281,8 @@ class CpuBackend(Backend):
         with self._lock:
             obj = self._index.hit(key)
             if obj is None:
-                self.misses += 1
                 return None
             obj.retain()
-            self.hits += 1
             return obj
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
@@ -340,11 +335,8 @@ class CpuBackend(Backend):
         with self._lock:
             for key in keys:
                 obj = self._index.hit(key)
-                if obj is None:
-                    self.misses += 1
-                else:
+                if obj is not None:
                     obj.retain()
-                    self.hits += 1
                 results.append(obj)
         return results
 

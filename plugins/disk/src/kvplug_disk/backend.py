@@ -335,9 +335,10 @@ class DiskBackend(Backend):
     instance may have evicted it). ``max_size`` and eviction act on what this instance knows:
     give every instance on a directory the same ``max_size``.
 
-    Counters: :attr:`hits`, :attr:`misses`, :attr:`evictions`, :attr:`corrupt_objects`,
-    :attr:`foreign_files`, :attr:`eviction_failures`, :attr:`bytes_held`,
-    :attr:`rebuild_stats` and :meth:`stats`.
+    Counters: hits, misses, bytes and latency per operation in
+    :meth:`~kvplug.backend.Backend.operation_stats` (as for every backend); what is the tier's
+    own in :attr:`evictions`, :attr:`corrupt_objects`, :attr:`foreign_files`,
+    :attr:`eviction_failures`, :attr:`bytes_held`, :attr:`rebuild_stats` and :meth:`stats`.
     """
 
     capabilities = Capabilities(
@@ -401,8 +402,6 @@ class DiskBackend(Backend):
         self._temps_checked_at = 0.0
         self._reported: set[tuple[str, str]] = set()
         self._report_lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
         self.evictions = 0
         self.damaged_values = DamagedValues[str](self.url)
         """Damaged objects found (at open or on read), counted, logged and removed."""
@@ -434,8 +433,6 @@ class DiskBackend(Backend):
         live writers' temporary files, which count against ``max_size``."""
         with self._lock:
             return {
-                "hits": self.hits,
-                "misses": self.misses,
                 "evictions": self.evictions,
                 "corrupt_objects": self.corrupt_objects,
                 "allocation_failures": self.allocation_failures,
@@ -1363,11 +1360,8 @@ class DiskBackend(Backend):
                 continue
             result = outcome
             break
-        with self._lock:
-            if result is None:
-                self.misses += 1
-            else:
-                self.hits += 1
+        if result is not None:
+            with self._lock:
                 self._index.hit(key)
         return result
 
@@ -1449,8 +1443,6 @@ class DiskBackend(Backend):
         self._check_open_worker()
         entry = self._known(key)
         if entry is None:
-            with self._lock:
-                self.misses += 1
             return None
         return self._read(key, entry)
 
@@ -1460,8 +1452,6 @@ class DiskBackend(Backend):
         try:
             entry = self._known(key)
             if entry is None:
-                with self._lock:
-                    self.misses += 1
                 return False
             return self._read(key, entry, dest) is not None
         finally:
