@@ -17,12 +17,20 @@ memory to the store, as an inference node does; :mod:`kvplug_testing.mooncake`),
   event loop, which is the least a caller of Mooncake pays: ``batch_upsert_from`` /
   ``batch_get_into`` of ``--batch`` chunks, and ``upsert_from`` / ``get_into`` one at a time.
 
-Paths (each a pass over ``--chunks`` chunks): batched put (``batched_put`` of ``--batch``
-chunks against ``batch_upsert_from``), batched get_into (``batched_get_into`` against
-``batch_get_into``), per-op put (``put`` against ``upsert_from``), per-op get_into
-(``get_into`` against ``get_into``), and, as a secondary row, kvplug's ``batched_get`` (new
-objects of ``A``, each value's size asked of the master first) against the raw
-``batch_get_into`` once more.
+Shapes: chunks of 32 and 24 MiB, where the transfer dominates, and of 256 KiB (``--chunks``
+x 8 of them per pass), where the round trips to the master show. Paths (each a pass over the
+chunks): batched put (``batched_put`` of ``--batch`` chunks against ``batch_upsert_from``),
+batched get_into (``batched_get_into`` against ``batch_get_into``), per-op put (``put``
+against ``upsert_from``), per-op get_into (``get_into`` against ``get_into``), and, as a
+secondary row, kvplug's ``batched_get`` (new objects of ``A``) against the raw
+``batch_get_into`` once more. Per call (``--lookups`` calls a round, the median in
+microseconds): ``batched_exists`` of one batch of stored keys, all present and half of them
+absent, against the raw ``batch_is_exist`` of the same names; and on the 256 KiB chunks
+``get`` of one chunk and ``batched_get`` of one batch against the raw ``batch_get_into``.
+
+After the timed rounds, one untimed pass of each kvplug path runs with Mooncake's client
+wrapped in a proxy that counts its calls, and the script prints the Mooncake calls per kvplug
+operation (per batch on the batched paths).
 
 Every pass uses keys of its own on each stack; after a round the keys are removed (kvplug's
 ``remove``, raw ``batch_remove(force=True)``), so the node holds at most one pass of both
@@ -44,23 +52,30 @@ Mooncake binds all interfaces, so run it in the private network namespace of
 scripts/isolated.sh (it refuses to run elsewhere unless ``--any-network`` is given)::
 
     scripts/isolated.sh .venv/bin/python benchmarks/bench_mooncake.py [--chunks 16] [--batch 8]
-        [--repeat 5] [--node-size 4GiB]
+        [--repeat 5] [--node-size 4GiB] [--lookups 200]
+
+To measure another version of the backend against the same script, put its
+``kvplug_mooncake`` package first on ``PYTHONPATH`` (the first line printed names the backend
+module that ran).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
 import kvplug
+import kvplug_mooncake.backend
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
 from kvplug.frame import header_len
 from kvplug.memory import nbytes_of
@@ -69,12 +84,21 @@ from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode, isolated_netwo
 
 TARGET_RATIO = 0.95
 SHAPES = {
-    "[2,32,256,1024] fp16": (2, 32, 256, 1024),
-    "[2,24,256,1024] fp16": (2, 24, 256, 1024),
+    "[2,32,256,1024] fp16": ((2, 32, 256, 1024), 1),
+    "[2,24,256,1024] fp16": ((2, 24, 256, 1024), 1),
+    "[2,32,16,128] fp16": ((2, 32, 16, 128), 8),
 }
+"""Chunk shapes: 32 and 24 MiB (256 tokens of a 32- and a 24-layer model with 8 heads of 128),
+where the transfer dominates, and 256 KiB (16 tokens of a smaller model), where the round
+trips to the master show; the second number multiplies ``--chunks`` (a pass over small chunks
+moves as many bytes as one over 32 MiB chunks)."""
 STACKS = ("kvplug", "raw")
 PATHS = ("batched put", "batched get_into", "per-op put", "per-op get_into", "batched get")
 MODEL = "bench-mooncake"
+SMALL_CHUNK = 1 << 20
+"""Chunks up to this size also time get and batched_get per call."""
+COUNTING_ROUND = 10_000
+"""The round number in the keys of the untimed pass that counts Mooncake calls."""
 SLACK = 64 << 20
 SLOT = 512
 HEADER_AREA = 1 << 20
@@ -176,8 +200,8 @@ class Chunks:
     def clear_dests(self) -> None:
         for dest in self.dests:
             dest.raw.zero_()
-        for dest in self.raw_dests:
-            dest.zero_()
+        for raw_dest in self.raw_dests:
+            raw_dest.zero_()
 
     def check(self, stack: str, got: list[torch.Tensor]) -> None:
         for n, data in enumerate(got):
@@ -189,10 +213,46 @@ class Chunks:
             obj.release()
 
 
+class CountingStore:
+    """Mooncake's client with every call made through it counted by name (the untimed pass
+    that counts the calls each kvplug operation makes)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.store, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+
+@dataclass
+class ShapeResult:
+    times: dict[str, dict[str, list[float]]]
+    """path -> stack -> seconds of each counted pass"""
+    latencies: dict[str, dict[str, list[float]]]
+    """operation -> stack -> seconds per call, the median of each round"""
+    calls: dict[str, dict[str, float]]
+    """path -> Mooncake call -> calls per kvplug operation (a batch for the batched paths)"""
+    parts: dict[str, float]
+    """raw call -> seconds per chunk (the decomposition)"""
+
+
 async def measure_shape(
-    shape: tuple[int, ...], master: MooncakeMaster, raw: RawStack, args: argparse.Namespace
-) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
-    count, batch = args.chunks, args.batch
+    shape: tuple[int, ...],
+    count: int,
+    master: MooncakeMaster,
+    raw: RawStack,
+    args: argparse.Namespace,
+) -> ShapeResult:
+    batch = args.batch
     chunks = Chunks(shape, count, raw)
     groups = [list(range(s, min(s + batch, count))) for s in range(0, count, batch)]
     nbytes = chunks.nbytes
@@ -281,6 +341,82 @@ async def measure_shape(
                 obj.release()
         got.clear()
 
+    absent_keys = [CacheKey(MODEL + "/absent", 1, 0, n + 1, dtype="half") for n in range(batch)]
+    absent_names = [f"raw-{MODEL}/absent/{n}" for n in range(batch)]
+
+    async def kvplug_median(call: Callable[[], Awaitable[None]]) -> float:
+        samples = []
+        for _ in range(args.lookups):
+            start = time.perf_counter()
+            await call()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    def raw_median(call: Callable[[], None]) -> float:
+        samples = []
+        for _ in range(args.lookups):
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    latencies: dict[str, dict[str, list[float]]] = {}
+
+    async def measure_latencies(round_: int) -> None:
+        """Median microseconds per call of the operations whose Mooncake calls the backend
+        chooses: batched_exists of one batch of the round's batched keys (all present, and
+        half of them absent) against the raw batch_is_exist of the same names; and for chunks
+        of 1 MiB or less, get of one chunk and batched_get of one batch against the raw
+        batch_get_into (which is told the size)."""
+        keys = chunks.kvplug_keys("batched", round_)[:batch]
+        names = chunks.raw_names("batched", round_)[:batch]
+        size, half = len(keys), len(keys) // 2
+        mixed_keys = keys[:half] + absent_keys[half:size]
+        mixed_names = names[:half] + absent_names[half:size]
+
+        async def exists(query: list[CacheKey], expected: list[bool]) -> None:
+            found = await backend.batched_exists(query)
+            assert found == expected, f"kvplug batched_exists: {found}"
+
+        def raw_exists(query: list[str], expected: list[bool]) -> None:
+            found = store.batch_is_exist(query)
+            assert found == [int(e) for e in expected], f"raw batch_is_exist: {found}"
+
+        async def get(query: list[CacheKey]) -> None:
+            found = await backend.batched_get(query)
+            assert all(obj is not None for obj in found), "kvplug batched_get missed"
+            for obj in found:
+                if obj is not None:
+                    obj.release()
+
+        def raw_get(query: list[str]) -> None:
+            found = store.batch_get_into(
+                query, chunks.raw_dest_ptrs[: len(query)], [nbytes] * len(query)
+            )
+            assert all(code == nbytes for code in found), f"raw batch_get_into: {found}"
+
+        present, mixed = [True] * size, [True] * half + [False] * (size - half)
+        cases: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = {
+            "batched_exists, all present": (
+                lambda: exists(keys, present),
+                lambda: raw_exists(names, present),
+            ),
+            "batched_exists, half absent": (
+                lambda: exists(mixed_keys, mixed),
+                lambda: raw_exists(mixed_names, mixed),
+            ),
+        }
+        if nbytes <= SMALL_CHUNK:
+            cases["get, one chunk"] = (lambda: get(keys[:1]), lambda: raw_get(names[:1]))
+            cases["batched_get, one batch"] = (lambda: get(keys), lambda: raw_get(names))
+        for label, (ours, theirs) in cases.items():
+            kvplug_seconds = await kvplug_median(ours)
+            raw_seconds = raw_median(theirs)
+            if round_ >= 0:
+                stacks = latencies.setdefault(label, {s: [] for s in STACKS})
+                stacks["kvplug"].append(kvplug_seconds)
+                stacks["raw"].append(raw_seconds)
+
     # path -> stack -> (timed work, check after it, key kind)
     plan: dict[str, dict[str, tuple[Any, Callable[[], None] | None, str]]] = {
         "batched put": {
@@ -317,6 +453,7 @@ async def measure_shape(
             order = STACKS if round_ % 2 == 0 else STACKS[::-1]
             for path in ("batched put", "batched get_into", "batched get", "per-op put"):
                 if path == "per-op put":
+                    await measure_latencies(round_)
                     await remove(round_, "batched")
                 for stack in order:
                     work, check, kind = plan[path][stack]
@@ -342,6 +479,7 @@ async def measure_shape(
                 if round_ >= 0:
                     times["per-op get_into"][stack].append(seconds)
             await remove(round_, "per-op")
+        calls = await count_calls(backend, plan, chunks, groups)
         parts = decompose(store, config, chunks, batch, args.repeat)
     finally:
         for obj in got:
@@ -350,7 +488,44 @@ async def measure_shape(
         await backend.close()
         chunks.close()
         raw.unregister()
-    return times, parts
+    return ShapeResult(times, latencies, calls, parts)
+
+
+async def count_calls(
+    backend: Any, plan: dict[str, dict[str, Any]], chunks: Chunks, groups: list[list[int]]
+) -> dict[str, dict[str, float]]:
+    """One untimed pass of each kvplug path with Mooncake's client wrapped in a
+    :class:`CountingStore`: the calls per operation (per batch on the batched paths)."""
+    counter = CountingStore(backend._store)
+    backend._store = counter
+    per_path: dict[str, dict[str, float]] = {}
+    try:
+        for path in ("batched put", "batched get_into", "batched get", "per-op put"):
+            work, check, kind = plan[path]["kvplug"]
+            counter.calls.clear()
+            await work(chunks.kvplug_keys(kind, COUNTING_ROUND))
+            if check is not None:
+                check()
+            operations = len(groups) if kind == "batched" else chunks.count
+            per_path[path] = {name: n / operations for name, n in counter.calls.items()}
+        work, check, kind = plan["per-op get_into"]["kvplug"]
+        counter.calls.clear()
+        await work(chunks.kvplug_keys(kind, COUNTING_ROUND))
+        per_path["per-op get_into"] = {n: c / chunks.count for n, c in counter.calls.items()}
+        keys = chunks.kvplug_keys("batched", COUNTING_ROUND)
+        for label, query in (
+            ("batched_exists, all present", keys[: len(groups[0])]),
+            ("batched_exists, half absent", [*keys[:1], CacheKey(MODEL + "/none", 1, 0, 1)]),
+        ):
+            counter.calls.clear()
+            await backend.batched_exists(query)
+            per_path[label] = dict(counter.calls)
+        for kind in ("batched", "per-op"):
+            for key in chunks.kvplug_keys(kind, COUNTING_ROUND):
+                await backend.remove(key)
+    finally:
+        backend._store = counter.store
+    return per_path
 
 
 def decompose(store: Any, config: Any, chunks: Chunks, batch: int, repeat: int) -> dict[str, float]:
@@ -388,6 +563,12 @@ def decompose(store: Any, config: Any, chunks: Chunks, batch: int, repeat: int) 
             part_sizes,
             config,
         )
+        start = time.perf_counter()
+        described = store.batch_get_replica_desc(single)
+        samples.setdefault("batch_get_replica_desc", []).append(
+            (time.perf_counter() - start) / len(n)
+        )
+        assert len(described) == len(n), f"batch_get_replica_desc: {described}"
         timed("batch_get_into", nbytes, store.batch_get_into, single, dst, sizes)
         timed(
             "batch_get_into_multi_buffers",
@@ -439,6 +620,27 @@ def report(name: str, nbytes: int, times: dict[str, dict[str, list[float]]]) -> 
         )
 
 
+def report_latencies(name: str, latencies: dict[str, dict[str, list[float]]], batch: int) -> None:
+    print(
+        f"  {name}: microseconds per call (median of each round's calls, median over rounds; "
+        f"a batch is {batch} keys) against the raw call"
+    )
+    for label, stacks in latencies.items():
+        ours = statistics.median(stacks["kvplug"]) * 1e6
+        theirs = statistics.median(stacks["raw"]) * 1e6
+        print(f"    {label:28} kvplug {ours:8.0f}   raw {theirs:8.0f}   ratio {theirs / ours:.2f}x")
+
+
+def report_calls(name: str, calls: dict[str, dict[str, float]], batch: int) -> None:
+    print(
+        f"  {name}: Mooncake calls per kvplug operation (batched paths: per batch of {batch}; "
+        "counted in an untimed pass)"
+    )
+    for path, made in calls.items():
+        listed = ", ".join(f"{call} {n:g}" for call, n in sorted(made.items()))
+        print(f"    {path:28} {sum(made.values()):4g}  ({listed})")
+
+
 def checksum_hint(
     name: str,
     shape: tuple[int, ...],
@@ -450,7 +652,7 @@ def checksum_hint(
     kvplug makes against those the raw stack makes."""
     nbytes = nbytes_of(shape, torch.float16)
     chunk = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    view = memoryview(chunk.numpy())
+    view = MemoryObj.from_tensor(chunk).memoryview()
     xxhash.xxh3_64_intdigest(view)
     samples = []
     for _ in range(9):
@@ -471,7 +673,8 @@ def checksum_hint(
     print(
         "    raw calls alone, ms per chunk, in batches unless per-op (kvplug's put = "
         "batch_is_exist + batch_put_from_multi_buffers, its get_into = "
-        "batch_get_into_multi_buffers):"
+        "batch_get_into_multi_buffers, a get of a key family not seen yet = "
+        "batch_get_replica_desc + batch_get_into):"
     )
     for label, seconds in parts.items():
         print(f"      {label:30} {seconds * 1e3:6.2f}")
@@ -486,26 +689,30 @@ async def main(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    largest = max(nbytes_of(shape, torch.float16) for shape in SHAPES.values())
+    largest = max(nbytes_of(shape, torch.float16) * times for shape, times in SHAPES.values())
     print(
         f"{installed_version()}; kvplug-mooncake against the raw client; master + node lending "
         f"{args.node_size}, clients lend nothing (TCP loopback, P2PHANDSHAKE); {args.chunks} "
-        f"chunks per pass, batches of {args.batch}, {args.repeat} rounds (one pass of both "
-        f"stacks holds {2 * args.chunks * largest / 2**30:.2f} GiB at most)"
+        f"chunks per pass (x8 of 256 KiB), batches of {args.batch}, {args.repeat} rounds (one "
+        f"pass of both stacks holds {2 * args.chunks * largest / 2**30:.2f} GiB at most); "
+        f"backend {kvplug_mooncake.backend.__file__}"
     )
     results = []
     with MooncakeMaster() as master, MooncakeNode(master, args.node_size):
         raw = RawStack(master)
         try:
-            for name, shape in SHAPES.items():
-                times, parts = await measure_shape(shape, master, raw, args)
-                report(name, nbytes_of(shape, torch.float16) * args.chunks, times)
-                results.append((name, shape, times, parts))
+            for name, (shape, times) in SHAPES.items():
+                count = args.chunks * times
+                result = await measure_shape(shape, count, master, raw, args)
+                report(name, nbytes_of(shape, torch.float16) * count, result.times)
+                report_latencies(name, result.latencies, args.batch)
+                report_calls(name, result.calls, args.batch)
+                results.append((name, shape, count, result))
         finally:
             raw.close()
     print("\nProfile hint: kvplug hashes each payload (xxh3-64) once per put and once per read")
-    for name, shape, times, parts in results:
-        checksum_hint(name, shape, args.chunks, times, parts)
+    for name, shape, count, result in results:
+        checksum_hint(name, shape, count, result.times, result.parts)
 
 
 if __name__ == "__main__":
@@ -514,6 +721,12 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--node-size", default="4GiB")
+    parser.add_argument(
+        "--lookups",
+        type=int,
+        default=200,
+        help="calls timed per case and round in the per-call latency table",
+    )
     parser.add_argument(
         "--any-network",
         action="store_true",

@@ -31,7 +31,8 @@ from kvplug.errors import (
 from kvplug.frame import payload_checksum
 from kvplug.memory import FreeListAllocator, MemoryObj
 from kvplug_mooncake import codes
-from kvplug_mooncake.backend import MooncakeBackend, _sharing_the_gil, checksum
+from kvplug_mooncake.backend import MooncakeBackend
+from kvplug_mooncake.overlap import checksum, sharing_the_gil
 from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode
 from kvplug_testing.ports import free_port
 
@@ -166,7 +167,7 @@ def test_every_code_maps_to_an_error_that_names_it() -> None:
 def test_the_checksum_fed_in_pieces_is_the_frames_checksum(size: int) -> None:
     payload = memoryview(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy()).cast("B")
     found: list[int] = []
-    _sharing_the_gil(lambda: found.append(checksum(payload)))  # in pieces
+    sharing_the_gil(lambda: found.append(checksum(payload)))  # in pieces
     assert found == [checksum(payload)] == [payload_checksum(payload)]
 
 
@@ -286,9 +287,9 @@ def test_memory_outside_the_allocator_is_registered_for_the_call_not_copied(
 def test_get_into_a_buffer_of_another_rank_or_size(
     store: MooncakeMaster, allocator: FreeListAllocator
 ) -> None:
-    """The header's length depends on the rank: a flat destination of the same size is read
-    after a second try; one of another size raises LayoutMismatch naming both layouts, and
-    stays the caller's."""
+    """Every value's header region has one length: a flat destination of the same size is
+    read like one of the stored rank; one of another size raises LayoutMismatch naming both
+    layouts, and stays the caller's."""
 
     async def scenario() -> None:
         backend = await opened(store.url(global_segment_size=0), allocator)
@@ -302,7 +303,7 @@ def test_get_into_a_buffer_of_another_rank_or_size(
         with pytest.raises(LayoutMismatch, match="get_into's buffer is"):
             await backend.get_into(key(300), short)
         assert short.ref_count == 1
-        assert await backend.get_into(key(300), obj)  # and its own rank, at the first try
+        assert await backend.get_into(key(300), obj)  # and its own rank
         for each in (obj, flat, short):
             each.release()
         await backend.close()

@@ -64,6 +64,12 @@ class MooncakeOptions(BackendOptions):
       refuses because a reader holds the key's lease (code -706) is forced at once, or retried
       until the lease ends (within ``timeout``, else :class:`~kvplug.errors.BackendTimeout`).
     * ``key_prefix`` (default empty): prepended to every stored key.
+    * ``probe`` (default false): read once more, into a header slot, each key that
+      ``batch_is_exist`` (in ``contains``) or the replica query (in a ``get`` of a key family
+      not seen yet) calls absent. Mooncake calls a key absent for as long as another client
+      overwrites it; with the probe such a key reads as present (and a ``get`` waits for the
+      overwrite), at the cost of one more call whenever an answer has an absent key. Without
+      it, a key being overwritten at that moment can read as a miss (never as a wrong value).
     * ``config_file``: a JSON file of these settings in LMCache's form (``local_hostname``,
       ``metadata_server``, ``master_server_address``, ``global_segment_size``,
       ``local_buffer_size``, ``protocol``, ``device_name``, ``transfer_timeout``); by default
@@ -86,6 +92,7 @@ class MooncakeOptions(BackendOptions):
     threads: int = Field(8, ge=1, le=256, description="threads running Mooncake's calls")
     leased_remove: Literal["force", "wait"] = Field("force", description="force or wait")
     key_prefix: str = Field("", description="prepended to every stored key")
+    probe: bool = Field(False, description="read absent answers once more (keys being overwritten)")
     config_file: str | None = Field(None, description="LMCache's Mooncake JSON config")
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
