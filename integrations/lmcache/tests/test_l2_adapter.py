@@ -51,6 +51,7 @@ from lmcache_support import (
 )
 
 from kvplug.errors import BackendUnavailable, ConfigError, UnknownOption, UnknownScheme
+from kvplug.stats import summarize
 from kvplug.sync import SyncClient
 from kvplug_lmcache import l2_adapter
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
@@ -396,6 +397,22 @@ def test_a_stored_object_of_another_size_is_a_failed_load(adapter: Any, model: s
     assert torch.equal(wrong.tensor, torch.full((128,), 7.0, dtype=torch.float16))  # untouched
     assert torch.equal(right.tensor, chunk(2).view(-1)[:128])
     assert adapter.report_status()["size_mismatches"] == 1
+
+
+def test_report_status_counters_are_the_backends_own(adapter: Any, model: str) -> None:
+    driver = Driver(adapter)
+    keys = [key(model, n) for n in range(4)]
+    assert driver.store(keys[:3], [l1_object(chunk(n)) for n in range(3)])
+    assert driver.lookup(keys) == [True, True, True, False]
+    outs = [l1_object(torch.zeros_like(chunk(0))) for _ in keys]
+    assert driver.load(keys, outs) == [True, True, True, False]
+    counters = adapter.report_status()["counters"]
+    assert counters == summarize(adapter._backend.operation_stats()).as_dict()
+    assert (counters["writes"], counters["bytes_written"]) == (3, 3 * CHUNK_BYTES)
+    assert (counters["lookups"], counters["lookup_hits"]) == (4 + 1, 3)  # and the start's probe
+    assert (counters["reads"], counters["hits"], counters["misses"]) == (4, 3, 1)
+    assert (counters["bytes_read"], counters["hit_rate"]) == (3 * CHUNK_BYTES, 0.75)
+    assert counters["errors"] == 0
 
 
 # -- usage, listing, touch, status ------------------------------------------------------------

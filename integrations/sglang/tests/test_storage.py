@@ -24,6 +24,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 import kvplug
 from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
+from kvplug.stats import summarize
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer, free_port
 
@@ -111,7 +112,13 @@ def test_pages_round_trip_bit_exact_in_every_layout(
     assert torch.equal(page_bytes(dest, 4 * PAGE), before)  # a page not asked for is untouched
     missing = ["ee" * 32, keys[0]]
     assert reader.batch_get_v1(missing, slots(10, 11)) == [False, True]
-    assert reader.health().pages_missed == 1
+    health = reader.health()
+    assert health.counters == summarize(reader._client.backend.operation_stats())
+    per_page = health.objects_per_page
+    assert per_page == (1 if mla or layout == "layer_first" else 2)  # MHA page-major: K and V
+    assert (health.counters.hits, health.counters.misses) == (4 * per_page, 1 * per_page)
+    assert health.counters.bytes_read == 4 * sent[0].numel()
+    assert health.counters.writes == (3 * per_page if reader is writer else 0)
     if target.name != "cpu":  # (a cpu:// store keeps its objects in that allocator)
         assert allocator.stats().object_count == baseline  # every gather buffer went back
 
@@ -254,6 +261,7 @@ def test_a_stored_page_of_another_size_fails_the_load_loudly_naming_both_sizes(
         assert storage.batch_get_v1(keys, slots(2, 3)) == [False, False]
     health = storage.health()
     assert health.failed_gets == 1, health
+    assert (health.counters.errors, health.counters.misses) == (1, 0), health  # one failed call
     assert (health.last_error or "").startswith("LayoutMismatch: "), health
     assert any("LayoutMismatch" in record.getMessage() for record in caplog.records)
 
@@ -339,7 +347,9 @@ def test_sglangs_threads_may_call_at_once(
     for thread in threads:
         thread.join(60)
     assert not errors, errors
-    assert storage.health().pages_loaded == 6 * 5 * 2
+    health = storage.health()
+    assert health.objects_per_page == 1  # a gathered layer_first page
+    assert (health.counters.writes, health.counters.hits) == (6 * 5 * 2, 6 * 5 * 2)
 
 
 # -- configuration ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 import kvplug
 from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
+from kvplug.stats import summarize
 from kvplug_testing import RedisServer, free_port
 from kvplug_vllm import KvplugTier
 from kvplug_vllm.plugin import TIER_TYPE, register
@@ -95,14 +96,27 @@ def test_an_engine_restart_finds_the_cascaded_chunks_and_promotes_them_bit_exact
     data = payloads(6, ROW_BYTES)
     assert first.offload(keys, data) == keys
     first.settle()
-    assert first.tier.health().chunks_stored == 6
+    assert first.tier.health().counters.writes == 6
     first.close()
 
     second = start(shared_store)  # an empty primary tier
     unknown = chunk_keys(2, seed=99)
     assert second.fetch([*keys, *unknown]) == [*data, None, None]
     health = second.tier.health()
-    assert health.chunks_loaded == 6 and health.healthy
+    assert health.counters.hits == 6 and health.healthy
+
+
+def test_health_counters_are_the_stores_own(start: Start, shared_store: dict[str, Any]) -> None:
+    keys = chunk_keys(4)
+    data = payloads(4, ROW_BYTES)
+    stored_then_stopped(start, shared_store, keys[:3], data[:3])
+    second = start(shared_store)
+    assert second.fetch(keys) == [*data[:3], None]  # the fourth: a lookup miss, never loaded
+    counters = second.tier.health().counters
+    assert counters == summarize(second.tier._client.backend.operation_stats())
+    assert (counters.reads, counters.hits, counters.misses) == (3, 3, 0)
+    assert (counters.bytes_read, counters.writes, counters.errors) == (3 * ROW_BYTES, 0, 0)
+    assert counters.lookups >= 4 and counters.lookup_hits >= 3
 
 
 def test_a_lookup_answers_retry_then_the_promotion_is_pending_then_a_hit(
@@ -142,7 +156,7 @@ def test_chunks_the_primary_tier_evicted_come_back_from_kvplug(
         engine.offload(keys[i : i + 4], data[i : i + 4])
         engine.settle()
     assert engine.fetch(keys[:4]) == data[:4]
-    assert engine.tier.health().chunks_loaded == 4
+    assert engine.tier.health().counters.hits == 4
     expected = Medium.CPU if url.startswith("cpu") else Medium.STORAGE
     assert engine.tier.medium is expected
 
@@ -156,7 +170,7 @@ def test_a_chunk_already_stored_is_not_written_again(start: Start, tmp_path: Pat
     second.offload(keys, data)
     second.settle()
     health = second.tier.health()
-    assert (health.chunks_stored, health.chunks_skipped) == (1, 2)
+    assert (health.counters.writes, health.chunks_skipped) == (1, 2)
 
 
 def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest(
@@ -186,7 +200,8 @@ def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest
     second.finish(context)
     assert second.lookup(keys) == ["HIT", "MISS", "HIT"]
     assert second.read([keys[0], keys[2]]) == [data[0], data[2]]
-    assert second.tier.health().chunks_missed == 1
+    counters = second.tier.health().counters
+    assert (counters.hits, counters.misses) == (2, 1)
 
 
 # -- what is in a key ---------------------------------------------------------------------------
@@ -229,6 +244,7 @@ def test_a_stored_row_of_another_size_fails_the_load_loudly_naming_both_sizes(
         assert reader.lookup(keys) == ["MISS"]
     health = reader.tier.health()
     assert health.failed_loads == 1, health
+    assert (health.counters.errors, health.counters.misses) == (1, 0), health  # one failed call
     error = health.last_error or ""
     assert error.startswith("LayoutMismatch: ") and f"({ROW_BYTES} bytes)" in error, error
     assert f"({ROW_BYTES // 2} bytes)" in error, error
@@ -358,7 +374,7 @@ def test_what_was_stored_before_a_cache_reset_is_kept_unless_told_to_forget(
         assert engine.lookup(keys[:1]) == ["MISS"]
     else:
         assert engine.fetch(keys) == data  # promoted from kvplug: the primary tier was reset
-        assert engine.tier.health().chunks_loaded == 3
+        assert engine.tier.health().counters.hits == 3
         engine.reset()
         assert engine.fetch(keys) == data
 
@@ -384,11 +400,11 @@ def test_stores_beyond_max_queued_chunks_are_refused_at_once_as_failed_jobs(
     finally:
         own_redis.resume()
     engine.settle()
-    stored = engine.tier.health().chunks_stored
+    stored = engine.tier.health().counters.writes
     engine.offload(chunk_keys(2, seed=9), payloads(2, ROW_BYTES, seed=9))  # accepted again
     engine.settle()
     health = engine.tier.health()
-    assert (health.refused_stores, health.chunks_stored) == (2, stored + 2)
+    assert (health.refused_stores, health.counters.writes) == (2, stored + 2)
 
 
 @needs_vllm(
@@ -442,7 +458,7 @@ def test_drain_jobs_returns_only_when_no_copy_touches_the_primary_tier(
     tier.drain_jobs()
     assert tier.health().jobs_in_flight == 0
     assert all(result.success for result in tier.get_finished_jobs())
-    assert tier.health().chunks_stored == 16
+    assert tier.health().counters.writes == 16
     restarted = start({"url": f"file://{tmp_path}/kv"})
     assert restarted.fetch(keys[:4]) == data[:4]
 

@@ -67,6 +67,7 @@ from kvplug.integration import EngineIO, check_target, open_client
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import install_log_filter, mask_text, mask_url
+from kvplug.stats import summarize
 from kvplug.store import store_url
 from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key
@@ -151,7 +152,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
 
     Attributes: ``target`` (the masked URL or tiers file), ``deadline`` (seconds),
     ``copies_puts`` (whether puts copy LMCache's buffer rather than lend it); :meth:`stats`
-    gives the counters, which :meth:`close` also logs.
+    gives the store's counters and the failures LMCache saw, which :meth:`close` also logs.
 
     Example (what LMCache does with it)::
 
@@ -174,9 +175,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         self.plugin_name = DEFAULT_PLUGIN_NAME
         self.target = "kvplug"
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(
-            ("puts", "put_bytes", "put_failures", "gets", "hits", "misses", "read_failures"), 0
-        )
+        self._failures = dict.fromkeys(("put_failures", "read_failures"), 0)
         self._available = True
         self._closed = False
         self._lmcache_config: Any = None
@@ -371,7 +370,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         with self._lock:
             was_available, self._available = self._available, error is None
             if error is not None:
-                self._counts["read_failures"] += 1
+                self._failures["read_failures"] += 1
         if error is not None and was_available:
             logger.warning(
                 "kvplug remote storage %s failed a read, reporting misses until it answers: %s",
@@ -381,15 +380,24 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         elif error is None and not was_available:
             logger.info("kvplug remote storage %s answers again", self.target)
 
-    def _count(self, **amounts: int) -> None:
+    def stats(self) -> dict[str, int | float | None]:
+        """What the store did for this connector, counted by kvplug's backend template
+        (:func:`kvplug.stats.summarize` of the backend's ``operation_stats()``, the numbers
+        ``kvplug check`` reads; one LMCache chunk is one kvplug key): ``writes`` and
+        ``bytes_written`` (chunks stored), ``reads``, ``hits``, ``misses``, ``hit_rate`` and
+        ``bytes_read`` (chunks asked by gets), ``lookups`` and ``lookup_hits`` (chunks asked by
+        ``exists``, the batched lookups and ``ping``), ``calls``, ``errors`` (kvplug calls that
+        raised) and ``seconds``; with what LMCache saw fail: ``put_failures`` (chunks of puts
+        that raised to LMCache) and ``read_failures`` (gets and lookups answered as misses
+        because the store failed or was late). A read the store answered after LMCache stopped
+        waiting counts its hits there, and one read failure here; a hit LMCache had no memory
+        for is a hit there, and a miss to LMCache (logged)."""
+        counters: dict[str, int | float | None] = summarize(
+            self._client.backend.operation_stats()
+        ).as_dict()
         with self._lock:
-            for name, amount in amounts.items():
-                self._counts[name] += amount
-
-    def stats(self) -> dict[str, int]:
-        """Counters: puts and their bytes, failed puts, gets, hits, misses, failed reads."""
-        with self._lock:
-            return dict(self._counts)
+            counters.update(self._failures)
+        return counters
 
     # -- objects --------------------------------------------------------------------------------
 
@@ -484,16 +492,12 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
             found = await self._wait(future, what, abandon=self._release)
         except Exception as error:
             self._note_read(error)
-            self._count(gets=len(keys), misses=len(keys))
             return [None] * len(keys)
         self._note_read(None)
         try:
-            results = self._to_lmcache_all(found)
+            return self._to_lmcache_all(found)
         finally:
             self._release(found)
-        hits = sum(result is not None for result in results)
-        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
-        return results
 
     async def get(self, key: CacheEngineKey) -> Any:
         """The chunk under ``key`` in a new LMCache object, or None (a miss, or a failed
@@ -616,9 +620,9 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
             future.add_done_callback(lambda _: [obj.ref_count_down() for obj in held])
             await self._wait(future, f"put of {len(keys)} chunks")
         except Exception:
-            self._count(put_failures=len(keys))
+            with self._lock:
+                self._failures["put_failures"] += len(keys)
             raise
-        self._count(puts=len(keys), put_bytes=sum(view.nbytes for view in views))
 
     async def put(self, key: CacheEngineKey, memory_obj: Any) -> None:
         """Store ``memory_obj`` under ``key``; raises with kvplug's message on failure. The
@@ -679,15 +683,16 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
         await asyncio.to_thread(self._client.close)
         counts = self.stats()
         logger.info(
-            "kvplug remote storage %s closed: %d puts (%d bytes, %d failed), %d gets "
-            "(%d hits, %d misses), %d failed reads",
+            "kvplug remote storage %s closed: %d chunks written (%d bytes, %d put failures), "
+            "%d read (%d hits, %d misses, %d bytes), %d read failures",
             self.target,
-            counts["puts"],
-            counts["put_bytes"],
+            counts["writes"],
+            counts["bytes_written"],
             counts["put_failures"],
-            counts["gets"],
+            counts["reads"],
             counts["hits"],
             counts["misses"],
+            counts["bytes_read"],
             counts["read_failures"],
         )
 

@@ -101,6 +101,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.stats import summarize
 from kvplug.store import store_of, store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug.units import parse_size
@@ -893,12 +894,25 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         fail for an unreachable or late store, and no tier of a Store is failing
         (``failing_tiers``); ``last_error`` is the last failure's reason.
 
+        ``counters`` is what the backend did for this adapter, counted by kvplug's backend
+        template (:func:`kvplug.stats.summarize` of its ``operation_stats()``, the numbers
+        ``kvplug check`` and a Store's per-tier series read): ``writes`` and ``bytes_written``
+        (chunks stored), ``reads``, ``hits``, ``misses``, ``hit_rate`` and ``bytes_read``
+        (chunks asked by loads, and by touches on a host-memory tier, which read to refresh its
+        LRU), ``lookups`` and ``lookup_hits`` (keys asked by lookups), ``calls``, ``errors``
+        (calls that raised: a failed load is one error, not a miss per chunk) and ``seconds``.
+        One chunk is one kvplug key. They are not part of the adapter's snapshot: a task that
+        just finished may be counted there and not yet in ``<kind>_finished``, or the other way
+        round.
+
         Example::
 
             >>> adapter = KvplugL2Adapter({"url": "cpu://?max_size=64MiB"})
             >>> status = adapter.report_status()
             >>> status["usage_source"], status["stored_object_count"], status["max_capacity_bytes"]
             ('backend', 0, 67108864)
+            >>> status["counters"]["writes"], status["counters"]["hit_rate"]
+            (0, None)
             >>> adapter.close()
         """
         with self._state:
@@ -922,6 +936,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
                 "last_error": calls["last_error"],
                 "closed": self._closed,
             }
+        status["counters"] = summarize(self._backend.operation_stats()).as_dict()
         status["max_capacity_bytes"] = self.get_usage().total_capacity_bytes
         store = store_of(self._backend)
         stats = getattr(self._backend, "stats", None)

@@ -86,6 +86,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey, lmcache_dtype_name
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
+from kvplug.stats import CounterSummary, summarize
 from kvplug.store import store_url, stored_keys
 from kvplug.sync import SyncClient
 from kvplug_sglang.keys import PageNamespace, model_field
@@ -125,16 +126,10 @@ _WHAT = "KvplugHiCacheStorage"
 _FAILURES = ("failed_sets", "failed_gets", "failed_exists", "failed_clears")
 
 
-@dataclass
-class _PageCounts:
-    pages_stored: int = 0
-    pages_loaded: int = 0
-    pages_missed: int = 0
-
-
 @dataclass(frozen=True)
 class StorageHealth:
-    """What :meth:`KvplugHiCacheStorage.health` reports."""
+    """What :meth:`KvplugHiCacheStorage.health` reports: the calls that failed, and the
+    store's counters."""
 
     healthy: bool
     """False once a call found the store unreachable or late, until one succeeds."""
@@ -143,9 +138,25 @@ class StorageHealth:
     failed_gets: int
     failed_exists: int
     failed_clears: int
-    pages_stored: int
-    pages_loaded: int
-    pages_missed: int
+    objects_per_page: int
+    """kvplug objects (keys) one page is stored as: 2 for an MHA page of a page-major host
+    layout (its K and V regions), 1 otherwise (an MLA page, a gathered ``layer_first`` page,
+    and before SGLang registers its host pool)."""
+    counters: CounterSummary
+    """What the store did for this storage, per kvplug object, counted by kvplug's backend
+    template (:func:`kvplug.stats.summarize` of its ``operation_stats()``, the numbers
+    ``kvplug check`` and a Store's per-tier series read): ``writes`` and ``bytes_written``
+    (objects stored), ``reads``, ``hits``, ``misses``, ``hit_rate`` and ``bytes_read``
+    (objects asked by loads), ``lookups`` and ``lookup_hits`` (objects asked by
+    ``batch_exists`` and the probe at start), ``calls``, ``errors`` and ``seconds``.
+
+    A page is whole only when each of its ``objects_per_page`` objects is, so with one object
+    per page ``writes``, ``hits`` and ``misses`` are pages stored, loaded and missed; with two,
+    they are twice the pages where no page is half there, and a page with one object stored (a
+    batch the store partly refused, a tier that evicted one of them) counts that object. The
+    pages SGLang was told were stored or loaded whole, per call, are SGLang's own metrics
+    (:meth:`KvplugHiCacheStorage.get_stats`). A call that raised is one error, not a miss per
+    object (and one of ``failed_sets`` or ``failed_gets`` here)."""
 
 
 @dataclass
@@ -251,7 +262,6 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         self._writer = storage_config.is_storage_writer
         self._metrics_on = storage_config.enable_storage_metrics
         self._metrics = _Metrics()
-        self._pages = _PageCounts()
         self._state = threading.Lock()
         self._target = (
             mask_url(extra["url"]) if extra.get("url") else f"the tiers in {extra['config']}"
@@ -404,12 +414,6 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         segments = pages * self._segments
         return self._whole_pages(stored_keys(error, segments) or [False] * segments)
 
-    def _count(self, stored: int = 0, loaded: int = 0, missed: int = 0) -> None:
-        with self._state:
-            self._pages.pages_stored += stored
-            self._pages.pages_loaded += loaded
-            self._pages.pages_missed += missed
-
     @property
     def _what(self) -> str:
         return f"{_WHAT} on {self._target}"
@@ -507,22 +511,14 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             store()
             return [True] * len(page_keys)
 
-        stored = self._call(
+        return self._call(
             "failed_sets", lambda error: self._stored_pages(error, len(page_keys)), run
         )
-        self._count(stored=sum(stored))
-        return stored
 
     def _load(self, page_keys: list[str], load: Callable[[], list[bool]]) -> list[bool]:
-        """Run ``load()`` for ``page_keys``; True for each page read whole (a page the store
-        answered for and did not hold counts as missed; a failed call as failed)."""
-
-        def run() -> list[bool]:
-            pages = load()
-            self._count(loaded=sum(pages), missed=len(pages) - sum(pages))
-            return pages
-
-        return self._call("failed_gets", lambda _: [False] * len(page_keys), run)
+        """Run ``load()`` for ``page_keys``; True for each page read whole (False for all
+        after a failed call, which is counted as failed)."""
+        return self._call("failed_gets", lambda _: [False] * len(page_keys), load)
 
     def _engine_store(self, page_keys: list[str], sources: list[MemoryObj]) -> None:
         """Store SGLang's memory (``sources``: each page's segments): returns or raises once
@@ -757,10 +753,12 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
         return StorageMetrics(**asdict(drained))
 
     def health(self) -> StorageHealth:
-        """A snapshot of this storage's health and page counters."""
-        with self._state:
-            pages = asdict(self._pages)
-        return StorageHealth(**self._calls.snapshot(), **pages)
+        """A snapshot of this storage's health, with the store's counters."""
+        return StorageHealth(
+            **self._calls.snapshot(),
+            objects_per_page=self._segments,
+            counters=summarize(self._client.backend.operation_stats()),
+        )
 
     def close(self) -> None:
         """Close the kvplug backend (SGLang calls this when it detaches the storage).

@@ -108,6 +108,7 @@ from kvplug.integration import (
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.secrets import mask_text, mask_url
+from kvplug.stats import CounterSummary, summarize
 from kvplug.store import store_url
 from kvplug.sync import SyncClient
 from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
@@ -254,7 +255,8 @@ def backend_url_and_options(tier_config: Mapping[str, Any]) -> tuple[str, dict[s
 
 @dataclass(frozen=True)
 class KvplugTierHealth:
-    """What :meth:`KvplugTier.health` reports."""
+    """What :meth:`KvplugTier.health` reports: the tier's own health and job counts, and the
+    store's counters."""
 
     healthy: bool
     """False once a call found the store unreachable or late, until one succeeds."""
@@ -264,12 +266,19 @@ class KvplugTierHealth:
     failed_lookups: int
     refused_stores: int
     """Store jobs refused because ``max_queued_chunks`` were in flight (back-pressure)."""
-    chunks_stored: int
     chunks_skipped: int
-    """Chunks of store jobs that the store already held."""
-    chunks_loaded: int
-    chunks_missed: int
+    """Chunks of store jobs that the store already held (not stored again)."""
     jobs_in_flight: int
+    counters: CounterSummary
+    """What the store did for this tier, one chunk a kvplug key, counted by kvplug's backend
+    template (:func:`kvplug.stats.summarize` of its ``operation_stats()``, the numbers
+    ``kvplug check`` and a Store's per-tier series read): ``writes`` (chunks stored) and
+    ``bytes_written``; ``reads``, ``hits`` (chunks loaded), ``misses`` (chunks a load did not
+    find), ``hit_rate`` and ``bytes_read``; ``lookups`` and ``lookup_hits`` (keys asked by
+    vLLM's lookups, by each store job for the chunks it skips, and by the probe at start);
+    ``calls``, ``errors`` and ``seconds``. A load whose kvplug call raised or passed
+    ``task_timeout`` is one error there and one of ``failed_loads`` here, not a miss per
+    chunk; a store that raised counts the chunks the store says it kept, if any."""
 
 
 def byte_rows(primary_kv_view: memoryview) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -444,10 +453,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._queued_chunks = 0
         self._refusing = False
-        self._counts = dict.fromkeys(
-            ("refused_stores", "chunks_stored", "chunks_skipped", "chunks_loaded", "chunks_missed"),
-            0,
-        )
+        self._counts = dict.fromkeys(("refused_stores", "chunks_skipped"), 0)
         self._client: SyncClient = open_client(
             url=parsed.url, config=parsed.config, options=parsed.options, what=_WHAT
         )
@@ -654,7 +660,6 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             return JobResult(job_id=job.job_id, success=False)
         self._calls.succeeded()
         with self._state:
-            self._counts["chunks_stored"] += stored
             self._counts["chunks_skipped"] += len(job.keys) - stored
         return JobResult(
             job_id=job.job_id,
@@ -692,9 +697,6 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             return JobResult(job_id=job.job_id, success=False)
         self._calls.succeeded()
         loaded = [key for key, hit in zip(keys, found, strict=True) if hit]
-        with self._state:
-            self._counts["chunks_loaded"] += len(loaded)
-            self._counts["chunks_missed"] += len(keys) - len(loaded)
         whole = len(loaded) == len(keys)
         return JobResult(
             job_id=job.job_id,
@@ -783,11 +785,16 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
     # -- reporting and shutdown -----------------------------------------------------------------
 
     def health(self) -> KvplugTierHealth:
-        """A snapshot of this tier's health and chunk counters."""
+        """A snapshot of this tier's health and job counts, with the store's counters."""
         with self._state:
             counts: dict[str, Any] = dict(self._counts)
             in_flight = len(self._in_flight)
-        return KvplugTierHealth(**self._calls.snapshot(), **counts, jobs_in_flight=in_flight)
+        return KvplugTierHealth(
+            **self._calls.snapshot(),
+            **counts,
+            jobs_in_flight=in_flight,
+            counters=summarize(self._client.backend.operation_stats()),
+        )
 
     def shutdown(self) -> None:
         """Stop the lookup thread, wait for the jobs in flight (each ends at its deadline,
