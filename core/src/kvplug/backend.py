@@ -114,6 +114,7 @@ from kvplug.errors import (
     UnknownOption,
 )
 from kvplug.keys import CacheKey
+from kvplug.lazy import lazy_exports
 from kvplug.secrets import MASK, install_log_filter, is_secret_name, mask_repr, mask_text, remember
 from kvplug.stats import OperationCounters, OperationStats
 from kvplug.url import BackendURL
@@ -175,12 +176,7 @@ class _Resumed(Generic[T]):
                     return cast(T, done.value)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("BackendOptions", "BytesBackendOptions"):
-        import kvplug.options
-
-        return getattr(kvplug.options, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {"kvplug.options": ("BackendOptions", "BytesBackendOptions")})
 
 
 def error_text(error: BaseException, limit: int = 500) -> str:

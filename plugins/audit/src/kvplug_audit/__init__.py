@@ -6,7 +6,9 @@ See :class:`kvplug_audit.backend.AuditBackend`.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_audit.backend import AuditBackend, AuditOptions
@@ -14,12 +16,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-audit")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("AuditBackend", "AuditOptions"):
-        from kvplug_audit import backend
-
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_audit.backend": ("AuditBackend", "AuditOptions"),
+    },
+)
 
 
 __all__ = ["AuditBackend", "AuditOptions", "__version__"]

@@ -6,7 +6,9 @@ See :class:`kvplug_blackhole.backend.BlackholeBackend`.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_blackhole.backend import BlackholeBackend
@@ -14,12 +16,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-blackhole")
 
 
-def __getattr__(name: str) -> Any:
-    if name == "BlackholeBackend":
-        from kvplug_blackhole import backend
-
-        return backend.BlackholeBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_blackhole.backend": ("BlackholeBackend",),
+    },
+)
 
 
 __all__ = ["BlackholeBackend", "__version__"]

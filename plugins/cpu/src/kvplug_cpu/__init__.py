@@ -7,7 +7,9 @@ plugin entry point stays light.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_cpu.backend import CpuBackend, CpuOptions
@@ -15,12 +17,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-cpu")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("CpuBackend", "CpuOptions"):
-        from kvplug_cpu import backend
-
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_cpu.backend": ("CpuBackend", "CpuOptions"),
+    },
+)
 
 
 __all__ = ["CpuBackend", "CpuOptions", "__version__"]

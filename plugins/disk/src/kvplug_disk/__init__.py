@@ -18,9 +18,10 @@ stays light and nothing here loads cuFile until a ``gds://`` or ``weka://`` URL 
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_disk.backend import DiskBackend
@@ -37,27 +38,23 @@ if TYPE_CHECKING:
 
 __version__ = importlib.metadata.version("kvplug-disk")
 
-_LAZY = {
-    "DiskBackend": "kvplug_disk.backend",
-    "DiskOptions": "kvplug_disk.options",
-    "WriteRefused": "kvplug_disk.fileops",
-    "FileIO": "kvplug_disk.fileio",
-    "Payload": "kvplug_disk.fileio",
-    "PosixFileIO": "kvplug_disk.fileio",
-    "CuFileIO": "kvplug_disk.fileio",
-    "GdsBackend": "kvplug_disk.gds.backend",
-    "GdsOptions": "kvplug_disk.gds.backend",
-    "GdsUnavailable": "kvplug_disk.gds.backend",
-    "WekaBackend": "kvplug_disk.gds.backend",
-    "WekaOptions": "kvplug_disk.gds.backend",
-}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_disk.backend": ("DiskBackend",),
+        "kvplug_disk.options": ("DiskOptions",),
+        "kvplug_disk.fileops": ("WriteRefused",),
+        "kvplug_disk.fileio": ("FileIO", "Payload", "PosixFileIO", "CuFileIO"),
+        "kvplug_disk.gds.backend": (
+            "GdsBackend",
+            "GdsOptions",
+            "GdsUnavailable",
+            "WekaBackend",
+            "WekaOptions",
+        ),
+    },
+)
 
 
 __all__ = [

@@ -11,7 +11,9 @@ The backend is imported on first use, so the plugin entry point stays light.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_infinistore.backend import InfiniStoreBackend, InfiniStoreOptions
@@ -19,12 +21,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-infinistore")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("InfiniStoreBackend", "InfiniStoreOptions"):
-        from kvplug_infinistore import backend
-
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_infinistore.backend": ("InfiniStoreBackend", "InfiniStoreOptions"),
+    },
+)
 
 
 __all__ = ["InfiniStoreBackend", "InfiniStoreOptions", "__version__"]

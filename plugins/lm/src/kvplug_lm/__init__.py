@@ -13,7 +13,9 @@ The client and server are imported on first use, so the plugin entry point stays
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_lm.backend import LMBackend, LMOptions
@@ -21,12 +23,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-lm")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("LMBackend", "LMOptions"):
-        from kvplug_lm import backend
-
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_lm.backend": ("LMBackend", "LMOptions"),
+    },
+)
 
 
 __all__ = ["LMBackend", "LMOptions", "__version__"]

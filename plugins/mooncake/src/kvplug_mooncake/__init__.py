@@ -5,7 +5,9 @@ kvplug's, Mooncake's and LMCache's names (:class:`kvplug_mooncake.options.Moonca
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_mooncake.backend import MooncakeBackend
@@ -14,16 +16,13 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-mooncake")
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MooncakeBackend":
-        from kvplug_mooncake import backend
-
-        return backend.MooncakeBackend
-    if name == "MooncakeOptions":
-        from kvplug_mooncake import options
-
-        return options.MooncakeOptions
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_mooncake.backend": ("MooncakeBackend",),
+        "kvplug_mooncake.options": ("MooncakeOptions",),
+    },
+)
 
 
 __all__ = ["MooncakeBackend", "MooncakeOptions", "__version__"]

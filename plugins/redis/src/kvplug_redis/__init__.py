@@ -22,9 +22,10 @@ use, so the plugin entry point stays light.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_redis.backend import RedisBackend
@@ -40,26 +41,22 @@ if TYPE_CHECKING:
 
 __version__ = importlib.metadata.version("kvplug-redis")
 
-_HOMES = {
-    "RedisBackend": "kvplug_redis.backend",
-    "REDIS_PY_VERSIONS": "kvplug_redis.client_library",
-    "ClientLibrary": "kvplug_redis.client_library",
-    "ClientVersions": "kvplug_redis.client_library",
-    "load_client_library": "kvplug_redis.client_library",
-    "redis_py": "kvplug_redis.client_library",
-    "RedisOptions": "kvplug_redis.options",
-    "Mode": "kvplug_redis.urls",
-    "Target": "kvplug_redis.urls",
-    "UrlForms": "kvplug_redis.urls",
-    "escape_glob": "kvplug_redis.urls",
-}
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_redis.backend": ("RedisBackend",),
+        "kvplug_redis.client_library": (
+            "REDIS_PY_VERSIONS",
+            "ClientLibrary",
+            "ClientVersions",
+            "load_client_library",
+            "redis_py",
+        ),
+        "kvplug_redis.options": ("RedisOptions",),
+        "kvplug_redis.urls": ("Mode", "Target", "UrlForms", "escape_glob"),
+    },
+)
 
 
 __all__ = [

@@ -11,7 +11,9 @@ stays light.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvplug.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvplug_valkey.backend import ValkeyBackend, valkey_py
@@ -19,12 +21,12 @@ if TYPE_CHECKING:
 __version__ = importlib.metadata.version("kvplug-valkey")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("ValkeyBackend", "valkey_py"):
-        from kvplug_valkey import backend
-
-        return getattr(backend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_valkey.backend": ("ValkeyBackend", "valkey_py"),
+    },
+)
 
 
 __all__ = ["ValkeyBackend", "__version__", "valkey_py"]

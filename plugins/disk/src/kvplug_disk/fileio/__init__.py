@@ -12,8 +12,9 @@ A :class:`~kvplug_disk.backend.DiskBackend` takes one as ``file_io=``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvplug.lazy import lazy_exports
 from kvplug_disk.fileio.base import FileIO, Payload
 from kvplug_disk.fileio.posix import PosixFileIO
 
@@ -21,12 +22,12 @@ if TYPE_CHECKING:
     from kvplug_disk.fileio.cufile import CuFileError, CuFileIO
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("CuFileIO", "CuFileError"):
-        from kvplug_disk.fileio import cufile
-
-        return getattr(cufile, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvplug_disk.fileio.cufile": ("CuFileIO", "CuFileError"),
+    },
+)
 
 
 __all__ = ["CuFileError", "CuFileIO", "FileIO", "Payload", "PosixFileIO"]
