@@ -67,14 +67,12 @@ from kvplug.options import BackendOptions
 from kvplug.url import BackendURL
 from kvplug_lm import wire
 from kvplug_lm.connection import Connection, Hasher, Pool, ReplyError
+from kvplug_lm.server_options import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from kvplug.memory import Allocator, MemoryObj
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PORT = 65432
-"""The port of an ``lm://host`` URL without one (LMCache's examples use it)."""
 
 HEALTH_KEY = "kvplug-health@1@0@0@half"
 """The key of a plain HEALTH (not the hello's: a kvplug server answers that one with more)."""

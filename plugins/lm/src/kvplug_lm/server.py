@@ -15,6 +15,12 @@ or in-process (tests, benchmarks)::
     ...     server.port > 0
     True
 
+Its parts, one job each: :mod:`kvplug_lm.server_options` (what it is told, every default),
+:mod:`kvplug_lm.command` (the command line, generated from those options),
+:mod:`kvplug_lm.server_reader` (paced reads from a client), :mod:`kvplug_lm.server_extended`
+(the extended mode's handler per op), :mod:`kvplug_lm.memstore` (the memory and the spill
+tier) and this module (accepting, the plain mode, metrics, shutdown).
+
 How each request is answered is in :mod:`kvplug_lm.wire`. What this server chooses where
 LMCache's protocol leaves it open:
 
@@ -44,26 +50,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import socket
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import xxhash
-
-from kvplug.errors import KvplugError
-from kvplug.memory import DTYPES_BY_CODE
-from kvplug.units import GiB, format_size, parse_size
+from kvplug.units import format_size
 from kvplug_lm import wire
 from kvplug_lm.memstore import (
-    EXTENDED,
     PLAIN,
     PLAIN_META,
     RECORD,
@@ -71,6 +68,9 @@ from kvplug_lm.memstore import (
     MemStore,
     record_header_len,
 )
+from kvplug_lm.server_extended import MAX_META, MAX_SMALL_PAYLOAD, serve_extended
+from kvplug_lm.server_options import ServerOptions
+from kvplug_lm.server_reader import ClientConnection, CloseConnection, PeerGone, Reader
 
 if TYPE_CHECKING:
     import click
@@ -80,209 +80,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvplug_lm.server")
 
-DEFAULT_PORT = 65432
-READ_AHEAD = 64 * 1024
-"""Bytes of each connection's read-ahead buffer (headers, keys and small payloads)."""
-HARD_KEY_LIMIT = 32 * 1024
-"""Extended keys longer than this close the connection (they are not even read)."""
-MAX_SMALL_PAYLOAD = 4 << 20
-"""The largest EXISTS_MANY payload (a list of keys; about 70 000 LMCache keys)."""
-MAX_META = wire.META.size + wire.MAX_RANK * wire.DIM.size
 INLINE_SEND = 64 * 1024
 """Payloads up to this size go out in the same send as their header."""
 
-_EXT_DTYPES = frozenset({0, *DTYPES_BY_CODE})
-_OP_NAMES = {op.value: op.name for op in wire.Op}
 _COMMAND_NAMES = {c.value: c.name for c in wire.Command}
 _REPLYING_COMMANDS = frozenset(
     {wire.Command.GET, wire.Command.EXIST, wire.Command.LIST, wire.Command.HEALTH}
 )
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """Everything ``kvplug lm-server`` is told (each field is the option of the same name)."""
-
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    """0: any free port (:attr:`LMServer.port` is the one bound)."""
-    max_memory: int = 4 * GiB
-    """Bytes of the one buffer every object lives in; least recently used objects go first."""
-    spill: str | None = None
-    """A kvplug tier URL evicted objects are written to (and read back from)."""
-    max_key_bytes: int = 1024
-    """Longest extended key; plain keys are at most 150 bytes whatever this says."""
-    max_object_bytes: int = wire.INT32_MAX
-    """Largest object; plain objects are at most 2 GiB - 1 bytes whatever this says."""
-    idle_timeout: float = 300.0
-    """Seconds a connection may wait between requests."""
-    frame_timeout: float = 10.0
-    """Seconds a started request header may take to arrive."""
-    min_rate: int = 1 << 20
-    """Bytes per second a payload must at least arrive (or leave) at."""
-    max_connections: int = 1024
-    secret: bytes | None = field(default=None, repr=False)
-    """The shared secret of the extended mode's AUTH (never printed)."""
-    plain: Literal["allow", "deny"] | None = None
-    """Plain LMCache clients: allowed without a secret, denied with one, unless set."""
-    metrics_port: int | None = None
-    shutdown_grace: float = 30.0
-    loop: Literal["auto", "asyncio", "uvloop"] = "auto"
-
-    @property
-    def plain_allowed(self) -> bool:
-        if self.plain is None:
-            return self.secret is None
-        return self.plain == "allow"
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_key_bytes <= HARD_KEY_LIMIT:
-            raise ValueError(
-                f"max_key_bytes is {self.max_key_bytes}; it must be 1 to {HARD_KEY_LIMIT}."
-            )
-        for name in ("idle_timeout", "frame_timeout", "shutdown_grace"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds.")
-        if self.min_rate <= 0 or self.max_connections <= 0 or self.max_object_bytes <= 0:
-            raise ValueError("min_rate, max_connections and max_object_bytes must be positive.")
-
-
-class _PeerGone(Exception):
-    """The peer closed the connection (or reset it)."""
-
-
-class _Close(Exception):
-    """End this connection (a protocol error was answered, or plain clients are denied)."""
-
-
-class _Reader:
-    """A connection's read-ahead buffer over a non-blocking socket."""
-
-    __slots__ = ("buf", "end", "loop", "server", "sock", "start", "view")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, server: LMServer):
-        self.loop = loop
-        self.sock = sock
-        self.server = server
-        self.buf = bytearray(READ_AHEAD)
-        self.view = memoryview(self.buf)
-        self.start = 0
-        self.end = 0
-
-    @property
-    def buffered(self) -> int:
-        return self.end - self.start
-
-    async def _recv(self, need: int) -> None:
-        """Receive until ``need`` bytes are buffered."""
-        if self.start + need > len(self.buf):
-            length = self.end - self.start
-            self.buf[:length] = self.view[self.start : self.end]
-            self.start, self.end = 0, length
-        while self.end - self.start < need:
-            count = await self.loop.sock_recv_into(self.sock, self.view[self.end :])
-            if count == 0:
-                raise _PeerGone
-            self.end += count
-            self.server.counters["bytes_received"] += count
-
-    async def wait_readable(self) -> None:
-        if self.start == self.end:
-            self.start = self.end = 0
-            await self._recv(1)
-
-    def peek(self, n: int) -> bytes:
-        return bytes(self.view[self.start : self.start + n])
-
-    async def read(self, n: int, timeout: float) -> bytes:
-        """``n`` bytes (at most :data:`READ_AHEAD`), within ``timeout`` seconds."""
-        if self.end - self.start < n:
-            async with asyncio.timeout(timeout):
-                await self._recv(n)
-        data = bytes(self.view[self.start : self.start + n])
-        self.start += n
-        return data
-
-    def _pace(self) -> tuple[float, float, float]:
-        options = self.server.options
-        return self.loop.time(), options.frame_timeout, float(options.min_rate)
-
-    async def read_into(self, dest: memoryview) -> int:
-        """Fill ``dest`` and return its xxh3-64: what the read-ahead holds is copied, the rest
-        received into it. Each piece is hashed as it arrives, while the next is still on the
-        wire, so the checksum costs no time of its own on a large payload.
-
-        Paced: it raises TimeoutError when no byte arrives for ``frame_timeout`` seconds, or
-        when, past the first ``frame_timeout`` seconds, the bytes so far arrived slower than
-        ``min_rate`` on average (a slow-loris payload keeps its buffer that long at most)."""
-        hasher = xxhash.xxh3_64()
-        take = min(self.end - self.start, len(dest))
-        if take:
-            dest[:take] = self.view[self.start : self.start + take]
-            self.start += take
-            hasher.update(dest[:take])
-        if take == len(dest):
-            return hasher.intdigest()
-        counters = self.server.counters
-        start, frame_timeout, min_rate = self._pace()
-        async with asyncio.timeout_at(start + frame_timeout) as budget:
-            position = take
-            while position < len(dest):
-                count = await self.loop.sock_recv_into(self.sock, dest[position:])
-                if count == 0:
-                    raise _PeerGone
-                hasher.update(dest[position : position + count])
-                position += count
-                counters["bytes_received"] += count
-                budget.reschedule(
-                    min(
-                        self.loop.time() + frame_timeout,
-                        start + frame_timeout + position / min_rate,
-                    )
-                )
-        return hasher.intdigest()
-
-    async def consume(self, n: int, sink: Callable[[memoryview], object] | None = None) -> None:
-        """Read the next ``n`` bytes through the read-ahead buffer, handing each piece to
-        ``sink`` (dropping them without one), paced like :meth:`read_into`."""
-        start, frame_timeout, min_rate = self._pace()
-        done = 0
-        async with asyncio.timeout_at(start + frame_timeout) as budget:
-            while done < n:
-                if self.start == self.end:
-                    self.start = self.end = 0
-                    await self._recv(1)
-                take = min(n - done, self.end - self.start)
-                if sink is not None:
-                    sink(self.view[self.start : self.start + take])
-                self.start += take
-                done += take
-                budget.reschedule(
-                    min(self.loop.time() + frame_timeout, start + frame_timeout + done / min_rate)
-                )
-
-    async def discard(self, n: int) -> None:
-        """Read and drop ``n`` bytes."""
-        await self.consume(n)
-
-    async def read_all(self, n: int) -> bytearray:
-        """``n`` bytes, grown as they arrive (a declared length reserves nothing)."""
-        data = bytearray()
-        await self.consume(n, data.extend)
-        return data
-
-
-class _Connection:
-    __slots__ = ("authenticated", "idle", "nonce", "peer", "reader", "sock", "task")
-
-    def __init__(self, sock: socket.socket, reader: _Reader, peer: str) -> None:
-        self.sock = sock
-        self.reader = reader
-        self.peer = peer
-        self.idle = True
-        self.nonce: bytes | None = None
-        self.authenticated = False
-        self.task: asyncio.Task[None] | None = None
 
 
 class LMServer:
@@ -301,7 +105,7 @@ class LMServer:
         self.port = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._connections: set[_Connection] = set()
+        self._connections: set[ClientConnection] = set()
         self._stopping = False
         self._stopped: asyncio.Event | None = None
         self._metrics_server: Any = None
@@ -515,11 +319,13 @@ class LMServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-            connection = _Connection(sock, _Reader(loop, sock, self), peer)
+            connection = ClientConnection(
+                sock, Reader(loop, sock, self.options, self.counters), peer
+            )
             self._connections.add(connection)
             connection.task = loop.create_task(self._serve(connection))
 
-    async def _serve(self, connection: _Connection) -> None:
+    async def _serve(self, connection: ClientConnection) -> None:
         reader = connection.reader
         options = self.options
         try:
@@ -541,14 +347,14 @@ class LMServer:
                     async with asyncio.timeout(options.frame_timeout):
                         await reader._recv(4)
                 if reader.peek(4) == wire.EXT_REQUEST_MAGIC:
-                    await self._extended(connection)
+                    await serve_extended(self, connection)
                 else:
                     await self._plain(connection)
                 if self._stopping and reader.buffered == 0:
                     break
-        except (_PeerGone, ConnectionError):
+        except (PeerGone, ConnectionError):
             pass
-        except _Close:
+        except CloseConnection:
             pass
         except TimeoutError:
             self.protocol_errors["timeout"] += 1
@@ -565,7 +371,7 @@ class LMServer:
     def _payload_timeout(self, nbytes: int) -> float:
         return self.options.frame_timeout + nbytes / self.options.min_rate
 
-    async def _send(self, connection: _Connection, *parts: bytes | memoryview) -> None:
+    async def send(self, connection: ClientConnection, *parts: bytes | memoryview) -> None:
         loop = self._loop
         assert loop is not None
         total = sum(len(p) for p in parts)
@@ -579,13 +385,13 @@ class LMServer:
                         await loop.sock_sendall(sock, part)
         self.counters["bytes_sent"] += total
 
-    def _protocol_error(self, kind: str, connection: _Connection, reason: str) -> None:
+    def protocol_error(self, kind: str, connection: ClientConnection, reason: str) -> None:
         self.protocol_errors[kind] += 1
         logger.debug("protocol error (%s) from %s: %s", kind, connection.peer, reason)
 
     # -- plain mode --------------------------------------------------------------------------
 
-    async def _plain(self, connection: _Connection) -> None:
+    async def _plain(self, connection: ClientConnection) -> None:
         store = self.store
         assert store is not None
         options = self.options
@@ -596,12 +402,12 @@ class LMServer:
         try:
             wire.check_plain_request(request)
         except wire.WireError as error:
-            self._protocol_error(error.kind, connection, str(error))
+            self.protocol_error(error.kind, connection, str(error))
             self.requests["plain", name, "400"] += 1
             if command in _REPLYING_COMMANDS:
                 with contextlib.suppress(Exception):
-                    await self._send(connection, wire.pack_plain_reply(wire.Code.FAIL))
-            raise _Close from None
+                    await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
+            raise CloseConnection from None
         if command == wire.Command.HEALTH:
             if request.key == wire.HELLO_KEY.encode():
                 connection.nonce = secrets.token_bytes(wire.NONCE_BYTES)
@@ -611,15 +417,15 @@ class LMServer:
                     self.object_limit,
                     options.secret is not None,
                 )
-                await self._send(connection, wire.pack_hello_reply(hello))
+                await self.send(connection, wire.pack_hello_reply(hello))
             else:
-                await self._send(connection, wire.pack_plain_reply(wire.Code.SUCCESS))
+                await self.send(connection, wire.pack_plain_reply(wire.Code.SUCCESS))
             self.requests["plain", name, "200"] += 1
             return
         if not options.plain_allowed:
-            self._protocol_error("plain_denied", connection, "plain clients are denied")
+            self.protocol_error("plain_denied", connection, "plain clients are denied")
             self.requests["plain", name, "denied"] += 1
-            raise _Close
+            raise CloseConnection
         key = request.key
         if command == wire.Command.PUT:
             status = await self._plain_put(connection, request)
@@ -628,7 +434,7 @@ class LMServer:
             entry = store.lookup(key) or await store.load_spilled(key)
             described = entry.plain_meta() if entry is not None else None
             if entry is None or described is None:
-                await self._send(connection, wire.pack_plain_reply(wire.Code.FAIL))
+                await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
                 self.requests["plain", name, "400"] += 1
                 return
             fmt, dtype, shape = described
@@ -640,32 +446,32 @@ class LMServer:
         elif command == wire.Command.EXIST:
             found = key in store or await store.spill_contains(key)
             code = wire.Code.SUCCESS if found else wire.Code.FAIL
-            await self._send(connection, wire.pack_plain_reply(code))
+            await self.send(connection, wire.pack_plain_reply(code))
             self.requests["plain", name, str(int(code))] += 1
         else:  # LIST: LMCache leaves it unimplemented; a reply keeps its client from hanging
-            await self._send(connection, wire.pack_plain_reply(wire.Code.FAIL))
+            await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
             self.requests["plain", name, "400"] += 1
 
-    async def _plain_put(self, connection: _Connection, request: wire.PlainRequest) -> str:
+    async def _plain_put(self, connection: ClientConnection, request: wire.PlainRequest) -> str:
         store = self.store
         assert store is not None
         length = request.length
         reader = connection.reader
         if length > self.object_limit:
-            self._protocol_error("too_large", connection, f"plain PUT of {length} bytes")
+            self.protocol_error("too_large", connection, f"plain PUT of {length} bytes")
             await reader.discard(length)
             return "too_large"
         meta = PLAIN_META.pack(request.fmt, request.dtype, *request.shape)
-        received = await self._receive(connection, request.key, PLAIN, meta, length)
+        received = await self.receive(connection, request.key, PLAIN, meta, length)
         if received is None:
-            self._protocol_error("no_space", connection, f"plain PUT of {length} bytes")
+            self.protocol_error("no_space", connection, f"plain PUT of {length} bytes")
             return "no_space"
         store.commit(*received)
         return "stored"
 
-    async def _receive(
+    async def receive(
         self,
-        connection: _Connection,
+        connection: ClientConnection,
         key: bytes,
         mode: int,
         meta: bytes,
@@ -687,152 +493,12 @@ class LMServer:
             raise
         return entry, digest
 
-    async def _send_entry(self, connection: _Connection, header: bytes, entry: Entry) -> None:
+    async def _send_entry(self, connection: ClientConnection, header: bytes, entry: Entry) -> None:
         block = entry.block.retain()  # alive while sent, even if evicted or replaced meanwhile
         try:
-            await self._send(connection, header, entry.payload)
+            await self.send(connection, header, entry.payload)
         finally:
             block.release()
-
-    # -- extended mode -----------------------------------------------------------------------
-
-    async def _extended(self, connection: _Connection) -> None:
-        options = self.options
-        store = self.store
-        assert store is not None
-        reader = connection.reader
-        header = await reader.read(wire.EXT_REQUEST.size, options.frame_timeout)
-        request = wire.unpack_ext_request(header)
-        op = request.op
-        name = _OP_NAMES.get(op, str(op))
-        request_id = request.request_id
-
-        async def reply(
-            status: wire.Status,
-            meta: bytes = b"",
-            payload: bytes | memoryview = b"",
-            checksum: int | None = None,
-        ) -> None:
-            head = wire.pack_ext_reply(
-                status,
-                request_id=request_id,
-                meta=meta,
-                payload_len=len(payload),
-                checksum=checksum,
-            )
-            await self._send(connection, head, payload)
-            self.requests["extended", name, status.name] += 1
-
-        async def refuse(kind: str, reason: str) -> None:
-            self._protocol_error(kind, connection, reason)
-            with contextlib.suppress(Exception):
-                await reply(wire.Status.BAD_REQUEST, payload=reason.encode())
-            raise _Close
-
-        if op not in _OP_NAMES:
-            await refuse("unknown_command", f"unknown extended op {op} (1 to {max(_OP_NAMES)})")
-        if request.key_len > HARD_KEY_LIMIT:
-            await refuse("bad_key", f"key length {request.key_len} over {HARD_KEY_LIMIT} bytes")
-        if request.meta_len > MAX_META:
-            await refuse("bad_meta", f"meta length {request.meta_len} over {MAX_META} bytes")
-        keyed = op in (wire.Op.PUT, wire.Op.GET, wire.Op.EXISTS, wire.Op.DELETE)
-        if not keyed and request.key_len:
-            await refuse("bad_key", f"{name} carries a key")
-        if op != wire.Op.PUT and request.meta_len:
-            await refuse("bad_meta", f"{name} carries meta")
-        if op not in (wire.Op.PUT, wire.Op.EXISTS_MANY, wire.Op.AUTH) and request.payload_len:
-            await refuse("bad_length", f"{name} carries a payload of {request.payload_len}")
-        if op == wire.Op.EXISTS_MANY and request.payload_len > MAX_SMALL_PAYLOAD:
-            await refuse("bad_length", f"EXISTS_MANY payload of {request.payload_len} bytes")
-        if op == wire.Op.AUTH and request.payload_len > 1024:
-            await refuse("bad_length", f"AUTH payload of {request.payload_len} bytes")
-        body = await reader.read(request.key_len + request.meta_len, options.frame_timeout)
-        key, meta = body[: request.key_len], body[request.key_len :]
-
-        if options.secret is not None and not connection.authenticated and op != wire.Op.AUTH:
-            await reader.discard(request.payload_len)
-            self.counters["auth_failures"] += 1
-            await reply(wire.Status.AUTH_REQUIRED)
-            return
-        if keyed and request.key_len > options.max_key_bytes:
-            await reader.discard(request.payload_len)
-            self._protocol_error("too_large", connection, f"key of {request.key_len} bytes")
-            await reply(wire.Status.TOO_LARGE, payload=b"key too long")
-            return
-        if keyed:
-            try:
-                wire.check_key(key, options.max_key_bytes)
-            except wire.WireError as error:
-                await refuse("bad_key", str(error))
-
-        if op == wire.Op.PUT:
-            try:
-                parsed = wire.unpack_meta(meta)
-            except wire.WireError as error:
-                await refuse(error.kind, str(error))
-            if parsed.dtype not in _EXT_DTYPES:
-                await refuse("bad_dtype", f"unknown dtype code {parsed.dtype}")
-            length = request.payload_len
-            if length > self.object_limit:
-                await reader.discard(length)
-                self._protocol_error("too_large", connection, f"PUT of {length} bytes")
-                await reply(wire.Status.TOO_LARGE, payload=b"object too large")
-                return
-            received = await self._receive(connection, key, EXTENDED, meta, length)
-            if received is None:
-                self._protocol_error("no_space", connection, f"PUT of {length} bytes")
-                await reply(wire.Status.NO_SPACE)
-                return
-            entry, digest = received
-            if request.flags & wire.FLAG_CHECKSUM and digest != request.checksum:
-                entry.block.release()
-                self.protocol_errors["bad_checksum"] += 1
-                await reply(wire.Status.BAD_CHECKSUM)
-                return
-            store.commit(entry, digest)
-            await reply(wire.Status.OK)
-        elif op == wire.Op.GET:
-            found = store.lookup(key) or await store.load_spilled(key)
-            if found is None:
-                await reply(wire.Status.NOT_FOUND)
-                return
-            block = found.block.retain()
-            try:
-                await reply(wire.Status.OK, found.ext_meta(), found.payload, found.checksum)
-            finally:
-                block.release()
-        elif op == wire.Op.EXISTS:
-            present = key in store or await store.spill_contains(key)
-            await reply(wire.Status.OK if present else wire.Status.NOT_FOUND)
-        elif op == wire.Op.DELETE:
-            removed = await store.delete(key)
-            await reply(wire.Status.OK if removed else wire.Status.NOT_FOUND)
-        elif op == wire.Op.EXISTS_MANY:
-            data = await reader.read_all(request.payload_len)
-            try:
-                keys = wire.unpack_keys(data, options.max_key_bytes)
-            except wire.WireError as error:
-                await refuse(error.kind, str(error))
-            answer = bytearray(len(keys))
-            for index, one in enumerate(keys):
-                if one in store or await store.spill_contains(one):
-                    answer[index] = 1
-            await reply(wire.Status.OK, payload=bytes(answer))
-        elif op == wire.Op.LIST:
-            await reply(wire.Status.OK, payload=b"\n".join(store.keys()))
-        elif op == wire.Op.PING:
-            await reply(wire.Status.OK)
-        elif op == wire.Op.AUTH:
-            proof = await reader.read(request.payload_len, options.frame_timeout)
-            if options.secret is None or (
-                connection.nonce is not None
-                and wire.proof_matches(options.secret, connection.nonce, proof)
-            ):
-                connection.authenticated = True
-                await reply(wire.Status.OK)
-            else:
-                self.counters["auth_failures"] += 1
-                await reply(wire.Status.AUTH_FAILED)
 
 
 def _masked(url: str) -> str:
@@ -892,7 +558,7 @@ class _Collector:
 # -- running it -----------------------------------------------------------------------------
 
 
-def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
     if choice in ("auto", "uvloop"):
         try:
             import uvloop
@@ -914,7 +580,7 @@ def run_in_thread(options: ServerOptions) -> Iterator[LMServer]:
     from kvplug.sync import close_io_loop
 
     server = LMServer(options)
-    loop = _loop_factory(options.loop)()
+    loop = loop_factory(options.loop)()
     executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kvplug-lm-executor")
     loop.set_default_executor(executor)
     started = threading.Event()
@@ -952,7 +618,7 @@ def run_in_thread(options: ServerOptions) -> Iterator[LMServer]:
         thread.join(timeout=30)
 
 
-async def _run_until_signal(server: LMServer) -> None:
+async def run_until_signal(server: LMServer) -> None:
     await server.start()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -960,166 +626,11 @@ async def _run_until_signal(server: LMServer) -> None:
     await server.serve_forever()
 
 
-def _build_command() -> click.Command:
-    import click
-
-    def env(name: str) -> str:
-        return f"KVPLUG_LM_{name}"
-
-    def size(what: str) -> Callable[[click.Context, click.Parameter, Any], int | None]:
-        def parse(_ctx: click.Context, _param: click.Parameter, value: Any) -> int | None:
-            if value is None:
-                return None
-            try:
-                return parse_size(value, what=what)
-            except ValueError as error:
-                raise click.BadParameter(str(error)) from None
-
-        return parse
-
-    @click.command(
-        "lm-server",
-        help="Serve LMCache's lm:// protocol (and kvplug's extended mode) from memory, "
-        "bounded by --max-memory, optionally spilling to a kvplug tier.",
-    )
-    @click.option("--host", default="127.0.0.1", show_default=True, envvar=env("HOST"))
-    @click.option(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        show_default=True,
-        envvar=env("PORT"),
-        help="0 picks a free port (printed).",
-    )
-    @click.option(
-        "--max-memory",
-        default="4GiB",
-        show_default=True,
-        envvar=env("MAX_MEMORY"),
-        callback=size("--max-memory"),
-        help="Bytes of objects kept in memory; least recently used ones go first.",
-    )
-    @click.option(
-        "--spill",
-        default=None,
-        envvar=env("SPILL"),
-        help="kvplug tier URL evicted objects go to, e.g. file:///var/cache/kvplug-lm.",
-    )
-    @click.option(
-        "--max-key-bytes",
-        type=int,
-        default=1024,
-        show_default=True,
-        envvar=env("MAX_KEY_BYTES"),
-        help=f"Longest extended key, at most {HARD_KEY_LIMIT} (plain keys: 150).",
-    )
-    @click.option(
-        "--max-object-bytes",
-        default=str(wire.INT32_MAX),
-        show_default=True,
-        envvar=env("MAX_OBJECT_BYTES"),
-        callback=size("--max-object-bytes"),
-        help="Largest object (plain clients: at most 2GiB - 1 whatever this says).",
-    )
-    @click.option(
-        "--idle-timeout",
-        type=float,
-        default=300.0,
-        show_default=True,
-        envvar=env("IDLE_TIMEOUT"),
-        help="Seconds a connection may wait between requests.",
-    )
-    @click.option(
-        "--frame-timeout",
-        type=float,
-        default=10.0,
-        show_default=True,
-        envvar=env("FRAME_TIMEOUT"),
-        help="Seconds a started request header may take to arrive.",
-    )
-    @click.option(
-        "--min-rate",
-        default="1MiB",
-        show_default=True,
-        envvar=env("MIN_RATE"),
-        callback=size("--min-rate"),
-        help="Bytes per second a payload must at least move at.",
-    )
-    @click.option(
-        "--max-connections",
-        type=int,
-        default=1024,
-        show_default=True,
-        envvar=env("MAX_CONNECTIONS"),
-        help="Connections over this are accepted and closed at once.",
-    )
-    @click.option(
-        "--secret-file",
-        type=click.Path(exists=True, dir_okay=False),
-        default=None,
-        envvar=env("SECRET_FILE"),
-        help="File holding the extended mode's shared secret (or set KVPLUG_LM_SECRET).",
-    )
-    @click.option(
-        "--plain",
-        type=click.Choice(["allow", "deny"]),
-        default=None,
-        envvar=env("PLAIN"),
-        help="Plain LMCache clients (default: allow without a secret, deny with one).",
-    )
-    @click.option(
-        "--metrics-port",
-        type=int,
-        default=None,
-        envvar=env("METRICS_PORT"),
-        help="Serve Prometheus metrics on 127.0.0.1 at this port (default: off).",
-    )
-    @click.option(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        show_default=True,
-        envvar=env("SHUTDOWN_GRACE"),
-        help="Seconds requests in flight may take to finish on SIGTERM.",
-    )
-    @click.option(
-        "--loop",
-        type=click.Choice(["auto", "asyncio", "uvloop"]),
-        default="auto",
-        show_default=True,
-        envvar=env("LOOP"),
-        help="auto: uvloop when installed.",
-    )
-    @click.option("--log-level", default="INFO", envvar=env("LOG_LEVEL"), show_default=True)
-    def lm_server(secret_file: str | None, log_level: str, **values: Any) -> None:
-        logging.basicConfig(
-            level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        secret: bytes | None = None
-        if secret_file is not None:
-            secret = Path(secret_file).read_bytes().strip()
-        elif os.environ.get(env("SECRET")):
-            secret = os.environ[env("SECRET")].encode()
-        if secret is not None and not secret:
-            raise click.BadParameter("the shared secret is empty", param_hint="--secret-file")
-        try:
-            options = ServerOptions(secret=secret, **values)
-        except ValueError as error:
-            raise click.UsageError(str(error)) from None
-        server = LMServer(options)
-        with asyncio.Runner(loop_factory=_loop_factory(options.loop)) as runner:
-            try:
-                runner.run(_run_until_signal(server))
-            except (OSError, KvplugError) as error:
-                raise click.ClickException(str(error)) from None
-        sys.exit(0)
-
-    return lm_server
-
-
 def __getattr__(name: str) -> Any:
     if name == "command":
-        value = _build_command()
+        from kvplug_lm.command import build_command
+
+        value = build_command()
         globals()["command"] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -1127,11 +638,20 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     """Run ``kvplug lm-server`` with the process' arguments."""
-    _build_command()(auto_envvar_prefix="KVPLUG_LM")
+    from kvplug_lm.command import main as run_command
+
+    run_command()
 
 
 if __name__ == "__main__":
     main()
 
 
-__all__ = ["LMServer", "ServerOptions", "command", "main", "run_in_thread"]
+__all__ = [
+    "MAX_SMALL_PAYLOAD",
+    "LMServer",
+    "ServerOptions",
+    "command",
+    "main",
+    "run_in_thread",
+]
