@@ -52,9 +52,10 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvplug.eviction import (
     DEFAULT_PIN_TTL,
@@ -386,4 +387,25 @@ class EvictableIndex(Generic[K, V]):
         return size
 
 
-__all__ = ["EvictableIndex", "Reservation"]
+class PinsInIndex:
+    """``_unpin`` and ``is_pinned`` of a backend whose pins live in its
+    :class:`EvictableIndex` (``self._index``), guarded by ``self._lock``: a mixin, listed
+    before the backend base (``class MyTier(PinsInIndex, Backend)``). ``_pin`` stays the
+    backend's, since finding the key may take I/O."""
+
+    _lock: threading.Lock
+    _index: EvictableIndex[Any, Any]
+
+    async def _unpin(self, key: Any) -> bool:
+        """Release the oldest live pin of ``key``; False when none is left (never raises for an
+        absent or unpinned key)."""
+        with self._lock:
+            return self._index.unpin(key)
+
+    def is_pinned(self, key: Any) -> bool:
+        """Whether ``key`` holds a pin that has not expired."""
+        with self._lock:
+            return self._index.is_pinned(key)
+
+
+__all__ = ["EvictableIndex", "PinsInIndex", "Reservation"]

@@ -40,7 +40,7 @@ from pydantic import Field, field_validator
 
 from kvplug.backend import Backend, BackendOptions, Capabilities
 from kvplug.errors import BackendClosed, CapacityExceeded, ConfigError, InvalidBackendURL
-from kvplug.index import EvictableIndex
+from kvplug.index import EvictableIndex, PinsInIndex
 from kvplug.keys import CacheKey
 from kvplug.memory import (
     DEFAULT_ALIGNMENT,
@@ -87,7 +87,7 @@ async def _iterate(keys: list[CacheKey]) -> AsyncIterator[CacheKey]:
         yield key
 
 
-class CpuBackend(Backend):
+class CpuBackend(PinsInIndex, Backend):
     """A size-capped cache of memory objects in host memory.
 
     **Memory.** Without an ``allocator`` the tier creates its own
@@ -349,17 +349,6 @@ class CpuBackend(Backend):
         count. False if ``key`` is absent."""
         with self._lock:
             return self._index.pin(key)
-
-    async def _unpin(self, key: CacheKey) -> bool:
-        """Release the oldest live pin of ``key``; False when none is left (never raises for an
-        absent or unpinned key)."""
-        with self._lock:
-            return self._index.unpin(key)
-
-    def is_pinned(self, key: CacheKey) -> bool:
-        """Whether ``key`` holds a pin that has not expired."""
-        with self._lock:
-            return self._index.is_pinned(key)
 
     def _list_keys(self) -> AsyncIterator[CacheKey]:
         """The keys stored when this is called (a snapshot), in no particular order."""

@@ -87,7 +87,7 @@ from kvplug.errors import (
     LayoutMismatch,
 )
 from kvplug.frame import encode_header, payload_checksum, verify_payload
-from kvplug.index import EvictableIndex, Reservation
+from kvplug.index import EvictableIndex, PinsInIndex, Reservation
 from kvplug.keys import CacheKey, InvalidKey
 from kvplug.lease import Lease, Revoked
 from kvplug.memory import Allocator, FreeListAllocator, MemoryFormat, MemoryObj, nbytes_of
@@ -250,7 +250,7 @@ def _positions(indexes: Sequence[int]) -> str:
 # -- the backend ----------------------------------------------------------------------------
 
 
-class DiskBackend(Backend):
+class DiskBackend(PinsInIndex, Backend):
     """A size-capped, persistent store of memory objects in files on local disks.
 
     **Files.** One file per object, ``<dir>/<2 hex>/<xxh3-128 of the key>.kv``: a 4096-byte
@@ -1624,17 +1624,6 @@ class DiskBackend(Backend):
             return False
         with self._lock:
             return self._index.pin(key)
-
-    async def _unpin(self, key: CacheKey) -> bool:
-        """Release the oldest live pin of ``key``; False when none is left (never raises for an
-        absent or unpinned key)."""
-        with self._lock:
-            return self._index.unpin(key)
-
-    def is_pinned(self, key: CacheKey) -> bool:
-        """Whether ``key`` holds a pin that has not expired."""
-        with self._lock:
-            return self._index.is_pinned(key)
 
     def stored_files(self, key: CacheKey) -> list[Path]:
         """:class:`~kvplug.backend.StoredFiles`: the path of the file holding ``key`` (empty
