@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import statistics
 import sys
 import time
@@ -80,7 +79,7 @@ from kvplug import CacheKey, FreeListAllocator, MemoryObj
 from kvplug.frame import header_len
 from kvplug.memory import nbytes_of
 from kvplug_mooncake.backend import installed_version
-from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode, isolated_network
+from kvplug_testing.mooncake import CountingStore, MooncakeMaster, MooncakeNode, isolated_network
 
 TARGET_RATIO = 0.95
 SHAPES = {
@@ -211,26 +210,6 @@ class Chunks:
     def close(self) -> None:
         for obj in self.sources + self.dests:
             obj.release()
-
-
-class CountingStore:
-    """Mooncake's client with every call made through it counted by name (the untimed pass
-    that counts the calls each kvplug operation makes)."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.store, name)
-        if not callable(attribute):
-            return attribute
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attribute(*args, **kwargs)
-
-        return counted
 
 
 @dataclass

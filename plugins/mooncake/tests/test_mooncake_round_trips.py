@@ -7,7 +7,6 @@ overwrites the key."""
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -26,35 +25,10 @@ from kvplug_mooncake.layout import (
     read_header_region,
     write_header_region,
 )
-from kvplug_testing.mooncake import MooncakeMaster
+from kvplug_testing.mooncake import CountingStore, MooncakeMaster
 
 MiB = 1 << 20
 SHAPE = (2, 4, 256, 64)  # 256 KiB of fp16
-
-
-class CountingStore:
-    """Mooncake's client with every call made through it counted by name."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._store, name)
-        if not callable(attribute):
-            return attribute
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attribute(*args, **kwargs)
-
-        return counted
-
-    def taken(self) -> dict[str, int]:
-        """The calls counted since the last look, and a fresh count."""
-        calls = dict(self.calls)
-        self.calls.clear()
-        return calls
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ In a test module::
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import shutil
 import socket
@@ -31,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 from kvplug_testing.ports import HOST, free_port
@@ -221,8 +223,35 @@ if __name__ == "__main__":
     sys.exit(_serve(*sys.argv[1:4]))
 
 
+class CountingStore:
+    """Mooncake's client with every call made through it counted by name (put in place of a
+    backend's client to see what each kvplug operation costs in store calls)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.store, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+    def taken(self) -> dict[str, int]:
+        """The calls counted since the last look, and a fresh count."""
+        calls = dict(self.calls)
+        self.calls.clear()
+        return calls
+
+
 __all__ = [
     "ISOLATED_INTERFACES",
+    "CountingStore",
     "MooncakeMaster",
     "MooncakeNode",
     "isolated_network",
