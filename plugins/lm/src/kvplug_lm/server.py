@@ -417,10 +417,13 @@ class LMServer:
                     self.object_limit,
                     options.secret is not None,
                 )
-                await self.send(connection, wire.pack_hello_reply(hello))
+                reply = wire.pack_hello_reply(hello)
             else:
-                await self.send(connection, wire.pack_plain_reply(wire.Code.SUCCESS))
+                reply = wire.pack_plain_reply(wire.Code.SUCCESS)
+            # Each request is counted before its reply goes: a client that has the reply finds
+            # the request in the metrics.
             self.requests["plain", name, "200"] += 1
+            await self.send(connection, reply)
             return
         if not options.plain_allowed:
             self.protocol_error("plain_denied", connection, "plain clients are denied")
@@ -434,23 +437,23 @@ class LMServer:
             entry = store.lookup(key) or await store.load_spilled(key)
             described = entry.plain_meta() if entry is not None else None
             if entry is None or described is None:
-                await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
                 self.requests["plain", name, "400"] += 1
+                await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
                 return
             fmt, dtype, shape = described
             reply = wire.pack_plain_reply(
                 wire.Code.SUCCESS, length=entry.payload_len, fmt=fmt, dtype=dtype, shape=shape
             )
-            await self._send_entry(connection, reply, entry)
             self.requests["plain", name, "200"] += 1
+            await self._send_entry(connection, reply, entry)
         elif command == wire.Command.EXIST:
             found = key in store or await store.spill_contains(key)
             code = wire.Code.SUCCESS if found else wire.Code.FAIL
-            await self.send(connection, wire.pack_plain_reply(code))
             self.requests["plain", name, str(int(code))] += 1
+            await self.send(connection, wire.pack_plain_reply(code))
         else:  # LIST: LMCache leaves it unimplemented; a reply keeps its client from hanging
-            await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
             self.requests["plain", name, "400"] += 1
+            await self.send(connection, wire.pack_plain_reply(wire.Code.FAIL))
 
     async def _plain_put(self, connection: ClientConnection, request: wire.PlainRequest) -> str:
         store = self.store

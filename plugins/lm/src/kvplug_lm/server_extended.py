@@ -73,8 +73,9 @@ class ExtendedRequest:
             payload_len=len(payload),
             checksum=checksum,
         )
-        await self.server.send(self.connection, head, payload)
+        # Counted before the send: a client that has its reply must find it in the metrics.
         self.server.requests["extended", self.name, status.name] += 1
+        await self.server.send(self.connection, head, payload)
 
     async def refuse(self, kind: str, reason: str) -> NoReturn:
         """Answer BAD_REQUEST with ``reason``, count it as ``kind`` and end the connection."""
