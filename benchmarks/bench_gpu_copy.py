@@ -10,7 +10,7 @@ first 24 layers: ``[2, 24, 256, 1024]``, 24 MiB). For each shape:
 * the same gathers and scatters through the pure-torch path (``impl="torch"``) for comparison.
 
 The kernel is timed alone (``load_kernel().transfer``, what gather and scatter launch) and
-through ``kvplug.gpu.gather``/``scatter`` as an engine's hot path calls them
+through ``kvplug.runtime.gpu.gather``/``scatter`` as an engine's hot path calls them
 (``synchronize=False, validate=False``), which adds their Python overhead per call. Each
 repetition times a batch of copies with CUDA events; the median over repetitions is reported.
 Ratio = kvplug GB/s / plain copy GB/s (target >= 0.9).
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvplug.gpu import Impl, PagedKVCache, gather, scatter
-from kvplug.gpu.kernel import load_kernel
+from kvplug.runtime.gpu import Impl, PagedKVCache, gather, scatter
+from kvplug.runtime.gpu.kernel import load_kernel
 
 BLOCK_SIZE = 16
 HEADS = 8

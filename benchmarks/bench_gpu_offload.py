@@ -10,7 +10,8 @@ turn within every repetition:
   synchronize;
 * the way before the pipeline: per chunk, allocate from the store, ``gather`` (waits for the
   copy), put and wait; for loads get, ``scatter`` (waits), release;
-* :func:`kvplug.gpu.offload` / :func:`kvplug.gpu.load` at each ``--depths`` (the gather of
+* :func:`kvplug.runtime.gpu.offload` / :func:`kvplug.runtime.gpu.load` at each ``--depths`` (the
+  gather of
   chunk i + 1 overlaps the put of chunk i; the get of chunk i + 1 overlaps the scatter of i).
 
 The store is ``--backend`` (``cpu://`` by default, sized to hold every chunk) driven through a
@@ -40,9 +41,9 @@ import torch
 
 from kvplug import CacheKey
 from kvplug.errors import NotSupported
-from kvplug.gpu import PagedKVCache, gather, kernel_available, load, offload, scatter
-from kvplug.gpu.pipeline import _allocator_of  # the pipeline's own choice of memory
-from kvplug.sync import SyncClient
+from kvplug.runtime.gpu import PagedKVCache, gather, kernel_available, load, offload, scatter
+from kvplug.runtime.gpu.pipeline import _allocator_of  # the pipeline's own choice of memory
+from kvplug.runtime.sync import SyncClient
 from kvplug.url import BackendURL
 
 BLOCK_SIZE = 16

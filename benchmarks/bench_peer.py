@@ -4,7 +4,7 @@ The workload of issue 19: KV chunks ``[2, L, 256, 1024]`` fp16 with L = 32 (32 M
 L = 24 (24 MiB), about ``--gib`` GiB a pass. A *store* is allocate + copy the chunk in from the
 engine's buffer + put, awaited; a *retrieve* is a get (plus the copy out into the caller's
 tensor for the cpu tier). Everything is driven from this, the caller's, thread as an engine
-would: kvplug through :class:`kvplug.sync.SyncClient`, LMCache's backends called directly
+would: kvplug through :class:`kvplug.runtime.sync.SyncClient`, LMCache's backends called directly
 (they run their own event-loop thread, as in LMCache's engine). Each path has a per-op
 variant (one chunk a call) and a batched one (``--batch`` chunks a call, where the API batches).
 
@@ -93,7 +93,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
 from kvplug.memory import nbytes_of
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 from kvplug_testing import RedisServer
 
 MODEL = "bench-peer"

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from kvplug import CacheKey, MemoryObj
-from kvplug.config import Config
 from kvplug.memory import nbytes_of
-from kvplug.store import Store, open_store
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import Store, open_store
 from kvplug.units import GiB, parse_size
 
 SHAPE = (2, 32, 256, 1024)

@@ -1,4 +1,4 @@
-// Python binding of kvplug's copy kernel (built by kvplug.gpu.kernel.load_kernel).
+// Python binding of kvplug's copy kernel (built by kvplug.runtime.gpu.kernel.load_kernel).
 #include <torch/extension.h>
 
 #include "kvplug_copy.h"

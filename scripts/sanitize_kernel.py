@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from kvplug.gpu import PagedKVCache, gather, scatter
+from kvplug.runtime.gpu import PagedKVCache, gather, scatter
 
 LAYOUTS = ("vllm_flash", "vllm_flash_permuted", "mla", "sglang")
 # (layers, num_blocks, block_size, heads, head_size): 16-byte vectors, and odd rows (vec 1 or 2).

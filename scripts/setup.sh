@@ -87,7 +87,7 @@ for dist in "${editable[@]}"; do
 done
 stamp="$(cat "${inputs[@]}" | cksum) $(printf '%s\n' "${editable[@]}" | cksum)"
 if [ "$(cat "$VENV/.kvplug-stamp" 2>/dev/null)" = "$stamp" ] &&
-  "$VENV/bin/python" -c 'import kvplug.cli' 2>/dev/null; then
+  "$VENV/bin/python" -c 'import kvplug.runtime.cli' 2>/dev/null; then
   step "$VENV is reused: its stamp matches what it was built from"
 else
   step "installing torch (the CPU build) and the development tools into $VENV"

@@ -30,8 +30,8 @@ from kvplug import (
     UnknownOption,
 )
 from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
+from kvplug.runtime.sync import SyncClient
 from kvplug.stats import summarize
-from kvplug.sync import SyncClient
 from kvplug_testing.threads import loop_thread
 
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from kvplug import (
 )
 from kvplug.backend import Backend, Buffer
 from kvplug.errors import UnexpectedBackendError
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 
 SECRET = "hook-s3cret-pw"
 URL = f"raising://app:{SECRET}@store-1:7000"

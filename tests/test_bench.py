@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 import kvplug
 from kvplug import CacheKey, MemoryObj
-from kvplug.cli import main
 from kvplug.registry import reset_registry
+from kvplug.runtime.cli import main
 from kvplug.units import host_memory
 from kvplug_cpu.backend import CpuBackend
 from kvplug_testing import RedisServer

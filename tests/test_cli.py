@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from kvplug import cli
-from kvplug.cli import main
 from kvplug.registry import available_schemes, plugins
+from kvplug.runtime.cli import main
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:

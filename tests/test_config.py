@@ -1,4 +1,4 @@
-"""kvplug.config: both config forms, layering, env variables and every kind of bad input."""
+"""kvplug.runtime.config: both config forms, layering, env variables and every kind of bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplug.config import (
+from kvplug.env import env_owner, installed_plugin_names, plugin_env, plugin_env_prefix
+from kvplug.errors import ConfigError, InvalidBackendURL
+from kvplug.runtime.config import (
     CONFIG_KEYS,
     DEFAULT_CPU_SIZE,
     LMCACHE_TIER_KEYS,
@@ -26,9 +28,7 @@ from kvplug.config import (
     default_tiers,
     load_config,
 )
-from kvplug.config.model import _COERCERS
-from kvplug.env import env_owner, installed_plugin_names, plugin_env, plugin_env_prefix
-from kvplug.errors import ConfigError, InvalidBackendURL
+from kvplug.runtime.config.model import _COERCERS
 from kvplug.units import parse_size
 
 GiB = 1 << 30

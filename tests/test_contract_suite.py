@@ -410,7 +410,8 @@ def test_url_from_the_environment_variable(
 def _kvplug_contract(cwd: Path, *args: str) -> subprocess.Popen[str]:
     """``kvplug contract ARGS`` in a process of its own (it runs pytest itself)."""
     env = {k: v for k, v in os.environ.items() if k != URL_ENV}
-    command = [sys.executable, "-c", "from kvplug.cli import main; main()", "contract", *args]
+    main = "from kvplug.runtime.cli import main; main()"
+    command = [sys.executable, "-c", main, "contract", *args]
     return subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -1,4 +1,4 @@
-"""``kvplug.integration.EngineIO``, what every engine integration moves chunks with: never a
+"""``kvplug.runtime.engine.EngineIO``, what every engine integration moves chunks with: never a
 report while kvplug can touch the engine's buffer, a deadline that holds, the bytes of the
 submit and nothing later, and no false miss for want of kvplug's memory."""
 
@@ -18,9 +18,9 @@ from test_store import DictTier
 import kvplug
 from kvplug import BackendTimeout, CacheKey, Capabilities, FreeListAllocator, MemoryObj
 from kvplug.backend import Buffer
-from kvplug.config import Config
-from kvplug.integration import EngineIO, keeps_objects, lends_for_load, lends_for_store
-from kvplug.store import Store, open_store
+from kvplug.runtime.config import Config
+from kvplug.runtime.engine import EngineIO, keeps_objects, lends_for_load, lends_for_store
+from kvplug.runtime.store import Store, open_store
 
 MiB = 1 << 20
 

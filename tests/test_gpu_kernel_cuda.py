@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from kvplug import FreeListAllocator, KvplugError, MemoryFormat
-from kvplug.gpu import PagedKVCache, gather, scatter
-from kvplug.gpu.kernel import (
+from kvplug.runtime.gpu import PagedKVCache, gather, scatter
+from kvplug.runtime.gpu.kernel import (
     SOURCE_FILES,
     KernelBuildError,
     build_name,
     kernel_sources,
     load_kernel,
 )
-from kvplug.gpu.reference import naive_gather, naive_scatter
+from kvplug.runtime.gpu.reference import naive_gather, naive_scatter
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(

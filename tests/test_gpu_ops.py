@@ -1,4 +1,5 @@
-"""kvplug.gpu on the CPU: layouts, the torch gather/scatter against the per-token oracle, errors.
+"""kvplug.runtime.gpu on the CPU: layouts, the torch gather/scatter against the per-token oracle,
+errors.
 
 The CUDA kernel is tested against the same oracle in tests/test_gpu_kernel_cuda.py.
 """
@@ -18,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug.gpu import IMPLS, KVLayout, PagedKVCache, gather, kernel_available, ops, scatter
-from kvplug.gpu.reference import naive_gather, naive_scatter
 from kvplug.memory import FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.runtime.gpu import IMPLS, KVLayout, PagedKVCache, gather, kernel_available, ops, scatter
+from kvplug.runtime.gpu.reference import naive_gather, naive_scatter
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 VARIANTS = ["contiguous", "padded", "offset", "kv_inside_block"]
@@ -456,10 +457,10 @@ def test_the_kernel_is_not_available_without_cuda() -> None:
 def test_importing_and_using_kvplug_gpu_on_cpu_never_loads_the_kernel() -> None:
     code = (
         "import sys, torch\n"
-        "from kvplug.gpu import PagedKVCache, gather\n"
+        "from kvplug.runtime.gpu import PagedKVCache, gather\n"
         "c = PagedKVCache.mla([torch.zeros(2, 2, 4)])\n"
         "gather(c, torch.arange(3), torch.zeros(c.chunk_shape(3)))\n"
-        "assert 'kvplug.gpu.kernel' not in sys.modules\n"
+        "assert 'kvplug.runtime.gpu.kernel' not in sys.modules\n"
         "assert 'torch.utils.cpp_extension' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -507,10 +508,10 @@ def test_auto_falls_back_to_torch_once_with_one_warning_when_the_kernel_fails_to
         calls.append(1)
         raise KernelBuildError("nvcc: error: no such file ninja")
 
-    fake = types.ModuleType("kvplug.gpu.kernel")
+    fake = types.ModuleType("kvplug.runtime.gpu.kernel")
     fake.KernelBuildError = KernelBuildError  # type: ignore[attr-defined]
     fake.load_kernel = load_kernel  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvplug.gpu.kernel", fake)
+    monkeypatch.setitem(sys.modules, "kvplug.runtime.gpu.kernel", fake)
     monkeypatch.setattr(ops, "_kernel_error", None)
     with caplog.at_level(logging.WARNING, logger="kvplug.gpu"):
         assert ops._auto_kernel() is None

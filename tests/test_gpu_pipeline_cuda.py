@@ -1,4 +1,4 @@
-"""kvplug.gpu.offload and load on a CUDA cache: ordering against the streams, bytes, errors.
+"""kvplug.runtime.gpu.offload and load on a CUDA cache: ordering against the streams, bytes, errors.
 
 These run on a GPU machine (scripts/gpu-test.sh) and are skipped elsewhere; the CPU behaviour
 of the same functions is tested in tests/test_gpu_pipeline.py. Slow copies are made with
@@ -17,8 +17,8 @@ from test_gpu_pipeline import Scripted  # type: ignore[import-not-found]
 
 from kvplug import CacheKey, FreeListAllocator
 from kvplug.errors import BackendUnavailable
-from kvplug.gpu import Impl, PagedKVCache, gather, kernel_available, load, offload
-from kvplug.sync import SyncClient
+from kvplug.runtime.gpu import Impl, PagedKVCache, gather, kernel_available, load, offload
+from kvplug.runtime.sync import SyncClient
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

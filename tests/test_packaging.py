@@ -148,8 +148,8 @@ def test_the_store_counts_without_prometheus_and_names_the_extra_for_its_export(
         {"prometheus_client"},
         "import asyncio, torch\n"
         "from kvplug import CacheKey, MemoryObj, KvplugError\n"
-        "from kvplug.config import Config\n"
-        "from kvplug.store import open_store\n"
+        "from kvplug.runtime.config import Config\n"
+        "from kvplug.runtime.store import open_store\n"
         "async def main():\n"
         "    store = await open_store(Config.from_dict({'tiers': ['cpu://?max_size=64MiB']}))\n"
         "    key = CacheKey('m', 1, 0, 1)\n"
@@ -176,7 +176,7 @@ def test_the_store_counts_without_prometheus_and_names_the_extra_for_its_export(
 
 
 def test_the_kvplug_command_without_its_extra_says_how_to_install_it() -> None:
-    done = _run_without({"click"}, "from kvplug.command import main\nmain()\n")
+    done = _run_without({"click"}, "from kvplug.runtime.command import main\nmain()\n")
     assert done.returncode == 1
     assert "pip install 'kvplug[cli]'" in done.stderr
     assert "Traceback" not in done.stderr

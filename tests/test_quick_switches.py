@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplug.integration import QuickSwitches
+from kvplug.runtime.engine import QuickSwitches
 
 
 @pytest.fixture(autouse=True)

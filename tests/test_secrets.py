@@ -29,10 +29,12 @@ from pydantic import SecretStr
 import kvplug
 from kvplug import BackendSpec, CacheKey, KvplugError
 from kvplug.backend import BackendOptions
-from kvplug.cli import main
-from kvplug.config import Config, TierConfig, load_config
 from kvplug.errors import InvalidBackendURL, UnknownOption
 from kvplug.registry import create_backend, open_backend, reset_registry
+from kvplug.runtime.cli import main
+from kvplug.runtime.config import Config, TierConfig, load_config
+from kvplug.runtime.store import open_store
+from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import (
     SECRET_FILTER,
     install_log_filter,
@@ -43,8 +45,6 @@ from kvplug.secrets import (
     remember,
     remembered_only_inside,
 )
-from kvplug.store import open_store
-from kvplug.sync import SyncClient
 from kvplug.url import BackendURL
 from kvplug_cpu.backend import CpuBackend, CpuOptions
 from kvplug_testing import free_port
@@ -159,7 +159,7 @@ def test_invalid_secret_option_from_config_is_not_echoed_by_store_or_check(
 def _kvplug_contract(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != CONTRACT_URL_ENV}
     done = subprocess.run(
-        [sys.executable, "-c", "from kvplug.cli import main; main()", "contract", *args],
+        [sys.executable, "-c", "from kvplug.runtime.cli import main; main()", "contract", *args],
         env=env,
         capture_output=True,
         text=True,

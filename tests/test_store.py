@@ -22,9 +22,9 @@ from kvplug import (
     NotSupported,
 )
 from kvplug.backend import Buffer
-from kvplug.config import Config
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import Store, open_store
 from kvplug.stats import summarize
-from kvplug.store import Store, open_store
 
 
 class DictTier(BytesBackend):

@@ -17,9 +17,9 @@ import pytest
 CHILD = textwrap.dedent(
     """
     import asyncio, os, signal, sys, torch
-    from kvplug.config import Config
+    from kvplug.runtime.config import Config
     from kvplug.keys import CacheKey
-    from kvplug.store import open_store
+    from kvplug.runtime.store import open_store
 
     directory, keys, versions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kill_self = sys.argv[4] == "1"

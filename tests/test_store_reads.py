@@ -16,8 +16,8 @@ from test_store_runtime import CHUNK, MiB, chunk
 
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
 from kvplug.backend import Buffer
-from kvplug.config import Config
-from kvplug.store import Store, open_store
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import Store, open_store
 
 
 def key(n: int) -> CacheKey:

@@ -31,9 +31,9 @@ from kvplug import (
     MemoryObj,
 )
 from kvplug.backend import Buffer
-from kvplug.config import Config
-from kvplug.store import Store, open_store
-from kvplug.sync import SyncClient
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import Store, open_store
+from kvplug.runtime.sync import SyncClient
 from kvplug_cpu.backend import CpuBackend
 from kvplug_testing.threads import loop_thread
 

@@ -25,9 +25,9 @@ from kvplug import (
     MemoryObj,
 )
 from kvplug.backend import Buffer
-from kvplug.config import Config
-from kvplug.store import STARVED_AFTER, Store, open_store
-from kvplug.sync import SyncClient
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import STARVED_AFTER, Store, open_store
+from kvplug.runtime.sync import SyncClient
 
 BIG = (2, 32, 256, 1024)  # fp16: 32 MiB, the chunk
 

@@ -26,7 +26,7 @@ from kvplug import (
     UnknownScheme,
 )
 from kvplug import errors as kvplug_errors
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 from kvplug_blackhole.backend import BlackholeBackend
 from kvplug_cpu.backend import CpuBackend
 
@@ -204,7 +204,7 @@ def test_use_after_fork_is_a_clear_error(client) -> None:
 
 
 def test_a_client_over_a_tiered_store_from_config(tmp_path) -> None:
-    from kvplug.config import Config
+    from kvplug.runtime.config import Config
 
     config = Config.from_dict({"tiers": ["cpu://?max_size=16MiB", f"file://{tmp_path}/disk"]})
     with SyncClient(config) as client:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvplug import sync
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 
 LOOP_WARNINGS = (
     "Task was destroyed",
@@ -85,7 +85,7 @@ from pathlib import Path
 
 import kvplug
 from kvplug import BackendSpec, CacheKey
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 from kvplug_blackhole.backend import BlackholeBackend
 
 

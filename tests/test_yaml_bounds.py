@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvplug.config import Config, load_config
-from kvplug.config import yaml_file as bounds
 from kvplug.errors import ConfigError
+from kvplug.runtime.config import Config, load_config
+from kvplug.runtime.config import yaml_file as bounds
 from kvplug.secrets import MAX_REPR_LENGTH, mask_data, mask_repr
 
 GUARD_S = 60
@@ -64,7 +64,7 @@ def _run_guarded(args: list[str], env: dict[str, str] | None = None) -> tuple[in
 
 _TIMED_LOAD = """\
 import sys, time
-from kvplug.config import Config, load_config
+from kvplug.runtime.config import Config, load_config
 from kvplug.errors import ConfigError
 load = {{"load_config": lambda: load_config(sys.argv[1], env={{}}),
         "from_yaml path": lambda: Config.from_yaml(sys.argv[1]),
@@ -113,7 +113,7 @@ def test_billion_laughs_fails_fast_through_every_loader(tmp_path: Path, entry: s
 def test_kvplug_config_refuses_a_billion_laughs_at_once(tmp_path: Path, named_by: str) -> None:
     path = tmp_path / "laughs.yaml"
     path.write_text(laughs(9))
-    command = ["-c", "from kvplug.cli import main; main()", "config"]
+    command = ["-c", "from kvplug.runtime.cli import main; main()", "config"]
     if named_by == "--config":
         code, output = _run_guarded([*command, "--config", str(path)])
     else:

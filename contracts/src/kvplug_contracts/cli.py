@@ -110,7 +110,7 @@ def contract_command(
     if (url is None) == (config_file is None):
         raise click.UsageError("give a backend URL or --config FILE (one of them).")
     if config_file is not None:
-        from kvplug.store import store_url
+        from kvplug.runtime.store import store_url
 
         url = store_url(config_file)
     assert url is not None

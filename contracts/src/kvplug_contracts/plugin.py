@@ -48,8 +48,8 @@ import kvplug
 from kvplug import Backend, FreeListAllocator
 from kvplug.backend import RawValues, StoredFiles
 from kvplug.registry import plugins, registry
+from kvplug.runtime.store import Store
 from kvplug.secrets import mask_text, mask_url, remember_in
-from kvplug.store import Store
 from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.faultproxy import FaultProxy, upstream_of
 from kvplug_contracts.leaks import (

@@ -17,7 +17,7 @@ import torch
 
 from kvplug import Backend, CacheKey, MemoryFormat, MemoryObj
 from kvplug.memory import Allocator
-from kvplug.store import layers
+from kvplug.runtime.store import layers
 
 T = TypeVar("T")
 Run = Callable[..., Any]

@@ -13,7 +13,7 @@ import pytest
 import kvplug
 from kvplug import Backend
 from kvplug.registry import registry
-from kvplug.store import Store
+from kvplug.runtime.store import Store
 from kvplug.url import BackendURL, split_chain
 from kvplug_contracts.support import CLAUSES
 

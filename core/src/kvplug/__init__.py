@@ -35,9 +35,9 @@ _EXPORTS: dict[str, str] = {
     "BackendOptions": "kvplug.backend",
     "BytesBackend": "kvplug.backend",
     "Capabilities": "kvplug.backend",
-    "Config": "kvplug.config",
-    "TierConfig": "kvplug.config",
-    "load_config": "kvplug.config",
+    "Config": "kvplug.runtime.config",
+    "TierConfig": "kvplug.runtime.config",
+    "load_config": "kvplug.runtime.config",
     "DamagedValues": "kvplug.damage",
     "BackendClosed": "kvplug.errors",
     "BackendError": "kvplug.errors",
@@ -79,7 +79,6 @@ _EXPORTS: dict[str, str] = {
 
 if TYPE_CHECKING:
     from kvplug.backend import Backend, BackendOptions, BytesBackend, Capabilities
-    from kvplug.config import Config, TierConfig, load_config
     from kvplug.damage import DamagedValues
     from kvplug.env import plugin_env
     from kvplug.errors import (
@@ -118,6 +117,7 @@ if TYPE_CHECKING:
         register_backend,
         register_plugin,
     )
+    from kvplug.runtime.config import Config, TierConfig, load_config
     from kvplug.url import BackendURL
 
 

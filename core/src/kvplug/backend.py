@@ -2,7 +2,7 @@
 
 A backend stores :class:`~kvplug.memory.MemoryObj` s under :class:`~kvplug.keys.CacheKey` s and
 returns them bit-exact, or reports a miss. It is ``async``: engines reach it from worker threads
-through :class:`~kvplug.sync.SyncClient`, so vendors never write synchronous code.
+through :class:`~kvplug.runtime.sync.SyncClient`, so vendors never write synchronous code.
 
 :class:`Backend` is a template. Users call its public operations (``get``, ``put``,
 ``contains``, ``remove``, the batched forms, ``get_into``, ``pin``/``unpin``, ``list_keys``,
@@ -565,7 +565,7 @@ class Backend(abc.ABC):
     runs_inline: ClassVar[bool] = False
     """True for a backend whose operations never wait (no I/O, no asyncio primitives, no need
     for a running loop) and whose state is guarded by thread locks, so that any thread can run
-    an operation to its end by stepping the coroutine once. :class:`~kvplug.sync.SyncClient`
+    an operation to its end by stepping the coroutine once. :class:`~kvplug.runtime.sync.SyncClient`
     then runs operations on the caller's thread instead of handing each to its IO thread and
     back, which costs about 100 µs per call, far more than an in-memory operation. An
     operation that waits after all fails there with :class:`~kvplug.errors.KvplugError`.
@@ -726,7 +726,7 @@ class Backend(abc.ABC):
         * any other ``OSError``: :class:`~kvplug.errors.BackendError`, a failing store;
         * ``MemoryError``: ``error`` itself (the process is out of memory, not the backend
           failing), and so is the ``RuntimeError`` of a hook that needs an event loop where
-          none runs (:class:`~kvplug.sync.SyncClient` reports it for a :attr:`runs_inline`
+          none runs (:class:`~kvplug.runtime.sync.SyncClient` reports it for a :attr:`runs_inline`
           backend that waited);
         * anything else (``AttributeError``, ``KeyError``, ``RuntimeError`` ...):
           :class:`~kvplug.errors.UnexpectedBackendError`.
@@ -868,7 +868,7 @@ class Backend(abc.ABC):
             raise BackendUnavailable(
                 f"{self.url} belongs to an event loop that is no longer running, so it cannot "
                 "serve this one. Use a backend from the loop that first used it, or keep that "
-                "loop running (kvplug.sync.SyncClient does)."
+                "loop running (kvplug.runtime.sync.SyncClient does)."
             )
         ended = threading.Event()
 
@@ -1317,7 +1317,7 @@ class Backend(abc.ABC):
 
 def _needs_a_loop(error: Exception) -> bool:
     """Whether ``error`` is what a hook that waits meets when stepped on a thread where no event
-    loop runs (:class:`~kvplug.sync.SyncClient`'s inline path reports it as such)."""
+    loop runs (:class:`~kvplug.runtime.sync.SyncClient`'s inline path reports it as such)."""
     if not (isinstance(error, RuntimeError) and "no running event loop" in str(error)):
         return False
     try:

@@ -4,7 +4,7 @@ The rule:
 
 1. kvplug's own variables are the ``KVPLUG_<KEY>`` of each config key (``KVPLUG_CHUNK_SIZE``,
    ``KVPLUG_TIERS``, ``KVPLUG_GDS_PATH``, ...; see ``docs/config.md``) and the few that other
-   parts of kvplug read (:data:`kvplug.config.OTHER_ENV_VARS`: ``KVPLUG_CONFIG_FILE``,
+   parts of kvplug read (:data:`kvplug.runtime.config.OTHER_ENV_VARS`: ``KVPLUG_CONFIG_FILE``,
    ``KVPLUG_DISABLE_PLUGINS``, ``KVPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KVPLUG_HOST_BUFFER_SIZE``,
    ...). They are always kvplug's, whatever plugins are installed.
 2. Every other ``KVPLUG_<PLUGIN>_<SETTING>`` belongs to the installed plugin whose entry-point
@@ -88,7 +88,7 @@ def plugin_env(name: str, environ: Mapping[str, str] | None = None) -> dict[str,
 
 def core_env_names() -> frozenset[str]:
     """Every ``KVPLUG_*`` variable that kvplug itself reads (rule 1 of this module)."""
-    from kvplug.config import core_env_names as from_config
+    from kvplug.runtime.config import core_env_names as from_config
 
     return from_config()
 

@@ -52,8 +52,8 @@ from lmcache_support import (
 from kvplug.backend import Backend
 from kvplug.errors import BackendTimeout
 from kvplug.keys import CacheKey
-from kvplug.store import Store, store_url
-from kvplug.sync import SyncClient
+from kvplug.runtime.store import Store, store_url
+from kvplug.runtime.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key, object_key_to_cache_key
 from kvplug_testing import RedisServer
 from kvplug_testing.stall import stall_disk

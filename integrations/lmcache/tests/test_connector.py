@@ -46,7 +46,7 @@ from lmcache_support import (
 )
 
 from kvplug.errors import KvplugError
-from kvplug.integration import open_client
+from kvplug.runtime.engine import open_client
 from kvplug.stats import summarize
 from kvplug_lmcache.connector import (
     INPROCESS_PACKAGE,

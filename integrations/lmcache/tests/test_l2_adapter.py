@@ -51,8 +51,8 @@ from lmcache_support import (
 )
 
 from kvplug.errors import BackendUnavailable, ConfigError, UnknownOption, UnknownScheme
+from kvplug.runtime.sync import SyncClient
 from kvplug.stats import summarize
-from kvplug.sync import SyncClient
 from kvplug_lmcache import l2_adapter
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
 from kvplug_lmcache.l2_adapter import KvplugL2Adapter

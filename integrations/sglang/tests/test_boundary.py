@@ -24,10 +24,10 @@ from sglang.srt.mem_cache.pool_host import HostKVCache
 import kvplug
 from kvplug.backend import Backend, Capabilities
 from kvplug.errors import CapacityExceeded
-from kvplug.integration import tiers_of
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.registry import reset_registry
+from kvplug.runtime.engine import tiers_of
 from kvplug_sglang import KvplugHiCacheStorage
 from kvplug_testing import RedisServer
 from kvplug_testing.stall import Stall, stall_disk

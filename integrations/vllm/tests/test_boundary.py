@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 import kvplug_vllm.tier
 from kvplug import Backend, BackendSpec, CacheKey, KvplugError, MemoryObj, register_backend
 from kvplug.backend import Wrapper
-from kvplug.integration import tiers_of
+from kvplug.runtime.engine import tiers_of
 from kvplug_disk import DiskBackend
 from kvplug_testing import RedisServer
 from kvplug_testing.stall import stall_disk

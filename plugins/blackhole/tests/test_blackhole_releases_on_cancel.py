@@ -12,7 +12,7 @@ import torch
 
 import kvplug
 from kvplug import Backend, CacheKey, MemoryObj
-from kvplug.integration import EngineIO
+from kvplug.runtime.engine import EngineIO
 
 KEYS = [CacheKey("llama", 1, 0, n) for n in range(2)]
 Operation = Callable[[Backend, Sequence[MemoryObj]], Awaitable[object]]

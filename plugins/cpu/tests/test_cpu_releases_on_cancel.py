@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvplug
-from kvplug.integration import EngineIO
+from kvplug.runtime.engine import EngineIO
 from kvplug_testing.cancellation import OPERATIONS, check_operation, run_on
 
 

@@ -19,7 +19,7 @@ import torch
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
-from kvplug.store import Store
+from kvplug.runtime.store import Store
 from kvplug_disk.layout import BLOCK, OBJECT_NAME
 
 T = TypeVar("T")

@@ -447,12 +447,12 @@ def test_gds_puts_and_get_intos_cancelled_while_cufile_is_stalled_leave_the_call
 def test_lent_engine_buffers_stay_bit_exact_under_concurrent_stores_loads_and_cancellations(
     tmp_path: Path, allocator: FreeListAllocator
 ) -> None:
-    """An engine's stores and loads through :class:`kvplug.integration.EngineIO` lend file://
+    """An engine's stores and loads through :class:`kvplug.runtime.engine.EngineIO` lend file://
     the engine's buffers (no copy): many at once, of sizes from one block to several read
     pieces, in page-aligned and misaligned buffers, come back bit-exact. Loads cancelled at
     random moments meanwhile leave their buffers alone from their cancellation on, and every
     buffer is held by the engine alone once each call has ended."""
-    from kvplug.integration import EngineIO
+    from kvplug.runtime.engine import EngineIO
 
     sizes = [BLOCK, 100_000, 1 * MiB, 5 * MiB + 12_345, 9 * MiB]
     count = 24

@@ -46,7 +46,7 @@ from gds_standin import PosixStandIn
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug.errors import BackendError, BackendUnavailable, KvplugError
-from kvplug.store import Store
+from kvplug.runtime.store import Store
 from kvplug_disk.backend import DiskBackend, WriteRefused
 from kvplug_disk.fileops import classify_os_error, open_object_sized
 from kvplug_disk.gds import backend as gds_module

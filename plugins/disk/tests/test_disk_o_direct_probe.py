@@ -34,7 +34,7 @@ from disk_helpers import (
 
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
-from kvplug.cli import main as kvplug_cli
+from kvplug.runtime.cli import main as kvplug_cli
 from kvplug.stats import summarize
 from kvplug_disk import backend as disk_module
 from kvplug_disk import directories

@@ -692,7 +692,7 @@ def test_kvplug_check_reports_the_mode(tmp_path: Path, monkeypatch: pytest.Monke
     """``kvplug check gds://...`` round-trips objects and prints what describe() says."""
     from click.testing import CliRunner
 
-    from kvplug.cli import main
+    from kvplug.runtime.cli import main
 
     monkeypatch.setattr(GdsBackend, "_default_file_io", lambda self: PosixStandIn())
     result = CliRunner().invoke(

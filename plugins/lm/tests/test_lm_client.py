@@ -156,7 +156,7 @@ def test_unknown_and_invalid_options_are_rejected_with_the_valid_names() -> None
 def test_an_lmcache_config_with_remote_url_lm_opens_and_a_transforming_serde_is_refused(
     tmp_path: Path,
 ) -> None:
-    from kvplug.config import load_config
+    from kvplug.runtime.config import load_config
 
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: naive\n")

@@ -33,7 +33,7 @@ from kvplug import (
     PluginLoadError,
     UnknownOption,
 )
-from kvplug.store import Store
+from kvplug.runtime.store import Store
 from kvplug_redis import Mode, RedisBackend, escape_glob
 from kvplug_testing import (
     RedisCluster,

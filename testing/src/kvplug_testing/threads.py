@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvplug.sync import close_io_loop, new_io_loop
+from kvplug.runtime.sync import close_io_loop, new_io_loop
 
 JOIN_TIMEOUT = 10.0
 """Seconds :func:`loop_thread` waits for its thread to end once its loop was stopped."""

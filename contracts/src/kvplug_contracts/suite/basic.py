@@ -20,9 +20,9 @@ from kvplug import (
     MemoryObj,
 )
 from kvplug.backend import gather_all
-from kvplug.integration import keeps_objects
 from kvplug.memory import KV_DTYPES
-from kvplug.store import layers
+from kvplug.runtime.engine import keeps_objects
+from kvplug.runtime.store import layers
 from kvplug_contracts.support import (
     ContractTimeout,
     Keyspace,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvplug import Backend, BackendUnavailable, MemoryObj
-from kvplug.integration import keeps_objects
+from kvplug.runtime.engine import keeps_objects
 from kvplug_contracts.suite.lifecycle import ServerControl
 from kvplug_contracts.support import (
     Keyspace,

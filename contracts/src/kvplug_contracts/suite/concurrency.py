@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvplug import Backend, CacheKey, FreeListAllocator, MemoryObj
-from kvplug.sync import SyncClient
+from kvplug.runtime.sync import SyncClient
 from kvplug_contracts.support import (
     CANCEL_GRACE,
     Keyspace,

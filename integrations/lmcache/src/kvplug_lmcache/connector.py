@@ -28,7 +28,7 @@ LMCache lets an error through (``remote_url: plugin://kvplug``, ``basic_check``)
 
 **The engine boundary.** A put hands kvplug LMCache's memory object; LMCache drops its own
 reference when the put returns or raises. The connector lends that buffer to a backend only
-where :class:`kvplug.integration.EngineIO` says it may (the backend lets go at once when a put
+where :class:`kvplug.runtime.engine.EngineIO` says it may (the backend lets go at once when a put
 is cancelled and keeps no reference after it); every other backend gets a copy taken when the
 put starts, so what is stored is exactly what LMCache handed over. A put that passes its
 deadline is cancelled and raises. LMCache's in-process memory honours reference counts, so the
@@ -63,13 +63,13 @@ from lmcache.v1.memory_management import MemoryFormat as LMCacheFormat
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplug.errors import BackendTimeout, BackendUnavailable, KvplugError, NotSupported
-from kvplug.integration import EngineIO, check_target, open_client
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.engine import EngineIO, check_target, open_client
+from kvplug.runtime.store import store_url
+from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import install_log_filter, mask_text, mask_url
 from kvplug.stats import summarize
-from kvplug.store import store_url
-from kvplug.sync import SyncClient
 from kvplug_lmcache.keys import engine_key_to_cache_key
 
 T = TypeVar("T")
@@ -132,7 +132,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
 
     * **Keys** are LMCache's ``CacheEngineKey``\\ s under the same string form
       (:func:`kvplug_lmcache.keys.engine_key_to_cache_key`).
-    * **Puts** go through :class:`kvplug.integration.EngineIO`: LMCache's buffer is lent to
+    * **Puts** go through :class:`kvplug.runtime.engine.EngineIO`: LMCache's buffer is lent to
       a backend that lets go of it at once when a put is cancelled and keeps nothing after
       the put; every other backend (a ``cpu://`` tier, a write-behind Store, one without
       ``releases_on_cancel``; seen through wrappers) gets a copy taken when the put starts.
@@ -589,7 +589,7 @@ class KvplugConnector(RemoteConnector):  # type: ignore[misc]
 
     async def _store(self, keys: list[CacheKey], views: list[MemoryObj]) -> None:
         """Runs on kvplug's IO thread: one batched put, LMCache's buffers lent or copied (see
-        :class:`~kvplug.integration.EngineIO`), cancelled at the deadline. When this ends,
+        :class:`~kvplug.runtime.engine.EngineIO`), cancelled at the deadline. When this ends,
         kvplug holds no reference to those buffers."""
         started = time.monotonic()
         try:

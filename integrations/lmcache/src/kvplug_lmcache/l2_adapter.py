@@ -16,8 +16,8 @@ optionally ``options`` (kvplug backend or Store options), ``capacity``, ``task_t
 ``lock_ttl``, ``check_on_start`` and ``pin_locked``.
 
 How LMCache's calls map onto kvplug (one batched kvplug call per task, on the
-:class:`~kvplug.sync.SyncClient`'s IO thread, which is the adapter's own IO thread), through
-:class:`kvplug.integration.EngineIO`:
+:class:`~kvplug.runtime.sync.SyncClient`'s IO thread, which is the adapter's own IO thread), through
+:class:`kvplug.runtime.engine.EngineIO`:
 
 * **store**: one ``batched_put`` of LMCache's L1 buffers (wrapped with
   :meth:`kvplug.MemoryObj.from_tensor`, no copy). A backend that lets go of a buffer at once
@@ -86,7 +86,9 @@ from kvplug.errors import (
     LayoutMismatch,
 )
 from kvplug.eviction import PinTable
-from kvplug.integration import (
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.engine import (
     CallHealth,
     EngineIO,
     check_keys,
@@ -98,12 +100,10 @@ from kvplug.integration import (
     tiers_of,
     within_deadline,
 )
-from kvplug.keys import CacheKey
-from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.store import store_of, store_url, stored_keys
+from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.stats import summarize
-from kvplug.store import store_of, store_url, stored_keys
-from kvplug.sync import SyncClient
 from kvplug.units import parse_size
 from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
 from kvplug_lmcache.usage import default_capacity, held_by_backend

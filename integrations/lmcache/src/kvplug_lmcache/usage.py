@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvplug.backend import Backend
-from kvplug.store import tiers_of
+from kvplug.runtime.store import tiers_of
 
 
 def default_capacity(backend: Backend) -> int:

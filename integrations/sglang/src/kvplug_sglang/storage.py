@@ -35,7 +35,7 @@ or writes those pages again:
   put; every other backend (a thread-based one, a host-memory tier, a Store that writes
   behind, also behind a wrapper) stores a copy taken when the call began and reads into
   kvplug's memory, copied into the pages only while the call is live
-  (:class:`kvplug.integration.EngineIO`);
+  (:class:`kvplug.runtime.engine.EngineIO`);
 * a gathered ``layer_first`` page already is such a copy: it goes to the backend as it is
   (copied once more only into the memory of a backend that keeps put objects), and a load is
   scattered into the pages on SGLang's thread before the call returns, only from buffers the
@@ -70,7 +70,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug.integration import (
+from kvplug.keys import CacheKey, lmcache_dtype_name
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.engine import (
     CallHealth,
     EngineIO,
     check_keys,
@@ -83,12 +85,10 @@ from kvplug.integration import (
     tiers_of,
     within_deadline,
 )
-from kvplug.keys import CacheKey, lmcache_dtype_name
-from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.store import store_url, stored_keys
+from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import mask_text, mask_url
 from kvplug.stats import CounterSummary, summarize
-from kvplug.store import store_url, stored_keys
-from kvplug.sync import SyncClient
 from kvplug_sglang.keys import PageNamespace, model_field
 from kvplug_sglang.pool import PoolGeometry, pool_geometry
 

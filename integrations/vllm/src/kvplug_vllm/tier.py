@@ -25,7 +25,7 @@ the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``) and ``enable_kv_ev
 How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``,
 whatever the view's item type: a row is its bytes, as for vLLM's own tiers), one batched kvplug
 call per job, on kvplug's IO thread, through
-:class:`kvplug.integration.EngineIO`. A backend that declares ``releases_on_cancel`` (it lets go
+:class:`kvplug.runtime.engine.EngineIO`. A backend that declares ``releases_on_cancel`` (it lets go
 of a caller's memory as soon as a cancelled operation returns: ``file://``, ``redis://``) is
 lent the rows themselves, with no copy; one that keeps what it is given (``cpu://``, a Store of
 several tiers, also behind a wrapper such as ``audit::``) stores a private copy taken when the
@@ -91,7 +91,9 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug.integration import (
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.engine import (
     QUICK_SWITCH_SECONDS,
     CallHealth,
     EngineIO,
@@ -105,12 +107,10 @@ from kvplug.integration import (
     tiers_of,
     within_deadline,
 )
-from kvplug.keys import CacheKey
-from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.store import store_url
+from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import mask_text, mask_url
 from kvplug.stats import CounterSummary, summarize
-from kvplug.store import store_url
-from kvplug.sync import SyncClient
 from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
 
 if TYPE_CHECKING:

@@ -71,7 +71,7 @@ class WriteRefused(CapacityExceeded):
 
     It is a :class:`~kvplug.errors.CapacityExceeded` because a caller handles it the same
     way: this object was not stored (or not deleted), and the tier itself is not failing. A
-    :class:`~kvplug.store.Store` counts a put refused this way as a dropped put and keeps
+    :class:`~kvplug.runtime.store.Store` counts a put refused this way as a dropped put and keeps
     serving the tier, instead of skipping it for every key; the backend logs the cause once
     per directory.
     """

@@ -580,7 +580,7 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
 def run_in_thread(options: ServerOptions) -> Iterator[LMServer]:
     """Run a server on its own event loop in a daemon thread; yields it started (its
     :attr:`~LMServer.port` bound) and stops it gracefully on exit."""
-    from kvplug.sync import close_io_loop
+    from kvplug.runtime.sync import close_io_loop
 
     server = LMServer(options)
     loop = loop_factory(options.loop)()

@@ -113,7 +113,8 @@ class RedisBackend(BytesBackend):
 
     **Event loops.** The client library's connections belong to one event loop, so each loop
     that uses the backend (one at a time: another thread's ``asyncio.run``, a
-    :class:`~kvplug.sync.SyncClient` it is handed to) gets connections of its own, closed with
+    :class:`~kvplug.runtime.sync.SyncClient` it is handed to) gets connections of its own, closed
+    with
     the backend or when that loop shuts down.
 
     **Replicas.** With ``read_from_replicas`` (Sentinel, Cluster), gets and contains go to
@@ -229,7 +230,7 @@ class RedisBackend(BytesBackend):
         """The clients of the running event loop, made at its first operation. Why: the
         client library's connections and the tracker's tasks belong to one loop, and a backend
         may be used from another (one at a time: another thread's ``asyncio.run``, a
-        :class:`~kvplug.sync.SyncClient` it was handed to)."""
+        :class:`~kvplug.runtime.sync.SyncClient` it was handed to)."""
         loop = asyncio.get_running_loop()
         clients = self._clients
         if clients.loop is loop:

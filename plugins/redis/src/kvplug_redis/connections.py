@@ -165,7 +165,7 @@ class LoopClients:
 
     The library's connections (their streams), the tracker's watching tasks and asyncio's
     semaphores belong to the loop that first uses them; a backend used from another loop
-    (another thread's ``asyncio.run``, a :class:`~kvplug.sync.SyncClient`) gets a set of its
+    (another thread's ``asyncio.run``, a :class:`~kvplug.runtime.sync.SyncClient`) gets a set of its
     own (``RedisBackend._clients_here``). They are closed on their own loop, by the backend's
     ``close`` or, if that loop ends first, when it shuts down (:meth:`keep`).
     """

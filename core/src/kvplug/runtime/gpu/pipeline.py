@@ -19,8 +19,8 @@ Without CUDA (a cache in host memory) the same calls work through the pure-torch
 scatter, which copy at once: the results and the bounds are identical, and only a
 ``SyncClient``'s puts and gets still overlap the copies.
 
-The store is a :class:`~kvplug.sync.SyncClient` (from an engine's worker thread; puts and gets
-run as the client runs them, on its IO thread several at once) or an opened
+The store is a :class:`~kvplug.runtime.sync.SyncClient` (from an engine's worker thread; puts
+and gets run as the client runs them, on its IO thread several at once) or an opened
 :class:`~kvplug.backend.Backend`, which is then driven on the calling thread through a private
 event loop (one operation at a time, still overlapping the GPU's copies); the calling thread
 must not be running an event loop.
@@ -29,8 +29,8 @@ Example::
 
     >>> import torch
     >>> from kvplug import CacheKey
-    >>> from kvplug.gpu import PagedKVCache, load, offload
-    >>> from kvplug.sync import SyncClient
+    >>> from kvplug.runtime.gpu import PagedKVCache, load, offload
+    >>> from kvplug.runtime.sync import SyncClient
     >>> layers = [torch.randn(2, 8, 16, 4, 64).half() for _ in range(2)]
     >>> cache = PagedKVCache.vllm_flash(layers)
     >>> slots = torch.arange(16, 64)  # 48 tokens in blocks 1 to 3: 3 chunks of 16 tokens
@@ -64,13 +64,13 @@ import torch
 
 from kvplug.backend import Backend
 from kvplug.errors import CapacityExceeded, ConfigError
-from kvplug.gpu.layouts import PagedKVCache
-from kvplug.gpu.ops import Impl, _slice_slots, gather, scatter
 from kvplug.keys import DEFAULT_CHUNK_SIZE, CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime.gpu.layouts import PagedKVCache
+from kvplug.runtime.gpu.ops import Impl, _slice_slots, gather, scatter
 
 if TYPE_CHECKING:
-    from kvplug.sync import SyncClient
+    from kvplug.runtime.sync import SyncClient
 
 DEFAULT_DEPTH = 2
 """Chunks in flight by default: one being copied on the GPU while one is stored or read."""
@@ -98,8 +98,8 @@ def offload(
     """Store the tokens of ``slot_mapping`` from ``cache`` as chunks under ``keys``.
 
     Chunk ``i`` holds tokens ``i * chunk_tokens`` up to ``(i + 1) * chunk_tokens`` of the
-    mapping (the last one may be shorter), gathered as by :func:`kvplug.gpu.gather` into a
-    ``cache.chunk_shape(n)`` object in the cache's dtype and ``cache.memory_format``, and put
+    mapping (the last one may be shorter), gathered as by :func:`kvplug.runtime.gpu.gather` into
+    a ``cache.chunk_shape(n)`` object in the cache's dtype and ``cache.memory_format``, and put
     under ``keys[i]``. There must be exactly one key per chunk.
 
     Contract:
@@ -124,10 +124,11 @@ def offload(
         slot_mapping: 1-D int64 or int32 slots of the tokens, on the CPU or the cache's device;
             negative slots are not read (their rows of the chunk are undefined).
         keys: one key per chunk, in token order.
-        store: a :class:`~kvplug.sync.SyncClient`, or an opened backend (see the module docs).
+        store: a :class:`~kvplug.runtime.sync.SyncClient`, or an opened backend (see the module
+            docs).
         chunk_tokens: tokens per chunk (256 by default, kvplug's and LMCache's chunk size).
         depth: chunks in flight, at least 1 (1: no overlap).
-        impl: ``"auto"``, ``"torch"`` or ``"cuda"``, as for :func:`kvplug.gpu.gather`.
+        impl: ``"auto"``, ``"torch"`` or ``"cuda"``, as for :func:`kvplug.runtime.gpu.gather`.
         validate: check once that no slot is past the cache's end (for a mapping on the GPU one
             device sync); with ``False`` the caller guarantees it.
         stream: the CUDA stream to copy on; ignored for a cache in host memory.
@@ -136,8 +137,8 @@ def offload(
 
         >>> import torch
         >>> from kvplug import CacheKey
-        >>> from kvplug.gpu import PagedKVCache, offload
-        >>> from kvplug.sync import SyncClient
+        >>> from kvplug.runtime.gpu import PagedKVCache, offload
+        >>> from kvplug.runtime.sync import SyncClient
         >>> cache = PagedKVCache.mla([torch.ones(4, 16, 32) for _ in range(3)])
         >>> keys = [CacheKey("demo", 1, 0, 1), CacheKey("demo", 1, 0, 2)]
         >>> with SyncClient("cpu://?max_size=1MiB") as client:
@@ -200,7 +201,7 @@ def load(
 
     The reverse of :func:`offload`, with the same arguments and chunking: chunk ``i`` goes to
     tokens ``i * chunk_tokens`` up to ``(i + 1) * chunk_tokens`` of the mapping, as by
-    :func:`kvplug.gpu.scatter` (negative slots are skipped).
+    :func:`kvplug.runtime.gpu.scatter` (negative slots are skipped).
 
     Contract:
 
@@ -222,8 +223,8 @@ def load(
 
         >>> import torch
         >>> from kvplug import CacheKey, MemoryObj
-        >>> from kvplug.gpu import PagedKVCache, load
-        >>> from kvplug.sync import SyncClient
+        >>> from kvplug.runtime.gpu import PagedKVCache, load
+        >>> from kvplug.runtime.sync import SyncClient
         >>> k = [torch.zeros(64, 2, 8, dtype=torch.bfloat16)]
         >>> v = [torch.zeros(64, 2, 8, dtype=torch.bfloat16)]
         >>> cache = PagedKVCache.sglang(k, v)
@@ -270,7 +271,7 @@ def load(
             _abandon(window)
             _drain(gets)
             error.add_note(
-                f"kvplug.gpu.load stopped: {loaded} of {len(plan.ranges)} chunks had been "
+                f"kvplug.runtime.gpu.load stopped: {loaded} of {len(plan.ranges)} chunks had been "
                 "queued into the cache; nothing of this call is still in flight."
             )
             raise
@@ -381,9 +382,9 @@ class _CallerThreadDriver(_Driver):
             raise ConfigError(
                 "kvplug.gpu offload/load got a Backend on a thread that runs an event loop, "
                 "and it drives the backend on the calling thread. Call it from a worker thread "
-                "(await asyncio.to_thread(offload, ...)) or pass a kvplug.sync.SyncClient."
+                "(await asyncio.to_thread(offload, ...)) or pass a kvplug.runtime.sync.SyncClient."
             )
-        from kvplug.sync import new_io_loop
+        from kvplug.runtime.sync import new_io_loop
 
         self.backend = backend
         self.loop, self.executor = new_io_loop()
@@ -403,14 +404,14 @@ class _CallerThreadDriver(_Driver):
         return self._run(self.backend.get(key))
 
     def close(self) -> None:
-        from kvplug.sync import close_io_loop
+        from kvplug.runtime.sync import close_io_loop
 
         close_io_loop(self.loop, self.executor)
 
 
 @contextmanager
 def _driver(store: SyncClient | Backend) -> Iterator[_Driver]:
-    from kvplug.sync import SyncClient
+    from kvplug.runtime.sync import SyncClient
 
     driver: _Driver
     if isinstance(store, SyncClient):
@@ -419,9 +420,9 @@ def _driver(store: SyncClient | Backend) -> Iterator[_Driver]:
         driver = _CallerThreadDriver(store)
     else:
         raise ConfigError(
-            f"store must be a kvplug.sync.SyncClient or an opened kvplug Backend, got "
+            f"store must be a kvplug.runtime.sync.SyncClient or an opened kvplug Backend, got "
             f"{type(store).__name__}. Open one with SyncClient('cpu://') or "
-            "kvplug.integration.open_client(...)."
+            "kvplug.runtime.engine.open_client(...)."
         )
     try:
         yield driver
@@ -431,7 +432,7 @@ def _driver(store: SyncClient | Backend) -> Iterator[_Driver]:
 
 def _allocator_of(backend: Backend) -> Allocate:
     """Where chunks come from: memory the store keeps without a copy, evicting to make room."""
-    from kvplug.store import Store
+    from kvplug.runtime.store import Store
 
     allocate = getattr(backend, "allocate", None)
     # A Store's allocate belongs to its event loop; its budget evicts through the same policy.

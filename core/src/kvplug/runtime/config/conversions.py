@@ -1,4 +1,4 @@
-"""How each config key's value becomes a field of :class:`~kvplug.config.Config`.
+"""How each config key's value becomes a field of :class:`~kvplug.runtime.config.Config`.
 
 A layer (a YAML file, the environment, keyword arguments) gives each key as a :class:`Sourced`
 value: what a person wrote, and where. The annotated field types below convert it, leniently
@@ -21,10 +21,10 @@ from typing import Annotated, Any
 from pydantic import GetCoreSchemaHandler, ValidationInfo
 from pydantic_core import CoreSchema, core_schema
 
-from kvplug.config.messages import bad_value, show, suggest
-from kvplug.config.tier import TierConfig, check_url
 from kvplug.errors import ConfigError
 from kvplug.eviction import POLICIES
+from kvplug.runtime.config.messages import bad_value, show, suggest
+from kvplug.runtime.config.tier import TierConfig, check_url
 from kvplug.secrets import remember_in
 from kvplug.units import GiB, InvalidSize, parse_size
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from kvplug.config.tier import TierConfig
 from kvplug.errors import ConfigError
+from kvplug.runtime.config.tier import TierConfig
 from kvplug.secrets import mask_url
 from kvplug.url import BackendURL, split_chain
 
 if TYPE_CHECKING:
-    from kvplug.config.model import Config
+    from kvplug.runtime.config.model import Config
 
 #: LMCache keys that are not about storage: accepted, ignored, and named in one warning.
 IGNORED_LMCACHE_KEYS: frozenset[str] = frozenset(

@@ -8,9 +8,10 @@ moved) are skipped: the chunk row (gather) or the cache (scatter) is left as it 
 Two implementations give identical bytes:
 
 * ``"cuda"``: kvplug's copy kernel (``csrc/``, built on first use by
-  :func:`kvplug.gpu.kernel.load_kernel`), one launch for all layers and planes on the current
+  :func:`kvplug.runtime.gpu.kernel.load_kernel`), one launch for all layers and planes on the
+  current
   CUDA stream, reading and writing a pinned host chunk directly (or a chunk on the cache's GPU).
-* ``"torch"``: :func:`kvplug.gpu.reference.torch_gather` / ``torch_scatter``, a few indexing
+* ``"torch"``: :func:`kvplug.runtime.gpu.reference.torch_gather` / ``torch_scatter``, a few indexing
   calls per (plane, layer). It runs on any device; a chunk on another device than the cache is
   staged through one copy.
 
@@ -22,7 +23,7 @@ used from then on.
 Example::
 
     >>> import torch
-    >>> from kvplug.gpu import PagedKVCache, gather, scatter
+    >>> from kvplug.runtime.gpu import PagedKVCache, gather, scatter
     >>> layers = [torch.randn(2, 8, 16, 4, 64).half() for _ in range(2)]
     >>> cache = PagedKVCache.vllm_flash(layers)
     >>> slots = torch.tensor([17, 18, 19, 40])
@@ -46,9 +47,9 @@ from typing import Literal
 import torch
 
 from kvplug.errors import ConfigError
-from kvplug.gpu.layouts import PagedKVCache
-from kvplug.gpu.reference import torch_gather, torch_scatter
 from kvplug.memory import MemoryObj
+from kvplug.runtime.gpu.layouts import PagedKVCache
+from kvplug.runtime.gpu.reference import torch_gather, torch_scatter
 
 Impl = Literal["auto", "torch", "cuda"]
 IMPLS: tuple[Impl, ...] = ("auto", "torch", "cuda")
@@ -67,14 +68,14 @@ def kernel_available() -> bool:
     Example::
 
         >>> import torch
-        >>> from kvplug.gpu import kernel_available
+        >>> from kvplug.runtime.gpu import kernel_available
         >>> kernel_available() or not torch.cuda.is_available()
         True
     """
     if not torch.cuda.is_available() or _kernel_error is not None:
         return False
     try:
-        from kvplug.gpu.kernel import load_kernel
+        from kvplug.runtime.gpu.kernel import load_kernel
 
         load_kernel()
     except Exception:
@@ -107,7 +108,7 @@ def gather(
             kernel a host chunk must be pinned (allocate it from a
             :class:`~kvplug.memory.FreeListAllocator`, whose host buffer is pinned under CUDA).
         impl: ``"auto"``, ``"torch"`` or ``"cuda"`` (see the module docs). ``"cuda"`` raises
-            :class:`~kvplug.gpu.kernel.KernelBuildError` when the kernel does not build.
+            :class:`~kvplug.runtime.gpu.kernel.KernelBuildError` when the kernel does not build.
         synchronize: with a host chunk and a CUDA cache, wait for the copy before returning.
             With ``False`` the caller synchronizes the current stream before reading ``out``.
         validate: check that no slot is ``>= cache.num_slots`` (one ``max()`` reduction, a
@@ -117,7 +118,7 @@ def gather(
     Example::
 
         >>> import torch
-        >>> from kvplug.gpu import PagedKVCache, gather
+        >>> from kvplug.runtime.gpu import PagedKVCache, gather
         >>> from kvplug.memory import FreeListAllocator, MemoryFormat
         >>> layers = [torch.arange(4 * 16 * 8.0).view(4, 16, 8) for _ in range(3)]
         >>> cache = PagedKVCache.mla(layers)
@@ -153,7 +154,7 @@ def scatter(
     Example::
 
         >>> import torch
-        >>> from kvplug.gpu import PagedKVCache, scatter
+        >>> from kvplug.runtime.gpu import PagedKVCache, scatter
         >>> k = [torch.zeros(6, 2, 4, dtype=torch.float16)]
         >>> v = [torch.zeros(6, 2, 4, dtype=torch.float16)]
         >>> cache = PagedKVCache.sglang(k, v)
@@ -297,7 +298,7 @@ def _pick_kernel(impl: Impl, cache: PagedKVCache, chunk: torch.Tensor) -> Module
         problem = _kernel_chunk_problem(cache, chunk)
         if problem is not None:
             raise ConfigError(f"impl='cuda' cannot use this chunk: {problem}.")
-        from kvplug.gpu.kernel import load_kernel
+        from kvplug.runtime.gpu.kernel import load_kernel
 
         return load_kernel()
     if not on_cuda or _kernel_chunk_problem(cache, chunk) is not None:
@@ -309,7 +310,7 @@ def _auto_kernel() -> ModuleType | None:
     global _kernel_error
     if _kernel_error is not None:
         return None
-    from kvplug.gpu.kernel import KernelBuildError, load_kernel
+    from kvplug.runtime.gpu.kernel import KernelBuildError, load_kernel
 
     try:
         return load_kernel()

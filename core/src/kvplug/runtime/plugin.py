@@ -12,7 +12,7 @@ def kvplug_backends() -> list[BackendSpec]:
         BackendSpec(
             name="store",
             schemes=("store",),
-            factory="kvplug.store:Store",
+            factory="kvplug.runtime.store:Store",
             description="the tiered Store over a config file (store:///path/config.yaml)",
         )
     ]

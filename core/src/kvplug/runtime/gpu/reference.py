@@ -1,7 +1,8 @@
 """Pure-torch gather and scatter, and the per-token loops that test them.
 
 :func:`torch_gather` and :func:`torch_scatter` are the ``impl="torch"`` path of
-:func:`kvplug.gpu.gather` and :func:`kvplug.gpu.scatter`: a handful of ``index_select`` /
+:func:`kvplug.runtime.gpu.gather` and :func:`kvplug.runtime.gpu.scatter`: a handful of
+``index_select`` /
 ``index_copy_`` calls per (plane, layer) over :meth:`PagedKVCache.slot_rows` views, in bytes so
 every KV dtype (fp8 included) moves bit-exact. They run wherever the cache lives (CPU or CUDA);
 a chunk on another device is staged through one copy. They take arguments the public functions
@@ -14,8 +15,8 @@ they are the oracle the fast paths (torch and the CUDA kernel) are tested agains
 Example::
 
     >>> import torch
-    >>> from kvplug.gpu import PagedKVCache
-    >>> from kvplug.gpu.reference import naive_gather, torch_gather
+    >>> from kvplug.runtime.gpu import PagedKVCache
+    >>> from kvplug.runtime.gpu.reference import naive_gather, torch_gather
     >>> layer = torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).view(2, 2, 4, 1, 3)
     >>> cache = PagedKVCache.vllm_flash([layer])
     >>> slots = torch.tensor([5, -1, 0])
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kvplug.gpu.layouts import KVLayout, PagedKVCache
+from kvplug.runtime.gpu.layouts import KVLayout, PagedKVCache
 
 
 def _as_bytes(chunk: torch.Tensor) -> torch.Tensor:

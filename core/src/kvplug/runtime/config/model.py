@@ -20,7 +20,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvplug.config.conversions import (
+from kvplug.errors import ConfigError
+from kvplug.runtime.config.conversions import (
     CachePolicy,
     ChunkSize,
     ConfigValue,
@@ -37,10 +38,9 @@ from kvplug.config.conversions import (
     Sourced,
     Tiers,
 )
-from kvplug.config.lmcache import lmcache_tiers
-from kvplug.config.messages import show, warn
-from kvplug.config.tier import TierConfig
-from kvplug.errors import ConfigError
+from kvplug.runtime.config.lmcache import lmcache_tiers
+from kvplug.runtime.config.messages import show, warn
+from kvplug.runtime.config.tier import TierConfig
 from kvplug.units import GiB
 
 DEFAULT_CHUNK_SIZE = 256
@@ -54,7 +54,7 @@ class LMCacheTierKey:
 
 _LMCACHE_TIER = LMCacheTierKey()
 
-#: The layers :func:`~kvplug.config.load_config` is building a Config from, highest first;
+#: The layers :func:`~kvplug.runtime.config.load_config` is building a Config from, highest first;
 #: None when a Config is built from keyword arguments alone.
 active_layers: ContextVar[tuple[PydanticBaseSettingsSource, ...] | None] = ContextVar(
     "kvplug_config_layers", default=None
@@ -83,7 +83,7 @@ class Config(BaseSettings):
 
     Example, an LMCache config file and its kvplug equivalent::
 
-        >>> from kvplug.config import Config
+        >>> from kvplug.runtime.config import Config
         >>> lmcache = Config.from_yaml('''
         ... chunk_size: 256
         ... local_cpu: true
@@ -192,7 +192,10 @@ class Config(BaseSettings):
 
         ``source`` says where the mapping came from, for error messages.
         """
-        from kvplug.config.sources import MappingSource, build_config  # sources builds on this
+        from kvplug.runtime.config.sources import (  # sources builds on this
+            MappingSource,
+            build_config,
+        )
 
         return build_config([MappingSource(data, source)])
 
@@ -203,7 +206,10 @@ class Config(BaseSettings):
         A :class:`~pathlib.Path`, or a one-line string that ends in ``.yaml``/``.yml``/``.json``
         or names an existing file, is read as a file; any other string is YAML text.
         """
-        from kvplug.config.sources import build_config, yaml_source  # sources builds on this
+        from kvplug.runtime.config.sources import (  # sources builds on this
+            build_config,
+            yaml_source,
+        )
 
         return build_config([yaml_source(source)])
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from kvplug.config.conversions import expand
 from kvplug.errors import ConfigError
+from kvplug.runtime.config.conversions import expand
 
 MAX_NESTING = 32
 """How deep config values may nest; far beyond any real configuration."""

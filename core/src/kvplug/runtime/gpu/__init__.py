@@ -19,7 +19,7 @@ Importing this package needs neither CUDA nor a compiler.
 Example::
 
     >>> import torch
-    >>> from kvplug.gpu import PagedKVCache, gather, scatter
+    >>> from kvplug.runtime.gpu import PagedKVCache, gather, scatter
     >>> from kvplug.memory import FreeListAllocator
     >>> layers = [torch.randn(2, 16, 16, 8, 128, dtype=torch.bfloat16) for _ in range(4)]
     >>> cache = PagedKVCache.vllm_flash(layers)
@@ -35,9 +35,9 @@ Example::
 
 from __future__ import annotations
 
-from kvplug.gpu.layouts import KVLayout, PagedKVCache
-from kvplug.gpu.ops import IMPLS, Impl, gather, kernel_available, scatter
-from kvplug.gpu.pipeline import DEFAULT_DEPTH, load, offload
+from kvplug.runtime.gpu.layouts import KVLayout, PagedKVCache
+from kvplug.runtime.gpu.ops import IMPLS, Impl, gather, kernel_available, scatter
+from kvplug.runtime.gpu.pipeline import DEFAULT_DEPTH, load, offload
 
 __all__ = [
     "DEFAULT_DEPTH",

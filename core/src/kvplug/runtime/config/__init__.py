@@ -17,17 +17,19 @@ Two forms describe the tiers, and a configuration uses exactly one of them:
 
 The operator's reference is ``docs/config.md``. This package never imports a plugin: tier
 options are checked by their backend when the tier is opened; URLs are checked here, at load
-time. Its modules: :mod:`~kvplug.config.model` (:class:`Config`), :mod:`~kvplug.config.tier`
-(:class:`TierConfig`), :mod:`~kvplug.config.conversions` (how each key's value is read),
-:mod:`~kvplug.config.sources` (the layers and :func:`load_config`),
-:mod:`~kvplug.config.yaml_file`, :mod:`~kvplug.config.lmcache` (LMCache's keys) and
-:mod:`~kvplug.config.messages`.
+time. Its modules: :mod:`~kvplug.runtime.config.model` (:class:`Config`),
+:mod:`~kvplug.runtime.config.tier`
+(:class:`TierConfig`), :mod:`~kvplug.runtime.config.conversions` (how each key's value is read),
+:mod:`~kvplug.runtime.config.sources` (the layers and :func:`load_config`),
+:mod:`~kvplug.runtime.config.yaml_file`, :mod:`~kvplug.runtime.config.lmcache` (LMCache's keys) and
+:mod:`~kvplug.runtime.config.messages`.
 """
 
-from kvplug.config.conversions import CACHE_POLICIES
-from kvplug.config.lmcache import IGNORED_LMCACHE_KEYS
-from kvplug.config.messages import ConfigWarning
-from kvplug.config.model import (
+from kvplug.env import ENV_PREFIX
+from kvplug.runtime.config.conversions import CACHE_POLICIES
+from kvplug.runtime.config.lmcache import IGNORED_LMCACHE_KEYS
+from kvplug.runtime.config.messages import ConfigWarning
+from kvplug.runtime.config.model import (
     CONFIG_KEYS,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_CPU_SIZE,
@@ -35,14 +37,13 @@ from kvplug.config.model import (
     Config,
     default_tiers,
 )
-from kvplug.config.sources import (
+from kvplug.runtime.config.sources import (
     CONFIG_FILE_ENV,
     OTHER_ENV_VARS,
     core_env_names,
     load_config,
 )
-from kvplug.config.tier import TierConfig
-from kvplug.env import ENV_PREFIX
+from kvplug.runtime.config.tier import TierConfig
 
 __all__ = [
     "CACHE_POLICIES",

@@ -19,7 +19,11 @@ from rich.markup import escape
 from rich.table import Table
 
 import kvplug
-from kvplug.bench import (
+from kvplug.errors import KvplugError, NotSupported
+from kvplug.keys import CacheKey
+from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
+from kvplug.registry import create_backend, plugins
+from kvplug.runtime.bench import (
     DEFAULT_COUNT,
     DEFAULT_SHAPE,
     FLUSH_TIMEOUT,
@@ -30,14 +34,10 @@ from kvplug.bench import (
     main_reason,
     run_bench,
 )
-from kvplug.config import Config, load_config
-from kvplug.errors import KvplugError, NotSupported
-from kvplug.keys import CacheKey
-from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
-from kvplug.registry import create_backend, plugins
+from kvplug.runtime.config import Config, load_config
+from kvplug.runtime.store import open_store
 from kvplug.secrets import mask_data, mask_text, mask_url
 from kvplug.stats import OperationStats
-from kvplug.store import open_store
 from kvplug.units import format_size
 
 T = TypeVar("T")

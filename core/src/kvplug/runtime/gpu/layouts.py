@@ -3,7 +3,8 @@
 An inference engine keeps its KV cache in *slots*: slot ``s`` holds one token's keys (and
 values) for one layer. :class:`PagedKVCache` wraps the engine's per-layer tensors, checks once
 that every slot's row is one contiguous run of bytes at a uniform stride, and exposes what the
-copy routines in :mod:`kvplug.gpu.ops` need: the geometry, the chunk shape, and the byte address
+copy routines in :mod:`kvplug.runtime.gpu.ops` need: the geometry, the chunk shape, and the byte
+address
 of slot 0 of every (plane, layer).
 
 A *plane* is K or V (``kv_planes == 2``), or the single latent plane of MLA
@@ -12,7 +13,7 @@ A *plane* is K or V (``kv_planes == 2``), or the single latent plane of MLA
 Example::
 
     >>> import torch
-    >>> from kvplug.gpu import PagedKVCache
+    >>> from kvplug.runtime.gpu import PagedKVCache
     >>> layers = [torch.zeros(2, 4, 16, 8, 64, dtype=torch.float16) for _ in range(3)]
     >>> cache = PagedKVCache.vllm_flash(layers)
     >>> cache.num_layers, cache.num_slots, cache.row_elements, cache.kv_planes
@@ -81,7 +82,7 @@ class PagedKVCache:
     Example::
 
         >>> import torch
-        >>> from kvplug.gpu import PagedKVCache
+        >>> from kvplug.runtime.gpu import PagedKVCache
         >>> k = [torch.zeros(100, 4, 3, dtype=torch.bfloat16) for _ in range(2)]
         >>> v = [torch.zeros(100, 4, 3, dtype=torch.bfloat16) for _ in range(2)]
         >>> cache = PagedKVCache.sglang(k, v)

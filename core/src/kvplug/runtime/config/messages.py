@@ -20,7 +20,7 @@ class ConfigWarning(UserWarning):
 
 # Frames of these packages sit between the caller of load_config() and a warning raised while
 # the configuration is validated; the warning points at the caller.
-_LOADER_MODULES = ("kvplug.config", "pydantic", "pydantic_core", "pydantic_settings")
+_LOADER_MODULES = ("kvplug.runtime.config", "pydantic", "pydantic_core", "pydantic_settings")
 
 
 def warn(message: str) -> None:

@@ -1,5 +1,5 @@
-"""The ``kvplug`` console script: the command line of :mod:`kvplug.cli` when the ``cli`` extra
-(click and rich) is installed, and otherwise one line saying how to install it.
+"""The ``kvplug`` console script: the command line of :mod:`kvplug.runtime.cli` when the ``cli``
+extra (click and rich) is installed, and otherwise one line saying how to install it.
 
 The vendor surface (``pip install kvplug``) does not install click or rich; the command comes
 with ``pip install 'kvplug[cli]'``.
@@ -22,6 +22,6 @@ def main() -> None:
                 f"kvplug: the command line needs {module}, which is not installed. It comes "
                 "with kvplug's 'cli' extra: pip install 'kvplug[cli]'"
             )
-    from kvplug.cli import main as cli
+    from kvplug.runtime.cli import main as cli
 
     cli()

@@ -3,8 +3,9 @@
 keyword arguments.
 
 Each source reads its input when it is made, so that a bad file is reported before a bad
-variable, and gives every config key it sets as a :class:`~kvplug.config.conversions.Sourced`
-value; :class:`~kvplug.config.model.Config` converts them, naming the key and the source in
+variable, and gives every config key it sets as a
+:class:`~kvplug.runtime.config.conversions.Sourced`
+value; :class:`~kvplug.runtime.config.model.Config` converts them, naming the key and the source in
 any error. pydantic-settings lays the sources over each other: a higher layer's key replaces a
 lower one's, except ``extra_config``, whose items are merged (each source gives it as a dict).
 """
@@ -20,16 +21,18 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_settings import PydanticBaseSettingsSource
 
-from kvplug.config.conversions import Sourced, expand
-from kvplug.config.lmcache import IGNORED_LMCACHE_KEYS, is_ignored_lmcache_key
-from kvplug.config.messages import (
+from kvplug.env import ENV_PREFIX, env_owner, installed_plugin_names, plugin_env_prefix
+from kvplug.errors import ConfigError
+from kvplug.runtime.config.conversions import Sourced, expand
+from kvplug.runtime.config.lmcache import IGNORED_LMCACHE_KEYS, is_ignored_lmcache_key
+from kvplug.runtime.config.messages import (
     ignored_keys_warning,
     unknown_env_message,
     unknown_keys_message,
     warn,
 )
-from kvplug.config.model import CONFIG_KEYS, Config, active_layers, config_key
-from kvplug.config.yaml_file import (
+from kvplug.runtime.config.model import CONFIG_KEYS, Config, active_layers, config_key
+from kvplug.runtime.config.yaml_file import (
     MAX_NESTING,
     looks_like_path,
     nesting_depth,
@@ -37,8 +40,6 @@ from kvplug.config.yaml_file import (
     read_yaml_file,
     too_deep,
 )
-from kvplug.env import ENV_PREFIX, env_owner, installed_plugin_names, plugin_env_prefix
-from kvplug.errors import ConfigError
 
 CONFIG_FILE_ENV = "KVPLUG_CONFIG_FILE"
 
@@ -79,8 +80,8 @@ def core_env_names() -> frozenset[str]:
 
 class LayerSource(PydanticBaseSettingsSource):
     """One layer of a configuration: the config keys it sets, each a
-    :class:`~kvplug.config.conversions.Sourced` value, and the LMCache settings it names that
-    kvplug ignores (:attr:`ignored`)."""
+    :class:`~kvplug.runtime.config.conversions.Sourced` value, and the LMCache settings it names
+    that kvplug ignores (:attr:`ignored`)."""
 
     def __init__(self) -> None:
         super().__init__(Config)
@@ -143,7 +144,7 @@ class YamlFileSource(MappingSource):
 
 def yaml_source(text_or_path: str | os.PathLike[str]) -> MappingSource:
     """A layer from YAML text, or from a file when ``text_or_path`` is a path or looks like
-    one (see :meth:`Config.from_yaml <kvplug.config.Config.from_yaml>`)."""
+    one (see :meth:`Config.from_yaml <kvplug.runtime.config.Config.from_yaml>`)."""
     if isinstance(text_or_path, str) and not looks_like_path(text_or_path):
         return MappingSource(parse_yaml(text_or_path, "the YAML text"), "in the YAML text")
     return YamlFileSource(text_or_path)

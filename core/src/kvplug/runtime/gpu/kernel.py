@@ -16,11 +16,12 @@ The module's one function is::
     transfer(chunk, plane_pointers, slot_mapping, slot_stride_bytes, vec_bytes, to_chunk)
 
 which moves every plane and layer of one chunk in one launch on the current CUDA stream (see
-``csrc/kvplug_copy.h``); :func:`kvplug.gpu.gather` and :func:`kvplug.gpu.scatter` call it.
+``csrc/kvplug_copy.h``); :func:`kvplug.runtime.gpu.gather` and :func:`kvplug.runtime.gpu.scatter`
+call it.
 
 Example::
 
-    >>> from kvplug.gpu.kernel import kernel_sources
+    >>> from kvplug.runtime.gpu.kernel import kernel_sources
     >>> sorted(path.name for path in kernel_sources().iterdir() if path.suffix in {".cu", ".h"})
     ['kvplug_copy.cu', 'kvplug_copy.h']
 """
@@ -60,7 +61,7 @@ def kernel_sources() -> Path:
 
     Raises :class:`KernelBuildError` when neither exists (an installation without them).
     """
-    package = Path(__file__).resolve().parent.parent  # .../kvplug
+    package = Path(__file__).resolve().parents[2]  # .../kvplug (this file: kvplug/runtime/gpu/)
     candidates = [package / "csrc"]
     if len(package.parents) > 2:
         candidates.append(package.parents[2] / "csrc")  # <repo>/core/src/kvplug -> <repo>/csrc

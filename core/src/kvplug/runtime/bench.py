@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvplug.config import Config
 from kvplug.errors import KvplugError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj, nbytes_of
-from kvplug.store import ADVICE, Store, open_store
+from kvplug.runtime.config import Config
+from kvplug.runtime.store import ADVICE, Store, open_store
 from kvplug.units import format_size
 
 DEFAULT_SHAPE = (2, 32, 256, 1024)
@@ -55,7 +55,8 @@ Progress = Callable[[str, int, int], None]
 
 def drop_advice(reason: str, *, object_bytes: int, write_behind_limit: int) -> str:
     """What to change when a tier was dropped puts for ``reason`` (one of
-    :data:`kvplug.store.DROP_REASONS`), for objects of ``object_bytes``: the Store's advice for
+    :data:`kvplug.runtime.store.DROP_REASONS`), for objects of ``object_bytes``: the Store's advice
+    for
     the reason, with the sizes that matter.
 
     Example::
