@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from kvplug import cli
 from kvplug.registry import available_schemes, plugins
+from kvplug.runtime import cli
 from kvplug.runtime.cli import main
 
 

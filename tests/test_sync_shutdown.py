@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplug import sync
+from kvplug.runtime import sync
 from kvplug.runtime.sync import SyncClient
 
 LOOP_WARNINGS = (
