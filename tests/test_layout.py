@@ -8,6 +8,7 @@ import ast
 import contextlib
 import re
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,3 +299,132 @@ def test_the_layout_table_links_only_inside_the_repository() -> None:
             assert not re.match(r"[a-z]+://", target), f"{folder}: {target} leaves the repository"
             path = (ROOT / target.split("#")[0]).resolve()
             assert path.is_relative_to(ROOT) and path.exists(), f"{folder}: {target} is not here"
+
+
+# -- core: the vendor SDK apart from the runtime, and no module doing several jobs -----------
+
+
+KVPLUG = ROOT / "core" / "src" / "kvplug"
+
+MAX_MODULE_LINES = 800
+"""The ceiling of a source module: past it, a module is doing more than one job."""
+
+MOVED = {
+    "kvplug.store": "kvplug.runtime.store",
+    "kvplug.sync": "kvplug.runtime.sync",
+    "kvplug.integration": "kvplug.runtime.engine",
+    "kvplug.config": "kvplug.runtime.config",
+    "kvplug.gpu": "kvplug.runtime.gpu",
+    "kvplug.metrics": "kvplug.runtime.metrics",
+}
+"""Each import path kept for code written before the runtime had its package, and its home."""
+
+SDK_CROSSINGS = {
+    "kvplug.env": {
+        "kvplug.runtime.config": "a plugin's KVPLUG_<PLUGIN>_* variables are those the core "
+        "config does not own (imported on first call)",
+    },
+}
+"""The SDK's only imports of the runtime, each with its reason."""
+
+PLUGIN_PROGRAMS = ("kvplug_lm.server", "kvplug_lm.command")
+"""Plugin modules that are programs of their own (the lm:// server), free to use the runtime."""
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    homes = ("kvplug.runtime", *MOVED)
+    return {
+        name
+        for _, module, names in _imports(path)
+        for name in (module, *(f"{module}.{n}" for n in names))
+        if any(name == home or name.startswith(f"{home}.") for home in homes)
+    }
+
+
+def _source_modules() -> list[Path]:
+    return [
+        path
+        for dist in DISTRIBUTIONS
+        for package in dist.packages
+        for path in _python_files(next(dist.folder.glob(f"**/src/{package}")))
+    ]
+
+
+def test_no_source_module_is_past_the_size_ceiling() -> None:
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in _source_modules()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, (
+        f"source modules over {MAX_MODULE_LINES} lines: {too_long}. Split each by "
+        "responsibility, into modules named for their one job."
+    )
+
+
+def test_the_vendor_sdk_imports_nothing_of_the_runtime() -> None:
+    shims = {KVPLUG / f"{old.removeprefix('kvplug.')}.py" for old in MOVED}
+    crossings = {}
+    for path in sorted(set(KVPLUG.glob("*.py")) - shims - {KVPLUG / "__init__.py"}):
+        allowed = SDK_CROSSINGS.get(f"kvplug.{path.stem}", {})
+        found = {
+            name
+            for name in _runtime_imports(path)
+            if not any(name == home or name.startswith(f"{home}.") for home in allowed)
+        }
+        if found:
+            crossings[path.name] = found
+    assert not crossings, (
+        f"SDK modules import the runtime: {crossings}. A vendor reads kvplug's SDK without the "
+        "Store, the engine helpers or the CLI: move the shared piece into the SDK or, where the "
+        "crossing is needed, list it with its reason in SDK_CROSSINGS."
+    )
+
+
+def test_the_front_door_names_only_the_runtimes_config() -> None:
+    config = "kvplug.runtime.config"
+    assert _runtime_imports(KVPLUG / "__init__.py") <= {
+        config,
+        *(f"{config}.{name}" for name in ("Config", "TierConfig", "load_config")),
+    }
+
+
+def test_backend_plugins_are_written_against_the_sdk_only() -> None:
+    crossings = {}
+    for dist in DISTRIBUTIONS:
+        if dist.folder.parent.name != "plugins":
+            continue
+        for path in _python_files(dist.folder / "src"):
+            dotted = ".".join(path.relative_to(dist.folder / "src").with_suffix("").parts)
+            if not dotted.startswith(PLUGIN_PROGRAMS) and (found := _runtime_imports(path)):
+                crossings[dotted] = found
+    assert not crossings, (
+        f"backend plugins import kvplug's runtime: {crossings}. A backend needs only the SDK "
+        "(kvplug.backend, memory, keys, frame, serde, errors, options, url)."
+    )
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_import_path_from_before_the_move_names_the_same_objects(old: str) -> None:
+    import importlib
+
+    shim, home = importlib.import_module(old), importlib.import_module(MOVED[old])
+    assert shim.__all__ == home.__all__
+    for name in home.__all__:
+        assert getattr(shim, name) is getattr(home, name), f"{old}.{name}"
+
+
+def test_the_imports_users_wrote_keep_working_and_the_runtime_imports_light() -> None:
+    script = (
+        "import sys\n"
+        "import kvplug, kvplug.runtime\n"
+        "assert 'torch' not in sys.modules, 'import kvplug.runtime loaded torch'\n"
+        "from kvplug.store import Store, StoreOptions, open_store\n"
+        "from kvplug.sync import SyncClient\n"
+        "from kvplug.config import Config, load_config\n"
+        "from kvplug.integration import EngineIO, CallHealth\n"
+        "from kvplug.gpu import PagedKVCache, gather, scatter, offload, load\n"
+        "from kvplug.metrics import StoreMetrics\n"
+        "assert kvplug.Config is Config and kvplug.load_config is load_config\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
