@@ -8,9 +8,9 @@
 #   .venv-<engine>-<release>: the engine pinned, torch held at the CPU build by
 #   scripts/constraints.txt, every distribution of this repository installed editable.
 # A venv whose stamp matches (.kvplug-stamp: the release and a checksum of what it was built
-# from) is reused, and one whose list of distributions or VERSION changed (.kvplug-dists) only
-# gets them installed again, so a re-run takes seconds. From nothing the five venvs take about
-# 11 GB and 10 minutes on a 2-core machine beside the main test session and a CPU hog. Every
+# from) is reused, and one whose list of distributions, their pyproject.toml (entry points,
+# requirements) or VERSION changed (.kvplug-dists) only gets them installed again, so a re-run
+# takes seconds. From nothing the five venvs take about 11 GB and 10 minutes on a 2-core machine beside the main test session and a CPU hog. Every
 # step prints which venv, what it does and the time elapsed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ fi
 
 PYTHON=${PYTHON:-python3.11}
 # Every distribution of this repository, as scripts/setup.sh installs them into .venv (the
-# list's checksum is each venv's .kvplug-dists).
+# checksum of the list and of their pyproject.toml is each venv's .kvplug-dists).
 editable=(-e "core[cli,metrics]")
 for dist in contracts plugins/*/ testing examples/*/; do
   [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist")
@@ -64,18 +64,21 @@ build_engine_venv() {
   [ ! -f "$requirements" ] || inputs+=("$requirements")
   local stamp dists venv_started=$SECONDS
   stamp="$engine==$version $(cat "${inputs[@]}" | cksum)"
-  dists="$(printf '%s\n' "${editable[@]}" VERSION="$(cat VERSION)" | cksum)"
+  dists="$({
+    printf '%s\n' "${editable[@]}" VERSION="$(cat VERSION)"
+    for dist in "${editable[@]}"; do [ "$dist" = -e ] || cat "${dist%%\[*}/pyproject.toml"; done
+  } | cksum)"
   # --no-compile: byte-compiling every module of the engine, torch and their dependencies is over
   # half of pip's time; Python compiles what the tests import, once, on first use.
   ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
     --no-compile -c scripts/constraints.txt)
   VENV_STEP="$label $engine_venv:"
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
-    # The engine is in place; when the list of this repository's distributions or VERSION
-    # changed, they are installed again beside it.
+    # The engine is in place; when the list of this repository's distributions, one of their
+    # pyproject.toml or VERSION changed, they are installed again beside it.
     if [ "$(cat "$engine_venv/.kvplug-dists" 2>/dev/null)" != "$dists" ]; then
-      step "$VENV_STEP installing this repository's distributions again (their list or VERSION" \
-        "changed)"
+      step "$VENV_STEP installing this repository's distributions again (their list, a" \
+        "pyproject.toml or VERSION changed)"
       "$engine_venv/bin/python" -m pip uninstall --quiet --yes kvplug-gds 2>/dev/null || true
       install_editable "$engine"
       echo "$dists" >"$engine_venv/.kvplug-dists"
