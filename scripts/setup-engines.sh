@@ -10,8 +10,9 @@
 # A venv whose stamp matches (.kvplug-stamp: the release and a checksum of what it was built
 # from) is reused, and one whose list of distributions, their pyproject.toml (entry points,
 # requirements) or VERSION changed (.kvplug-dists) only gets them installed again, so a re-run
-# takes seconds. From nothing the five venvs take about 11 GB and 10 minutes on a 2-core machine beside the main test session and a CPU hog. Every
-# step prints which venv, what it does and the time elapsed.
+# takes seconds. From nothing the five venvs take about 11 GB and 10 minutes on a 2-core machine
+# beside the main test session and a CPU hog. Every step prints which venv, what it does and the
+# time elapsed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
