@@ -319,7 +319,7 @@ def test_a_failing_put_raises_after_releasing_every_chunk(driven_by: str, failin
     try:
         with pytest.raises(BackendUnavailable, match="fails on purpose") as raised:
             offload(cache, scattered_slots(6 * CHUNK), keys_for(6), store, chunk_tokens=CHUNK)
-        assert "kvplug.runtime.gpu.offload stopped" in "".join(raised.value.__notes__)
+        assert "kvplug.gpu.offload stopped" in "".join(raised.value.__notes__)
         assert pool.stats().used == 0, "a chunk of the failed offload is still allocated"
         assert pool.memcheck()
         assert backend.active == 0, "a put was still running when offload raised"
@@ -346,7 +346,7 @@ def test_a_failing_get_raises_after_releasing_every_read_object(driven_by: str, 
         backend.delay = 0.002
         with pytest.raises(BackendUnavailable, match="fails on purpose") as raised:
             load(cache, slots, keys_for(6), store, chunk_tokens=CHUNK, depth=depth)
-        assert "kvplug.runtime.gpu.load stopped" in "".join(raised.value.__notes__)
+        assert "kvplug.gpu.load stopped" in "".join(raised.value.__notes__)
         assert pool.stats().used == 0, "an object read by the failed load is still allocated"
         assert backend.active == 0, "a get was still running when load raised"
     finally:

@@ -271,7 +271,7 @@ def load(
             _abandon(window)
             _drain(gets)
             error.add_note(
-                f"kvplug.runtime.gpu.load stopped: {loaded} of {len(plan.ranges)} chunks had been "
+                f"kvplug.gpu.load stopped: {loaded} of {len(plan.ranges)} chunks had been "
                 "queued into the cache; nothing of this call is still in flight."
             )
             raise
