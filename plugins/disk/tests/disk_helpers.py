@@ -1,5 +1,5 @@
-"""What the disk and GDS tier tests share: keys, seeded objects, a leak-checked allocator, the
-object files on disk and small real filesystems.
+"""What the disk and GDS tier tests share: keys, seeded objects, a leak-checked allocator, a
+tier of either scheme, the object files on disk and small real filesystems.
 
 On ``sys.path`` through ``pythonpath`` in the pytest configuration (pyproject.toml)."""
 
@@ -16,14 +16,19 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from gds_standin import PosixStandIn
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.runtime.store import Store
+from kvplug_disk.backend import DiskBackend
+from kvplug_disk.fileio import FileIO
 from kvplug_disk.layout import BLOCK, OBJECT_NAME
 
 T = TypeVar("T")
 MiB = 1 << 20
+SCHEMES = ["file", "gds"]
+"""The schemes of the tests that run for both (``pytest.mark.parametrize("scheme", SCHEMES)``)."""
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -44,6 +49,23 @@ def seeded(allocator: FreeListAllocator, nbytes: int, seed: int) -> MemoryObj:
     assert obj is not None
     obj.raw.copy_(seeded_bytes(nbytes, seed))
     return obj
+
+
+async def open_tier(
+    scheme: str,
+    root: Path | str,
+    allocator: FreeListAllocator,
+    *,
+    io: FileIO | None = None,
+    **options: Any,
+) -> DiskBackend:
+    """``scheme``:// on ``root`` (a directory, or what follows ``scheme://`` in the URL), opened;
+    gds:// with ``io`` (default: a fresh :class:`PosixStandIn`) in place of cuFile."""
+    if scheme == "gds":
+        options["file_io"] = io if io is not None else PosixStandIn()
+    backend = await kvplug.open_backend(f"{scheme}://{root}", allocator=allocator, **options)
+    assert isinstance(backend, DiskBackend)
+    return backend
 
 
 def object_files(root: Path) -> list[Path]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvplug_disk.fileio import FileIO, PosixFileIO
+from kvplug_disk.fileio import CuFileError, FileIO, PosixFileIO
 
 
 class PosixStandIn(PosixFileIO):
@@ -27,6 +27,8 @@ class PosixStandIn(PosixFileIO):
     name = "posix-stand-in"
     moves_host_views: ClassVar[bool] = False
     refuses_nofollow: ClassVar[bool] = True
+    library: ClassVar[str] = "cuFile"
+    library_errors: ClassVar[tuple[type[OSError], ...]] = (CuFileError,)
     write_object = FileIO.write_object
     read_object = FileIO.read_object
 

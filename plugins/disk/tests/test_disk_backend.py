@@ -1,6 +1,7 @@
-"""The local-disk tier, file:// (plugins/disk), opened through kvplug.open_backend: file
-layout, persistence, crash consistency, corruption, full disks, O_DIRECT and its fallback,
-sharding, hostile keys, directory checks and the index rebuild."""
+"""The local-disk tier, file:// (plugins/disk), opened through kvplug.open_backend: the FileIO
+seam, staging, crash consistency, corruption, full disks, O_DIRECT and its fallback, directory
+checks and the index rebuild. What file:// shares with gds:// (the layout, persistence,
+sharing a directory, sharding, hostile keys) is checked for both in test_disk_schemes.py."""
 
 from __future__ import annotations
 
@@ -47,20 +48,15 @@ from kvplug import (
     MemoryObj,
     UnknownOption,
 )
-from kvplug.keys import InvalidKey
-from kvplug_disk import backend as disk_module
 from kvplug_disk import directories
+from kvplug_disk import payloads as payloads_module
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.fileio import PosixFileIO
 from kvplug_disk.layout import (
     BLOCK,
-    OBJECT_NAME,
     TEMP_NAME,
-    decode_block,
-    digest,
     file_length,
     new_writer_id,
-    object_name,
 )
 
 KiB = 1024
@@ -82,35 +78,6 @@ async def open_disk(url: str, allocator: FreeListAllocator, **options: Any) -> D
 
 
 # -- layout and round trips --------------------------------------------------------------------
-
-
-def test_an_object_is_one_block_aligned_file_named_by_the_key_digest(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    async def scenario() -> None:
-        disk = await open_disk(f"file://{tmp_path}/kv", allocator)
-        await put_seeded(disk, allocator, key(1), 10_000, seed=1)
-        got = await read_back(disk, key(1))
-        assert got is not None and torch.equal(got, seeded_bytes(10_000, 1))
-        await disk.close()
-
-    run(scenario())
-    subdir, name = object_name(key(1).to_string())
-    path = tmp_path / "kv" / subdir / name
-    assert object_files(tmp_path) == [path]
-    assert name == digest(key(1).to_string()) + ".kv"
-    data = path.read_bytes()
-    assert len(data) == file_length(10_000) == BLOCK + 3 * BLOCK
-    header = decode_block(data[:BLOCK])
-    assert header.key_text == key(1).to_string()
-    assert header.frame.payload_len == 10_000
-    assert data[BLOCK : BLOCK + 10_000] == seeded_bytes(10_000, 1).numpy().tobytes()
-    assert data[BLOCK + 10_000 :] == bytes(3 * BLOCK - 10_000)  # zero padding, nothing stale
-    assert stat_mode(tmp_path / "kv") == 0o700 and stat_mode(path.parent) == 0o700
-
-
-def stat_mode(path: Path) -> int:
-    return path.stat().st_mode & 0o7777
 
 
 def test_file_urls_move_payloads_through_the_file_io_they_are_given(
@@ -145,7 +112,7 @@ def test_a_file_io_without_host_views_gets_a_copy_when_the_bounce_pool_is_full(
 ) -> None:
     """A FileIO that moves one buffer per payload never gets host views: an object outside
     aligned memory and larger than the bounce pool is copied into memory of its own."""
-    monkeypatch.setattr(disk_module, "BOUNCE_POOL_SIZE", 1 * MiB)
+    monkeypatch.setattr(payloads_module, "BOUNCE_POOL_SIZE", 1 * MiB)
     unaligned = FreeListAllocator(8 * MiB, alignment=64, pin=False)
     big = seeded_bytes(3 * MiB + 5, seed=7)
 
@@ -157,31 +124,6 @@ def test_a_file_io_without_host_views_gets_a_copy_when_the_bounce_pool_is_full(
         got = await disk.get(key(1))
         assert got is not None and torch.equal(got.tensor, big)
         got.release()
-        await disk.close()
-
-    run(scenario())
-    assert unaligned.stats().used == 0
-
-
-def test_objects_outside_aligned_memory_round_trip_through_the_bounce_pool_or_buffered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """from_tensor objects (no allocator), a 64-byte-aligned allocator for get, and an object
-    larger than the bounce pool (which then goes buffered), all bit-exact."""
-    monkeypatch.setattr(disk_module, "BOUNCE_POOL_SIZE", 1 * MiB)
-    unaligned = FreeListAllocator(8 * MiB, alignment=64, pin=False)
-
-    async def scenario() -> None:
-        disk = await kvplug.open_backend(f"file://{tmp_path}/kv", allocator=unaligned)
-        small = torch.arange(3000, dtype=torch.float32)
-        big = seeded_bytes(3 * MiB + 5, seed=7)
-        await disk.put(key(1), MemoryObj.from_tensor(small))
-        await disk.put(key(2), MemoryObj.from_tensor(big, MemoryFormat.BINARY_BUFFER))
-        for k, expected in ((key(1), small), (key(2), big)):
-            got = await disk.get(k)
-            assert got is not None and got.allocator is unaligned
-            assert got.dtype == expected.dtype and torch.equal(got.tensor, expected)
-            got.release()
         await disk.close()
 
     run(scenario())
@@ -217,48 +159,6 @@ def test_fsync_option_round_trips(tmp_path: Path, allocator: FreeListAllocator) 
 
 
 # -- persistence and the index rebuild ---------------------------------------------------------
-
-
-def test_reopen_finds_every_object_with_its_metadata(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    url = f"file://{tmp_path}/kv"
-    tensor = torch.randn(2, 3, 16, 8).to(torch.bfloat16)
-
-    async def scenario() -> None:
-        first = await open_disk(url, allocator)
-        obj = allocator.allocate(tensor.shape, tensor.dtype, MemoryFormat.KV_2LTD)
-        assert obj is not None
-        obj.tensor.copy_(tensor)
-        await first.put(key(1), obj)
-        obj.release()
-        for i in range(2, 6):
-            await put_seeded(first, allocator, key(i), 4096 * i, seed=i)
-        await first.close()
-
-        second = await open_disk(url, allocator)
-        assert second.rebuild_stats["objects"] == 5
-        assert sorted(k.chunk_hash for k in [k async for k in second.list_keys()]) == [
-            1,
-            2,
-            3,
-            4,
-            5,
-        ]
-        got = await second.get(key(1))
-        assert got is not None
-        assert (got.shape, got.dtype, got.fmt) == (tuple(tensor.shape), torch.bfloat16, 1)
-        assert torch.equal(got.tensor, tensor)
-        got.release()
-        for i in range(2, 6):
-            back = await read_back(second, key(i))
-            assert back is not None and torch.equal(back, seeded_bytes(4096 * i, i))
-        assert second.bytes_held == sum(file_length(4096 * i) for i in range(2, 6)) + file_length(
-            tensor.numel() * 2
-        )
-        await second.close()
-
-    run(scenario())
 
 
 def test_rebuild_skips_foreign_and_damaged_files_and_logs_one_summary_line(
@@ -343,41 +243,6 @@ def test_reopening_with_a_smaller_max_size_evicts_the_oldest(
 
     run(scenario())
     assert len(object_files(tmp_path)) == 3
-
-
-def test_processes_sharing_a_directory_see_each_others_writes_and_removals(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    """An engine's tensor-parallel ranks are processes with a backend each on one directory:
-    what one writes after the other opened is found, by get_into too, and what one removes or
-    evicts is gone for the other."""
-
-    async def scenario() -> None:
-        url = f"file://{tmp_path}/kv"
-        first = await open_disk(url, allocator)
-        second = await open_disk(url, allocator)
-        assert type(first).capabilities.shared_across_processes
-        await put_seeded(first, allocator, key(1), 6000, seed=1)
-        assert await second.batched_contains([key(1), key(2)]) == 1
-        dest = MemoryObj.from_tensor(torch.zeros(6000, dtype=torch.uint8))
-        assert await second.get_into(key(1), dest)
-        assert torch.equal(dest.raw, seeded_bytes(6000, 1))
-        assert second.discovered == 1 and second.stats()["discovered"] == 1
-        await put_seeded(second, allocator, key(1), 9000, seed=2)  # replaced by the other
-        back = await read_back(first, key(1))
-        assert back is not None and torch.equal(back, seeded_bytes(9000, 2))
-        await put_seeded(second, allocator, key(3), 100, seed=3)
-        assert await first.pin(key(3))
-        assert await first.remove(key(3))
-        assert not await second.contains(key(3))  # removed by the other instance
-        assert not await second.get_into(
-            key(3), MemoryObj.from_tensor(torch.zeros(100, dtype=torch.uint8))
-        )
-        assert not await second.remove(key(3))
-        await first.close()
-        await second.close()
-
-    run(scenario())
 
 
 # -- crash consistency -------------------------------------------------------------------------
@@ -512,11 +377,11 @@ def test_get_into_reads_into_the_callers_memory_and_a_damaged_file_is_a_counted_
         assert torch.equal(dest.raw, seeded_bytes(3 * BLOCK, 1))
         assert dest.ref_count == 1
         if aligned:  # whole blocks of aligned memory need no bounce buffer either way
-            assert disk._bounce is None
+            assert disk.scheme.bounce.pool is None
             dest.raw.copy_(seeded_bytes(3 * BLOCK, 5))
             await disk.put(key(4), dest)
             assert dest.ref_count == 1
-            assert disk._bounce is None
+            assert disk.scheme.bounce.pool is None
             back = await read_back(disk, key(4))
             assert back is not None and torch.equal(back, seeded_bytes(3 * BLOCK, 5))
             assert torch.equal(dest.raw, seeded_bytes(3 * BLOCK, 5))
@@ -668,74 +533,7 @@ def test_a_filesystem_refusing_o_direct_falls_back_with_one_warning(
         shutil.rmtree(shm)
 
 
-# -- directories, sharding and keys ------------------------------------------------------------
-
-
-def test_objects_are_sharded_over_several_directories_and_found_again(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    first, second, third = tmp_path / "nvme0", tmp_path / "nvme1", tmp_path / "nvme2"
-
-    async def scenario() -> None:
-        disk = await open_disk(f"file://{first},{second}", allocator, paths=[str(third)])
-        assert [d.path for d in disk.directories] == [str(first), str(second), str(third)]
-        for i in range(48):
-            await put_seeded(disk, allocator, key(i), 4096, seed=i)
-        await disk.close()
-        again = await open_disk(f"file://{first}?paths={second},{third}", allocator)
-        assert again.rebuild_stats["objects"] == 48
-        for i in range(48):
-            back = await read_back(again, key(i))
-            assert back is not None and torch.equal(back, seeded_bytes(4096, i))
-        await again.close()
-
-    run(scenario())
-    counts = [len(object_files(d)) for d in (first, second, third)]
-    assert sum(counts) == 48 and all(count > 5 for count in counts)
-
-
-HOSTILE = (
-    "..",
-    "../../etc",
-    "../../../../../../../../etc/passwd",
-    "/abs/path",
-    "/",
-    "a/../../b",
-    "x\\..\\y",
-    "dir/./sub/",
-    "~/x",
-    "$(touch pwned)",
-    "模型/ünïcödé-🚀",
-    "d/" * 300,
-    "n" * 3000,
-)
-
-
-def test_hostile_keys_never_create_files_outside_the_directories(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    root = tmp_path / "a" / "b" / "kv"
-
-    async def scenario() -> None:
-        disk = await open_disk(f"file://{root}", allocator)
-        for n, model in enumerate(HOSTILE):
-            await put_seeded(disk, allocator, key(n, model), 4096, seed=n)
-            tagged = CacheKey("m", 1, 0, n, tags=(("..", "../" * 20),))
-            await put_seeded(disk, allocator, tagged, 4096, seed=100 + n)
-        for n, model in enumerate(HOSTILE):
-            back = await read_back(disk, key(n, model))
-            assert back is not None and torch.equal(back, seeded_bytes(4096, n))
-        with pytest.raises(InvalidKey, match="at most"):
-            await put_seeded(disk, allocator, key(1, "m" * 5000), 4096, seed=0)
-        await disk.close()
-
-    run(scenario())
-    everything = [p for p in tmp_path.rglob("*")]
-    for path in everything:
-        assert path == root or root in path.parents or path in root.parents, path
-        if path.is_file():
-            assert OBJECT_NAME.fullmatch(path.name) and path.parent.parent == root
-    assert len(object_files(root)) == 2 * len(HOSTILE)
+# -- directories -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])

@@ -40,7 +40,7 @@ from gds_standin import PosixStandIn
 
 import kvplug
 from kvplug import BackendTimeout, FreeListAllocator, MemoryObj
-from kvplug_disk import backend as disk_module
+from kvplug_disk import piecewise, reads
 from kvplug_disk.backend import READ_PIECE, DiskBackend
 from kvplug_disk.fileio import posix as posix_module
 from kvplug_disk.layout import BLOCK, TEMP_NAME
@@ -159,7 +159,7 @@ def test_a_get_into_whose_worker_is_stalled_before_reading_ends_at_once_and_neve
     """The file I/O thread is stuck opening the file (a stalled disk) when the get_into is
     cancelled: the cancellation does not wait for it, the destination is the caller's again
     at once (ref_count 1), and once the thread goes on it writes nothing into it."""
-    gate = Gate(disk_module.open_object_sized)
+    gate = Gate(reads.open_object_sized)
 
     async def scenario() -> None:
         disk = await open_disk(tmp_path, allocator, timeout=timeout_for(how))
@@ -167,7 +167,7 @@ def test_a_get_into_whose_worker_is_stalled_before_reading_ends_at_once_and_neve
         assert dest is not None
         try:
             await put_seeded(disk, allocator, key(1), 1 * MiB, seed=1)
-            monkeypatch.setattr(disk_module, "open_object_sized", gate)
+            monkeypatch.setattr(reads, "open_object_sized", gate)
             took = await interrupt(disk.get_into(key(1), dest), gate.entered.is_set, how)
             taken_back(took, dest, gate.release)
             assert await disk.contains(key(1))  # runs once the stalled read has ended
@@ -191,7 +191,7 @@ def test_a_get_into_stalled_between_the_pieces_of_its_read_stops_writing_at_its_
     go, writes nothing into the destination, nor does anything else."""
     nbytes = 6 * READ_PIECE
     gate = Gate(
-        disk_module.read_all, lambda fd, views, offset, *rest: offset == BLOCK + 3 * READ_PIECE
+        piecewise.read_all, lambda fd, views, offset, *rest: offset == BLOCK + 3 * READ_PIECE
     )
 
     async def scenario() -> None:
@@ -201,7 +201,7 @@ def test_a_get_into_stalled_between_the_pieces_of_its_read_stops_writing_at_its_
         assert dest is not None
         try:
             await put_seeded(disk, allocator, key(1), nbytes, seed=1)
-            monkeypatch.setattr(disk_module, "read_all", gate)
+            monkeypatch.setattr(piecewise, "read_all", gate)
             took = await interrupt(
                 disk.get_into(key(1), dest),
                 lambda: gate.entered.is_set() and gate.finished >= 5,
@@ -210,7 +210,7 @@ def test_a_get_into_stalled_between_the_pieces_of_its_read_stops_writing_at_its_
             taken_back(took, dest, gate.release)
             assert await disk.contains(key(1))  # runs once the stalled read has ended
             assert only_rewritten(dest), "written after its cancellation"
-            monkeypatch.setattr(disk_module, "read_all", gate.real)
+            monkeypatch.setattr(piecewise, "read_all", gate.real)
             assert await disk.get_into(key(1), dest)
             assert torch.equal(dest.raw, seeded_bytes(nbytes, 1))
         finally:

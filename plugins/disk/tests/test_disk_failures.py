@@ -33,15 +33,16 @@ from typing import Any
 import pytest
 import torch
 from disk_helpers import (
+    SCHEMES,
     key,
     leak_checked_allocator,
     object_files,
+    open_tier,
     put_seeded,
     read_back,
     run,
     seeded_bytes,
 )
-from gds_standin import PosixStandIn
 
 import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
@@ -60,7 +61,6 @@ from kvplug_disk.layout import (
 
 KiB = 1024
 MiB = 1024 * KiB
-SCHEMES = ["file", "gds"]
 IS_ROOT = os.geteuid() == 0
 DEADLINE = 120.0
 CHILD_ENV = {
@@ -86,16 +86,6 @@ def writer_locks(root: Path) -> list[Path]:
 
 
 allocator = pytest.fixture(leak_checked_allocator, name="allocator")
-
-
-async def open_tier(
-    scheme: str, root: Path, allocator: FreeListAllocator, **options: Any
-) -> DiskBackend:
-    if scheme == "gds":
-        options["file_io"] = PosixStandIn()
-    backend = await kvplug.open_backend(f"{scheme}://{root}", allocator=allocator, **options)
-    assert isinstance(backend, DiskBackend)
-    return backend
 
 
 def keys_outside(subdir: str, count: int, start: int = 1000) -> list[CacheKey]:

@@ -36,8 +36,7 @@ import kvplug
 from kvplug import CacheKey, CapacityExceeded, FreeListAllocator
 from kvplug.runtime.cli import main as kvplug_cli
 from kvplug.stats import summarize
-from kvplug_disk import backend as disk_module
-from kvplug_disk import directories
+from kvplug_disk import directories, reads
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.directories import DirectIO, Directory
 from kvplug_disk.fileops import open_object_sized as real_open_object
@@ -115,7 +114,7 @@ class ProbeWatch:
         monkeypatch.setattr(os, "close", spy_close)
         monkeypatch.setattr(os, "pwritev", spy_pwritev)
         monkeypatch.setattr(os, "preadv", spy_preadv)
-        monkeypatch.setattr(disk_module, "open_object_sized", spy_open_object)
+        monkeypatch.setattr(reads, "open_object_sized", spy_open_object)
 
     def write_was_direct(self, k: CacheKey) -> bool:
         """Whether the last write of ``k`` opened its temporary file with O_DIRECT."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from disk_helpers import key, leak_checked_allocator, read_back, run, seeded, se
 import kvplug
 from kvplug import FreeListAllocator, MemoryObj
 from kvplug.frame import payload_checksum
-from kvplug_disk import backend as disk_module
+from kvplug_disk import piecewise
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.fileio import Payload
 from kvplug_disk.layout import BLOCK
@@ -31,16 +32,16 @@ allocator = pytest.fixture(leak_checked_allocator, name="allocator")
 @pytest.fixture
 def pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Small pieces for the test; the list gets the payload length of each read in pieces."""
-    monkeypatch.setattr(disk_module, "READ_PIECE", PIECE)
+    monkeypatch.setattr(piecewise, "READ_PIECE", PIECE)
     lengths: list[int] = []
-    original = DiskBackend._read_hashing
+    original = piecewise.read_hashing
 
-    def spy(self: DiskBackend, fd: int, head: memoryview, payload: Payload) -> Any:
+    def spy(fd: int, head: memoryview, payload: Payload, readers: Executor) -> Any:
         assert payload.host is not None
         lengths.append(payload.host.nbytes)
-        return original(self, fd, head, payload)
+        return original(fd, head, payload, readers)
 
-    monkeypatch.setattr(DiskBackend, "_read_hashing", spy)
+    monkeypatch.setattr(piecewise, "read_hashing", spy)
     return lengths
 
 
@@ -142,8 +143,8 @@ def test_a_flipped_byte_late_in_a_large_payload_is_a_counted_miss_for_get_and_ge
     tmp_path: Path, allocator: FreeListAllocator
 ) -> None:
     """At the real piece size: a payload of three pieces and a bit, damaged in the last."""
-    size = 3 * disk_module.READ_PIECE + 12_345
-    assert size > 2 * disk_module.READ_PIECE
+    size = 3 * piecewise.READ_PIECE + 12_345
+    assert size > 2 * piecewise.READ_PIECE
 
     async def scenario() -> None:
         disk = await open_disk(tmp_path, allocator)
@@ -185,7 +186,9 @@ def test_the_checksum_of_a_read_in_pieces_is_the_writers_and_a_short_file_has_no
             payload = Payload([view], False, view[:nbytes])
             fd = os.open(file, os.O_RDONLY)
             try:
-                count, checksum = disk._read_hashing(fd, memoryview(bytearray(BLOCK)), payload)
+                count, checksum = piecewise.read_hashing(
+                    fd, memoryview(bytearray(BLOCK)), payload, disk._workers.readers
+                )
             finally:
                 os.close(fd)
             assert count == BLOCK + file_bytes

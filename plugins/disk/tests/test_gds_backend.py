@@ -4,10 +4,12 @@ Everything around the data movement is checked here, with the payloads moved by
 ``gds_standin.PosixStandIn`` (pread/pwrite on host memory) in place of cuFile: the
 plugin imports and is discovered without a GPU or libcufile, opening it there is a clear
 error, URLs and options are validated, the file format is file://'s (each reads the other's
-files), the index is rebuilt at open and objects of other instances are found on demand,
-torn and damaged files read as counted misses, sharding by hash and by GPU, hostile keys,
-cuFile's mode detection and WekaFS mount checks (the contract suite: test_gds_contract.py).
-The real cuFile path is test_gds_cuda.py, on a GPU machine.
+files), objects of other instances are found on demand, torn and damaged files read as
+counted misses, sharding by GPU, cuFile's mode detection and WekaFS mount checks (the
+contract suite: test_gds_contract.py). What gds:// shares with file:// (the layout, staging,
+the index rebuilt at open, sharing a directory, sharding by hash, hostile keys) is checked for
+both schemes in test_disk_schemes.py. The real cuFile path is test_gds_cuda.py, on a GPU
+machine.
 """
 
 from __future__ import annotations
@@ -38,19 +40,18 @@ from disk_helpers import (
 from gds_standin import PosixStandIn
 
 import kvplug
-from kvplug import CacheKey, ConfigError, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug import CacheKey, ConfigError, FreeListAllocator, MemoryFormat
 from kvplug.errors import InvalidBackendURL, UnknownOption
 from kvplug.frame import encode_header
-from kvplug.keys import InvalidKey
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.fileio.cufile import CuFileError, _signed
-from kvplug_disk.gds import backend as gds_module
+from kvplug_disk.gds import scheme as gds_scheme
 from kvplug_disk.gds.backend import GdsBackend, GdsUnavailable, WekaBackend
-from kvplug_disk.gds.environment import detect_mode, mount_of, strip_json_comments
+from kvplug_disk.gds.environment import detect_mode, mount_of, strip_json_comments, udev_hint
+from kvplug_disk.gds.scheme import GdsScheme
 from kvplug_disk.layout import (
     BLOCK,
     FLAG_NO_PAYLOAD_CHECKSUM,
-    OBJECT_NAME,
     TEMP_NAME,
     WRITER_LOCK_NAME,
     decode_block,
@@ -166,36 +167,6 @@ def test_bad_urls_and_options_are_clear_errors(tmp_path: Path) -> None:
 # -- the file format through the stand-in ------------------------------------------------------
 
 
-def test_objects_round_trip_in_file_layout_through_the_io_seam(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    io = PosixStandIn()
-
-    async def scenario() -> None:
-        gds = await open_gds(f"gds://{tmp_path}/kv", allocator, io)
-        assert gds.mode == "posix-stand-in"
-        assert gds.describe()["io"] == "posix-stand-in"
-        await put_seeded(gds, allocator, key(1), 10_000, seed=1)
-        assert io.calls["write"] == 2  # the probe at open, then the payload
-        got = await read_back(gds, key(1))
-        assert got is not None and torch.equal(got, seeded_bytes(10_000, 1))
-        assert io.calls["read"] == 2
-        assert io.calls["register"] == 1  # the allocator's buffer, once
-        await gds.close()
-
-    run(scenario())
-    subdir, name = object_name(key(1).to_string())
-    path = tmp_path / "kv" / subdir / name
-    assert object_files(tmp_path) == [path]
-    data = path.read_bytes()
-    assert len(data) == file_length(10_000) == 4 * BLOCK
-    header = decode_block(data[:BLOCK])
-    assert header.key_text == key(1).to_string() and header.payload_checksummed
-    assert data[BLOCK : BLOCK + 10_000] == seeded_bytes(10_000, 1).numpy().tobytes()
-    assert data[BLOCK + 10_000 :] == bytes(3 * BLOCK - 10_000)
-    assert not [p for p in tmp_path.rglob("*") if TEMP_NAME.fullmatch(p.name)]
-
-
 @pytest.mark.parametrize(
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 )
@@ -218,33 +189,6 @@ def test_every_kv_dtype_and_shape_round_trips_bit_exact(
         await gds.close()
 
     run(scenario())
-
-
-def test_objects_outside_aligned_allocator_memory_go_through_staging(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """from_tensor objects, results in a 64-byte-aligned allocator, and one larger than the
-    staging pool: all bit-exact."""
-    monkeypatch.setattr(gds_module, "STAGING_POOL_SIZE", 1 * MiB)
-    unaligned = FreeListAllocator(8 * MiB, alignment=64, pin=False)
-
-    async def scenario() -> None:
-        gds = await kvplug.open_backend(
-            f"gds://{tmp_path}", allocator=unaligned, file_io=PosixStandIn()
-        )
-        small = torch.arange(3000, dtype=torch.float32)
-        big = seeded_bytes(3 * MiB + 5, seed=7)
-        await gds.put(key(1), MemoryObj.from_tensor(small))
-        await gds.put(key(2), MemoryObj.from_tensor(big, MemoryFormat.BINARY_BUFFER))
-        for k, expected in ((key(1), small), (key(2), big)):
-            got = await gds.get(k)
-            assert got is not None and got.allocator is unaligned
-            assert torch.equal(got.tensor, expected)
-            got.release()
-        await gds.close()
-
-    run(scenario())
-    assert unaligned.stats().used == 0
 
 
 def test_file_and_gds_read_each_others_objects(
@@ -314,52 +258,7 @@ def test_header_flags_round_trip_and_unknown_flags_are_refused() -> None:
         encode_block(frame, "k", 0x8)
 
 
-# -- index, sharing, damage --------------------------------------------------------------------
-
-
-def test_the_index_is_rebuilt_at_open(tmp_path: Path, allocator: FreeListAllocator) -> None:
-    async def scenario() -> None:
-        gds = await open_gds(f"gds://{tmp_path}", allocator)
-        for n in range(5):
-            await put_seeded(gds, allocator, key(n), 4096 * (n + 1), seed=n)
-        await gds.close()
-        again = await open_gds(f"gds://{tmp_path}", allocator)
-        assert again.rebuild_stats["objects"] == 5 and len(again) == 5
-        assert [k async for k in again.list_keys()] != []
-        for n in range(5):
-            back = await read_back(again, key(n))
-            assert back is not None and torch.equal(back, seeded_bytes(4096 * (n + 1), n))
-        assert again.discovered == 0
-        await again.close()
-
-    run(scenario())
-
-
-def test_two_instances_on_one_directory_see_each_others_objects(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    async def scenario() -> None:
-        first = await open_gds(f"gds://{tmp_path}", allocator)
-        second = await open_gds(f"gds://{tmp_path}", allocator)
-        await put_seeded(first, allocator, key(1), 6000, seed=1)
-        assert await second.contains(key(1))  # written after second opened
-        assert await second.batched_contains([key(1), key(2)]) == 1
-        back = await read_back(second, key(1))
-        assert back is not None and torch.equal(back, seeded_bytes(6000, 1))
-        assert second.discovered == 1
-        await put_seeded(second, allocator, key(1), 9000, seed=2)  # replaced by the other
-        back = await read_back(first, key(1))
-        assert back is not None and torch.equal(back, seeded_bytes(9000, 2))
-        await put_seeded(second, allocator, key(3), 100, seed=3)
-        assert await first.pin(key(3))
-        assert await first.remove(key(3))
-        assert not await second.contains(key(3))  # removed by the other instance
-        assert await second.get(key(3)) is None
-        assert not await second.remove(key(3))
-        await first.close()
-        await second.close()
-
-    run(scenario())
+# -- sharing, damage ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "extend"])
@@ -421,7 +320,7 @@ def test_temporary_files_are_removed_at_open_only_when_stale(
     fresh = root / "ab" / f".{stem}.{dead_pid}.{'1' * 16}.tmp"
     stale = root / "ab" / f".{stem}.{dead_pid}.{'2' * 16}.tmp"
     recycled = root / "ab" / f".{stem}.{os.getpid()}.{'3' * 16}.tmp"
-    old = time.time() - gds_module.TEMP_GRACE - 60
+    old = time.time() - gds_scheme.TEMP_GRACE - 60
 
     async def scenario() -> None:
         holder = await open_gds(f"gds://{root}", allocator)  # a live writer: its lock is held
@@ -446,51 +345,7 @@ def test_temporary_files_are_removed_at_open_only_when_stale(
     run(scenario())
 
 
-def test_hostile_keys_never_create_files_outside_the_directory(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    root = tmp_path / "a" / "kv"
-    hostile = ("..", "../../etc/passwd", "/abs", "a/../../b", "x\\..\\y", "模型/🚀", "d/" * 300)
-
-    async def scenario() -> None:
-        gds = await open_gds(f"gds://{root}", allocator)
-        for n, model in enumerate(hostile):
-            await put_seeded(gds, allocator, key(n, model), 4096, seed=n)
-        for n, model in enumerate(hostile):
-            back = await read_back(gds, key(n, model))
-            assert back is not None and torch.equal(back, seeded_bytes(4096, n))
-        with pytest.raises(InvalidKey, match="gds:// keeps each key"):
-            await put_seeded(gds, allocator, key(1, "m" * 5000), 4096, seed=0)
-        await gds.close()
-
-    run(scenario())
-    for path in tmp_path.rglob("*"):
-        assert path == root or root in path.parents or path in root.parents, path
-        if path.is_file():
-            assert OBJECT_NAME.fullmatch(path.name) and path.parent.parent == root
-    assert len(object_files(root)) == len(hostile)
-
-
 # -- sharding ----------------------------------------------------------------------------------
-
-
-def test_hash_sharding_spreads_objects_like_file(
-    tmp_path: Path, allocator: FreeListAllocator
-) -> None:
-    first, second = tmp_path / "a", tmp_path / "b"
-
-    async def scenario() -> None:
-        gds = await open_gds(f"gds://{first},{second}", allocator)
-        for n in range(32):
-            await put_seeded(gds, allocator, key(n), 100, seed=n)
-        await gds.close()
-
-    run(scenario())
-    counts = [len(object_files(d)) for d in (first, second)]
-    assert sum(counts) == 32 and min(counts) > 5
-    for path in object_files(tmp_path):
-        stem = path.name.removesuffix(".kv")
-        assert path.parent.parent == (first, second)[int(stem[2:10], 16) % 2]
 
 
 def test_by_gpu_sharding_puts_each_gpus_objects_in_its_directory_and_reads_all(
@@ -614,7 +469,7 @@ def test_a_full_disk_at_open_is_told_apart_from_a_filesystem_refusing_o_direct(
 def test_weka_refuses_a_directory_that_is_not_on_wekafs(
     tmp_path: Path, allocator: FreeListAllocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gds_module, "mount_of", lambda path: ("/", "ext4"))
+    monkeypatch.setattr(gds_scheme, "mount_of", lambda path: ("/", "ext4"))
     with pytest.raises(ConfigError, match="not on WekaFS") as refused:
         run(
             kvplug.open_backend(
@@ -632,18 +487,18 @@ def test_weka_refuses_a_directory_that_is_not_on_wekafs(
         await weka.close()
 
     run(allowed(f"weka://{tmp_path}/kv?allow_non_weka=true"))
-    monkeypatch.setattr(gds_module, "mount_of", lambda path: ("/mnt/weka", "wekafs"))
+    monkeypatch.setattr(gds_scheme, "mount_of", lambda path: ("/mnt/weka", "wekafs"))
     run(allowed(f"weka://{tmp_path}/kv"))
 
 
 def test_cufile_errors_name_the_status_and_the_udev_fix(tmp_path: Path) -> None:
     error = CuFileError("cuFileHandleRegister", 5027)
     assert "5027 (HANDLE_NOT_REGISTERED)" in str(error) and error.errno == 5
-    hint = gds_module._udev_hint(str(tmp_path), error)
+    hint = udev_hint(str(tmp_path), error)
     device = tmp_path.stat().st_dev
     assert f"/run/udev/data/b{os.major(device)}:{os.minor(device)}" in hint
     assert "ID_FS_USAGE=filesystem" in hint
-    assert gds_module._udev_hint(str(tmp_path), CuFileError("cuFileRead", 5030)) == ""
+    assert udev_hint(str(tmp_path), CuFileError("cuFileRead", 5030)) == ""
     assert _signed(2**64 - 5027) == -5027 and _signed(4096) == 4096
 
 
@@ -694,7 +549,7 @@ def test_kvplug_check_reports_the_mode(tmp_path: Path, monkeypatch: pytest.Monke
 
     from kvplug.runtime.cli import main
 
-    monkeypatch.setattr(GdsBackend, "_default_file_io", lambda self: PosixStandIn())
+    monkeypatch.setattr(GdsScheme, "default_file_io", lambda self: PosixStandIn())
     result = CliRunner().invoke(
         main, ["check", f"gds://{tmp_path}", "--shape", "2,4,16,8", "--rounds", "2"]
     )

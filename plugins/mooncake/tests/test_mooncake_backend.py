@@ -5,7 +5,6 @@ allocator objects), overwrites, leases, a full store, and a second process."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -18,7 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from mooncake_helpers import mooncake_store
+from mooncake_helpers import SHAPE, MiB, filled, key, mooncake_store, probe_client, run
+from mooncake_helpers import allocator as allocator
 
 import kvplug
 from kvplug.errors import (
@@ -36,8 +36,6 @@ from kvplug_mooncake.overlap import checksum, sharing_the_gil
 from kvplug_testing.mooncake import MooncakeMaster, MooncakeNode
 from kvplug_testing.ports import free_port
 
-MiB = 1 << 20
-SHAPE = (2, 4, 256, 64)  # 256 KiB of fp16
 LEASE = "2000"  # ms: the lease a read takes, short so that a waiting remove ends soon
 
 
@@ -45,26 +43,6 @@ LEASE = "2000"  # ms: the lease a read takes, short so that a waiting remove end
 def store() -> Iterator[MooncakeMaster]:
     with mooncake_store("512MiB", master_args=(f"--default_kv_lease_ttl={LEASE}",)) as master:
         yield master
-
-
-@pytest.fixture
-def allocator() -> FreeListAllocator:
-    return FreeListAllocator(128 * MiB, pin=False)
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
-
-
-def filled(allocator: FreeListAllocator, seed: int, shape: tuple[int, ...] = SHAPE) -> MemoryObj:
-    obj = allocator.allocate(shape, torch.float16)
-    assert obj is not None
-    obj.tensor.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
-    return obj
-
-
-def key(n: int, model: str = "mooncake-tests") -> kvplug.CacheKey:
-    return kvplug.CacheKey(model, 1, 0, n)
 
 
 async def opened(url: str, allocator: FreeListAllocator, **options: Any) -> MooncakeBackend:
@@ -338,26 +316,6 @@ def test_an_overwrite_replaces_the_value_with_one_copy(
     assert allocator.stats().used == 0
 
 
-def _raw_client(master: MooncakeMaster) -> Any:
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    assert (
-        client.setup(
-            {
-                "local_hostname": master.host,
-                "metadata_server": master.metadata_server,
-                "global_segment_size": 0,
-                "local_buffer_size": 16 * MiB,
-                "protocol": "tcp",
-                "master_server_addr": master.address,
-            }
-        )
-        == 0
-    )
-    return client
-
-
 @pytest.mark.parametrize("leased_remove", ["force", "wait"])
 def test_a_remove_refused_by_a_lease_is_forced_or_waited_out_never_faked(
     store: MooncakeMaster, allocator: FreeListAllocator, leased_remove: str
@@ -369,8 +327,7 @@ def test_a_remove_refused_by_a_lease_is_forced_or_waited_out_never_faked(
         obj = filled(allocator, 3)
         await backend.put(key(500), obj)
         got = await backend.get(key(500))  # the read takes a lease on the key
-        raw = _raw_client(store)
-        try:
+        with probe_client(store) as raw:
             name = backend._name(key(500))
             assert raw.remove(name) == codes.OBJECT_HAS_LEASE  # the lease is there
             started = time.monotonic()
@@ -379,8 +336,6 @@ def test_a_remove_refused_by_a_lease_is_forced_or_waited_out_never_faked(
             assert not await backend.contains(key(500))
             assert raw.batch_is_exist([name]) == [0]
             assert await backend.remove(key(500)) is False
-        finally:
-            raw.close()
         for each in (obj, got):
             assert each is not None
             each.release()

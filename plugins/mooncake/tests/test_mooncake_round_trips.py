@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from mooncake_helpers import mooncake_store
+from mooncake_helpers import SHAPE, filled, key, mooncake_store, release, run
+from mooncake_helpers import allocator as allocator
 
 import kvplug
 from kvplug.errors import CorruptObject
@@ -27,34 +28,11 @@ from kvplug_mooncake.layout import (
 )
 from kvplug_testing.mooncake import CountingStore, MooncakeMaster
 
-MiB = 1 << 20
-SHAPE = (2, 4, 256, 64)  # 256 KiB of fp16
-
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[MooncakeMaster]:
     with mooncake_store("512MiB") as master:
         yield master
-
-
-@pytest.fixture
-def allocator() -> FreeListAllocator:
-    return FreeListAllocator(128 * MiB, pin=False)
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
-
-
-def filled(allocator: FreeListAllocator, seed: int, shape: tuple[int, ...] = SHAPE) -> MemoryObj:
-    obj = allocator.allocate(shape, torch.float16)
-    assert obj is not None
-    obj.tensor.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
-    return obj
-
-
-def key(n: int, model: str = "mooncake-round-trips") -> kvplug.CacheKey:
-    return kvplug.CacheKey(model, 1, 0, n)
 
 
 async def counted(
@@ -67,12 +45,6 @@ async def counted(
     counter = CountingStore(backend._store)
     backend._store = counter
     return backend, counter
-
-
-def release(*objs: MemoryObj | None) -> None:
-    for obj in objs:
-        if obj is not None:
-            obj.release()
 
 
 # -- the layout: a header region of fixed length ----------------------------------------------

@@ -10,9 +10,8 @@ import asyncio
 import contextlib
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,85 +35,28 @@ from kvplug.serde import Serde, register_serde
 from kvplug_redis import RedisBackend
 from kvplug_redis.direct import DirectConnections, reply_error, restart
 from kvplug_testing import RedisServer, SentinelGroup, ValkeyServer
+from kvplug_testing.server_fixtures import PASSWORD
+from kvplug_testing.tier_checks import (
+    fresh_keys,
+    make_obj,
+    opened,
+    reads_back,
+    release,
+    releasing,
+    run,
+    same,
+)
 
 pytestmark = pytest.mark.redis
 
-T = TypeVar("T")
-PASSWORD = "d1rect-pw@x"
-SHAPE = (2, 2, 16, 64)
-
-
-def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coroutine)
-
-
-def make_obj(
-    seed: int,
-    shape: tuple[int, ...] = SHAPE,
-    dtype: torch.dtype = torch.float16,
-    fmt: MemoryFormat = MemoryFormat.KV_2LTD,
-) -> MemoryObj:
-    nbytes = int(torch.tensor(shape).prod()) * dtype.itemsize
-    generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
-    tensor = data.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-    return MemoryObj.from_tensor(tensor, fmt)
-
-
-def same(expected: MemoryObj, got: MemoryObj | None) -> bool:
-    return (
-        got is not None
-        and (got.shape, got.dtype, got.fmt) == (expected.shape, expected.dtype, expected.fmt)
-        and torch.equal(got.raw, expected.raw)
-    )
-
-
-def release(*objs: MemoryObj | None) -> None:
-    for obj in objs:
-        if obj is not None:
-            obj.release()
-
-
-def keys_of(count: int) -> list[CacheKey]:
-    model = f"model-{uuid.uuid4().hex[:10]}"
-    return [CacheKey(model, 1, 0, n) for n in range(count)]
-
-
-async def assert_reads_back(backend: kvplug.Backend, key: CacheKey, expected: MemoryObj) -> None:
-    got = await backend.get(key)
-    try:
-        assert same(expected, got)
-    finally:
-        release(got)
+LARGE = (2, 64, 256, 1024)
+"""64 MiB of fp16: a value a paused server stops sending in the middle of."""
 
 
 def direct_of(backend: object) -> DirectConnections:
     assert isinstance(backend, RedisBackend)
     assert backend.direct is not None, "kvplug's own connections are off"
     return backend.direct
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer() as shared:
-        yield shared
-
-
-@pytest.fixture
-def fresh_server() -> Iterator[RedisServer]:
-    with RedisServer() as own:
-        yield own
-
-
-@pytest.fixture(scope="module")
-def password_server() -> Iterator[RedisServer]:
-    with RedisServer(password=PASSWORD) as shared:
-        with shared.client() as client:
-            client.execute_command("ACL", "SETUSER", "alice", "on", ">alice-pw", "~*", "+@all")
-            client.execute_command(
-                "ACL", "SETUSER", "blind", "on", ">blind-pw", "~*", "+@all", "-get"
-            )
-        yield shared
 
 
 @pytest.fixture(
@@ -149,194 +91,137 @@ def test_gets_and_batched_gets_are_bit_exact_through_direct_reads(any_url: str) 
         make_obj(4, (3, 5), torch.bfloat16, MemoryFormat.KV_T2D),
         make_obj(5, (0, 8), torch.float32, MemoryFormat.KV_2TD),  # an empty payload
     ]
-    keys = keys_of(len(objs) + 1)
+    keys = fresh_keys(len(objs) + 1)
     allocator = FreeListAllocator(64 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(any_url, allocator=allocator)
-        direct = direct_of(backend)
-        try:
+        async with opened(any_url, allocator=allocator) as backend:
+            direct = direct_of(backend)
             await backend.batched_put(keys[:-1], objs)
             for key, obj in zip(keys, objs, strict=False):
                 got = await backend.get(key)
                 assert same(obj, got), key
                 release(got)
             many = await backend.batched_get(keys)
-            try:
+            with releasing(*many):
                 assert all(same(o, g) for o, g in zip(objs, many, strict=False))
                 assert many[-1] is None  # a miss in the same pipeline
-            finally:
-                release(*many)
             assert await backend.get(keys[-1]) is None
             assert direct.gets == 2 * len(objs) + 2
             assert direct.connects == 1  # one connection served every read in turn
-        finally:
-            await backend.close()
         assert direct.open_connections == 0
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
     assert allocator.stats().used == 0
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_an_address_connects_without_an_executor_thread_and_a_name_is_resolved(
-    server: RedisServer, host: str
+    standalone: RedisServer, host: str
 ) -> None:
     # A lookup runs on a thread of the loop's default executor, which outlives a loop that
     # is only closed (a SyncClient's threads were found left over after close that way).
-    url = server.url.replace("127.0.0.1", host)
-    (key,) = keys_of(1)
+    url = standalone.url.replace("127.0.0.1", host)
+    (key,) = fresh_keys(1)
     obj = make_obj(6)
 
     async def scenario() -> list[str]:
         before = set(threading.enumerate())
-        backend = await kvplug.open_backend(url)
-        try:
+        async with opened(url) as backend:
             await backend.put(key, obj)
-            await assert_reads_back(backend, key, obj)
+            await reads_back(backend, key, obj)
             assert direct_of(backend).gets == 1
-        finally:
-            await backend.close()
         return [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
 
-    try:
+    with releasing(obj):
         started = run(scenario())
-    finally:
-        release(obj)
     if host == "127.0.0.1":
         assert started == []
 
 
 def test_a_32_mib_chunk_round_trips_over_tls_and_plain() -> None:
     obj = make_obj(6, (2, 32, 256, 1024))
-    try:
+    with releasing(obj):
         for server in (RedisServer(), RedisServer(tls=True)):
             with server:
 
                 async def scenario(url: str = server.url) -> None:
-                    backend = await kvplug.open_backend(url)
-                    key = keys_of(1)[0]
-                    try:
+                    async with opened(url) as backend:
+                        key = fresh_keys(1)[0]
                         await backend.put(key, obj)
-                        got = await backend.get(key)
-                        try:
-                            assert same(obj, got)
-                        finally:
-                            release(got)
+                        await reads_back(backend, key, obj)
                         assert direct_of(backend).gets == 1
-                    finally:
-                        await backend.close()
 
                 run(scenario())
-    finally:
-        obj.release()
 
 
-def test_direct_reads_off_reads_through_the_client_library(server: RedisServer) -> None:
-    key = keys_of(1)[0]
+@pytest.mark.parametrize(
+    ("off", "direct_gets", "direct_sets"), [("direct_reads", 0, 1), ("direct_writes", 3, 0)]
+)
+def test_direct_reads_or_writes_off_go_through_the_client_library(
+    standalone: RedisServer, off: str, direct_gets: int, direct_sets: int
+) -> None:
+    key, missing = fresh_keys(2)
     obj = make_obj(7)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, direct_reads=False)
-        assert isinstance(backend, RedisBackend) and backend.direct is not None
-        try:
+        async with opened(standalone.url, **{off: False}) as backend:
+            direct = direct_of(backend)
             await backend.put(key, obj)
             got = await backend.get(key)
-            many = await backend.batched_get([key, keys_of(1)[0]])
-            try:
+            many = await backend.batched_get([key, missing])
+            with releasing(got, *many):
                 assert same(obj, got) and same(obj, many[0]) and many[1] is None
-            finally:
-                release(got, *many)
-            assert (backend.direct.gets, backend.direct.sets) == (0, 1)
-        finally:
-            await backend.close()
+            assert (direct.gets, direct.sets) == (direct_gets, direct_sets)
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
+    both_off = kvplug.create_backend(standalone.url, direct_writes=False, direct_reads=False)
+    assert isinstance(both_off, RedisBackend) and both_off.direct is None
 
 
 def test_puts_sent_from_memory_on_own_connections_read_back_bit_exact_and_exist(
     any_url: str,
 ) -> None:
-    keys = keys_of(5)
+    keys = fresh_keys(5)
     objs = [make_obj(80 + n, (2, 4, 64, 256)) for n in range(5)]
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(any_url)
-        direct = direct_of(backend)
-        try:
+        async with opened(any_url) as backend:
+            direct = direct_of(backend)
             await backend.put(keys[0], objs[0])
             await backend.batched_put(keys[1:], objs[1:])
             got = await backend.batched_get(keys)
-            try:
+            with releasing(*got):
                 assert all(same(obj, one) for obj, one in zip(objs, got, strict=True))
-            finally:
-                release(*got)
             # TLS writes go through the client library (its encryption copies anyway).
-            assert direct.sets == (0 if direct_tls(any_url) else 5)
-            missing = keys_of(1)[0]
+            assert direct.sets == (0 if any_url.startswith("rediss") else 5)
+            missing = fresh_keys(1)[0]
             assert await backend.contains(keys[4]) and not await backend.contains(missing)
             assert await backend.batched_contains([*keys, missing, keys[0]]) == 5
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
 
 
-def direct_tls(url: str) -> bool:
-    return url.startswith("rediss")
-
-
-def test_a_batch_larger_than_a_pipeline_is_spread_over_connections(server: RedisServer) -> None:
+def test_a_batch_larger_than_a_pipeline_is_spread_over_connections(
+    standalone: RedisServer,
+) -> None:
     shape = (2, 8, 256, 1024)  # 8 MiB each: 10 of them make two pipelines
-    keys = keys_of(10)
+    keys = fresh_keys(10)
     objs = [make_obj(90 + n, shape) for n in range(10)]
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url)
-        direct = direct_of(backend)
-        try:
+        async with opened(standalone.url) as backend:
+            direct = direct_of(backend)
             await backend.batched_put(keys, objs)
             assert (direct.sets, direct.open_connections) == (10, 2)
             for key, obj in zip(keys, objs, strict=True):
-                await assert_reads_back(backend, key, obj)
-        finally:
-            await backend.close()
+                await reads_back(backend, key, obj)
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
-
-
-def test_direct_writes_off_writes_through_the_client_library(server: RedisServer) -> None:
-    key = keys_of(1)[0]
-    obj = make_obj(8)
-
-    async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, direct_writes=False)
-        direct = direct_of(backend)
-        try:
-            await backend.put(key, obj)
-            await assert_reads_back(backend, key, obj)
-            assert (direct.sets, direct.gets) == (0, 1)
-        finally:
-            await backend.close()
-        both_off = kvplug.create_backend(server.url, direct_writes=False, direct_reads=False)
-        assert isinstance(both_off, RedisBackend) and both_off.direct is None
-
-    try:
-        run(scenario())
-    finally:
-        obj.release()
 
 
 def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
@@ -345,19 +230,13 @@ def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
     """A 64 MiB put that cannot finish (the server stopped mid-value) ends at its deadline,
     aborts its connection, and the server, resumed, drops the half-sent command: the key is
     absent, never a prefix of the value."""
-    shape = (2, 64, 256, 1024)
-    obj = make_obj(95, shape)
-    key = keys_of(1)[0]
+    obj, small = make_obj(95, LARGE), make_obj(96)
+    key = fresh_keys(1)[0]
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(fresh_server.url, timeout=1.0)
-        direct = direct_of(backend)
-        try:
-            small = make_obj(96)
-            try:
-                await backend.put(keys_of(1)[0], small)  # logged in, the server's limits read
-            finally:
-                small.release()
+        async with opened(fresh_server.url, timeout=1.0) as backend:
+            direct = direct_of(backend)
+            await backend.put(fresh_keys(1)[0], small)  # logged in, the server's limits read
             fresh_server.pause()
             try:
                 with pytest.raises(BackendTimeout):
@@ -368,14 +247,10 @@ def test_a_put_to_a_paused_server_times_out_and_leaves_no_part_of_the_value(
             await asyncio.sleep(0.3)
             assert not await backend.contains(key)
             await backend.put(key, obj)
-            await assert_reads_back(backend, key, obj)
-        finally:
-            await backend.close()
+            await reads_back(backend, key, obj)
 
-    try:
+    with releasing(obj, small):
         run(scenario())
-    finally:
-        obj.release()
 
 
 @pytest.mark.parametrize(
@@ -423,65 +298,48 @@ def reversing_serde() -> Iterator[str]:
 
 
 def test_another_serde_is_received_into_scratch_and_decoded(
-    server: RedisServer, reversing_serde: str
+    standalone: RedisServer, reversing_serde: str
 ) -> None:
-    keys = keys_of(2)
+    keys = fresh_keys(2)
     obj = make_obj(8)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, serde=reversing_serde)
-        try:
+        async with opened(standalone.url, serde=reversing_serde) as backend:
             await backend.put(keys[0], obj)
             got = await backend.get(keys[0])
             many = await backend.batched_get(keys)
-            try:
+            with releasing(got, *many):
                 assert same(obj, got) and same(obj, many[0]) and many[1] is None
-            finally:
-                release(got, *many)
             assert direct_of(backend).gets == 3
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
 
 
 # -- a full allocator, damaged values, error replies ---------------------------------------------
 
 
-def test_a_full_allocator_reads_as_a_miss_and_the_connection_goes_on(server: RedisServer) -> None:
-    big, small = make_obj(9, (2, 2, 256, 1024)), make_obj(10)  # 2 MiB and 8 KiB
-    keys = keys_of(2)
+def test_a_full_allocator_reads_as_a_miss_and_the_connection_goes_on(
+    standalone: RedisServer,
+) -> None:
+    big, small = make_obj(9, (2, 2, 256, 1024)), make_obj(10)  # 2 MiB and 4 KiB
+    keys = fresh_keys(2)
     allocator = FreeListAllocator(1 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, allocator=allocator)
-        assert isinstance(backend, RedisBackend)
-        direct = direct_of(backend)
-        try:
+        async with opened(standalone.url, allocator=allocator) as backend:
+            direct = direct_of(backend)
             await backend.batched_put(keys, [big, small])
             assert await backend.get(keys[0]) is None
-            got = await backend.get(keys[1])
-            try:
-                assert same(small, got)
-            finally:
-                release(got)
+            await reads_back(backend, keys[1], small)
             many = await backend.batched_get([keys[0], keys[1], keys[0]])
-            try:
+            with releasing(*many):
                 assert many[0] is None and same(small, many[1]) and many[2] is None
-            finally:
-                release(*many)
             assert backend.corrupt_objects == 0
             assert direct.connects == 1
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(big, small):
         run(scenario())
-    finally:
-        release(big, small)
     assert allocator.stats().used == 0
 
 
@@ -502,48 +360,48 @@ def _damage(value: bytes, how: str) -> bytes:
     return bytes(damaged)
 
 
+def _damage_stored(server: RedisServer, backend: object, key: CacheKey, how: str) -> None:
+    """Replace the value stored under ``key`` with a damaged copy of it."""
+    assert isinstance(backend, RedisBackend)
+    name = backend.key_string(key)
+    with server.client() as client:
+        client.set(name, _damage(client.get(name), how))
+
+
 @pytest.mark.parametrize(
     "how", ["payload bit", "header bit", "truncated", "longer", "short garbage", "garbage"]
 )
-def test_a_damaged_value_is_a_counted_deleted_miss(server: RedisServer, how: str) -> None:
-    keys = keys_of(3)
+def test_a_damaged_value_is_a_counted_deleted_miss(standalone: RedisServer, how: str) -> None:
+    keys = fresh_keys(3)
     objs = [make_obj(20 + n, (2, 2, 64, 256)) for n in range(3)]
     allocator = FreeListAllocator(16 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, allocator=allocator)
-        assert isinstance(backend, RedisBackend)
-        names = [backend.key_string(key) for key in keys]
-        try:
+        async with opened(standalone.url, allocator=allocator) as backend:
+            assert isinstance(backend, RedisBackend)
             await backend.batched_put(keys, objs)
-            with server.client() as client:
-                for name in names[:2]:
-                    client.set(name, _damage(client.get(name), how))
+            for key in keys[:2]:
+                _damage_stored(standalone, backend, key, how)
             assert await backend.get(keys[0]) is None
             assert backend.corrupt_objects == 1
             many = await backend.batched_get(keys[1:])
-            try:
+            with releasing(*many):
                 assert many[0] is None and same(objs[2], many[1])
-            finally:
-                release(*many)
             assert backend.corrupt_objects == 2
-            with server.client() as client:
+            with standalone.client() as client:
+                names = [backend.key_string(key) for key in keys]
                 assert client.exists(*names) == 1  # both damaged values deleted
             assert direct_of(backend).connects == 1  # the damaged values were drained
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
     assert allocator.stats().used == 0
 
 
 def test_values_are_hashed_as_they_arrive_and_damage_in_an_early_piece_is_still_caught(
-    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    standalone: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    keys = keys_of(3)
+    keys = fresh_keys(3)
     objs = [make_obj(40 + n, (2, 4, 256, 1024)) for n in range(3)]  # 4 MiB: several hash steps
     allocator = FreeListAllocator(64 << 20, pin=False)
     hashed_whole: list[int] = []
@@ -554,33 +412,24 @@ def test_values_are_hashed_as_they_arrive_and_damage_in_an_early_piece_is_still_
         return checksum(payload)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, allocator=allocator)
-        assert isinstance(backend, RedisBackend)
-        name = backend.key_string(keys[0])
-        try:
+        async with opened(standalone.url, allocator=allocator) as backend:
+            assert isinstance(backend, RedisBackend)
+            name = backend.key_string(keys[0])
             await backend.batched_put(keys, objs)
-            with server.client() as client:
+            with standalone.client() as client:
                 value = bytearray(client.get(name))
                 value[len(value) // 4] ^= 1  # about 1 MiB into the payload
                 client.set(name, bytes(value))
             monkeypatch.setattr(frame_module, "payload_checksum", counting)
             many = await backend.batched_get(keys)
-            try:
+            with releasing(*many):
                 assert many[0] is None and same(objs[1], many[1]) and same(objs[2], many[2])
-            finally:
-                release(*many)
-            got = await backend.get(keys[2])
-            assert same(objs[2], got)
-            release(got)
+            await reads_back(backend, keys[2], objs[2])
             assert backend.corrupt_objects == 1
             assert hashed_whole == []  # every checksum was streamed as the bytes came in
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
     assert allocator.stats().used == 0
 
 
@@ -591,7 +440,7 @@ def test_receivers_restarted_for_a_fetch_sent_again_read_the_new_values_only() -
     value = b"".join(bytes(memoryview(part)) for part in encode_frame(obj))
     allocator = FreeListAllocator(1 << 20, pin=False)
     receivers = [FrameReceiver(allocator) for _ in range(3)]
-    try:
+    with releasing(obj):
         receivers[0].receive(_damage(value, "header bit"))
         receivers[1].receive(value)  # holds allocator memory until restarted
         restart(receivers)
@@ -599,12 +448,8 @@ def test_receivers_restarted_for_a_fetch_sent_again_read_the_new_values_only() -
         receivers[0].receive(value)
         receivers[1].receive(value)  # receivers[2]: a miss this time
         got = [receiver.finish() for receiver in receivers]
-        try:
+        with releasing(*got):
             assert same(obj, got[0]) and same(obj, got[1]) and got[2] is None
-        finally:
-            release(*got)
-    finally:
-        obj.release()
     assert allocator.stats().used == 0
 
 
@@ -626,26 +471,22 @@ async def paused_mid_value(
 
 
 def test_get_into_receives_into_the_callers_memory_damage_misses_another_size_raises(
-    server: RedisServer,
+    standalone: RedisServer,
 ) -> None:
-    keys = keys_of(4)
+    keys = fresh_keys(4)
     objs = [make_obj(40 + n, (2, 2, 64, 256)) for n in range(4)]
     allocator = FreeListAllocator(16 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, allocator=allocator)
-        assert isinstance(backend, RedisBackend)
-        dests = [
-            MemoryObj.from_tensor(torch.zeros(objs[0].nbytes, dtype=torch.uint8)) for _ in keys
-        ]
-        short = MemoryObj.from_tensor(torch.full((objs[0].nbytes // 2,), 7, dtype=torch.uint8))
-        try:
+        async with opened(standalone.url, allocator=allocator) as backend:
+            dests = [
+                MemoryObj.from_tensor(torch.zeros(objs[0].nbytes, dtype=torch.uint8)) for _ in keys
+            ]
+            short = MemoryObj.from_tensor(torch.full((objs[0].nbytes // 2,), 7, dtype=torch.uint8))
             await backend.batched_put(keys[:3], objs[:3])
-            with server.client() as client:
-                name = backend.key_string(keys[1])
-                client.set(name, _damage(client.get(name), "payload bit"))
+            _damage_stored(standalone, backend, keys[1], "payload bit")
             hits = await backend.batched_get_into(keys, dests)
-            opened = direct_of(backend).connects  # the batch was spread over connections
+            connections = direct_of(backend).connects  # the batch was spread over connections
             assert hits == [True, False, True, False]
             assert torch.equal(dests[0].raw, objs[0].raw) and torch.equal(dests[2].raw, objs[2].raw)
             assert backend.corrupt_objects == 1
@@ -655,27 +496,21 @@ def test_get_into_receives_into_the_callers_memory_damage_misses_another_size_ra
             assert bool((short.raw == 7).all())  # another size: nothing written
             assert all(dest.ref_count == 1 for dest in [*dests, short])
             assert allocator.stats().used == 0  # nothing went through kvplug's own memory
-            assert direct_of(backend).connects == opened  # values not taken were drained
-        finally:
-            await backend.close()
+            assert direct_of(backend).connects == connections  # values not taken were drained
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
 
 
 def test_a_cancelled_get_into_never_writes_into_the_callers_memory_afterwards(
     fresh_server: RedisServer,
 ) -> None:
-    shape = (2, 64, 256, 1024)
-    obj = make_obj(71, shape)
-    key = keys_of(1)[0]
+    obj = make_obj(71, LARGE)
+    key = fresh_keys(1)[0]
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(fresh_server.url, timeout=60)
-        dest = MemoryObj.from_tensor(torch.zeros(obj.nbytes, dtype=torch.uint8))
-        try:
+        async with opened(fresh_server.url, timeout=60) as backend:
+            dest = MemoryObj.from_tensor(torch.zeros(obj.nbytes, dtype=torch.uint8))
             await backend.put(key, obj)
             pending = asyncio.ensure_future(backend.batched_get_into([key], [dest]))
             # One reference is the caller's, one get_into's own; a third is the reader's, taken
@@ -691,45 +526,34 @@ def test_a_cancelled_get_into_never_writes_into_the_callers_memory_afterwards(
             assert intact, "the cancelled get_into wrote into the caller's memory afterwards"
             assert await backend.batched_get_into([key], [dest]) == [True]
             assert torch.equal(dest.raw, obj.raw)
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
 
 
-def test_an_error_reply_is_a_backend_error_and_releases_the_batch(server: RedisServer) -> None:
-    keys = keys_of(3)
+def test_an_error_reply_is_a_backend_error_and_releases_the_batch(
+    standalone: RedisServer,
+) -> None:
+    keys = fresh_keys(3)
     obj = make_obj(30)
     allocator = FreeListAllocator(4 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(server.url, allocator=allocator)
-        assert isinstance(backend, RedisBackend)
-        try:
+        async with opened(standalone.url, allocator=allocator) as backend:
+            assert isinstance(backend, RedisBackend)
             await backend.batched_put([keys[0], keys[2]], [obj, obj])
-            with server.client() as client:
+            with standalone.client() as client:
                 client.lpush(backend.key_string(keys[1]), b"x")
             with pytest.raises(BackendError, match="WRONGTYPE"):
                 await backend.get(keys[1])
             with pytest.raises(BackendError, match="WRONGTYPE"):
                 await backend.batched_get(keys)
             assert allocator.stats().used == 0  # the objects read around it were released
-            got = await backend.get(keys[2])
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
+            await reads_back(backend, keys[2], obj)
             assert direct_of(backend).connects == 1
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
 
 
 @pytest.mark.parametrize(
@@ -762,24 +586,17 @@ def test_error_replies_become_the_errors_the_client_libraries_give(
 
 def _direct_round_trip(url: str, **options: Any) -> int:
     """Put and get one object through ``url``; the number of direct ``GET`` s."""
+    key = fresh_keys(1)[0]
+    obj = make_obj(40)
 
     async def scenario() -> int:
-        backend = await kvplug.open_backend(url, **options)
-        key = keys_of(1)[0]
-        obj = make_obj(40)
-        try:
+        async with opened(url, **options) as backend:
             await backend.put(key, obj)
-            got = await backend.get(key)
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
+            await reads_back(backend, key, obj)
             return direct_of(backend).gets
-        finally:
-            obj.release()
-            await backend.close()
 
-    return run(scenario())
+    with releasing(obj):
+        return run(scenario())
 
 
 def test_direct_connections_log_in_with_a_password_or_an_acl_user(
@@ -795,7 +612,7 @@ def test_refused_credentials_and_permissions_name_the_credentials(
     password_server: RedisServer,
 ) -> None:
     address = f"127.0.0.1:{password_server.port}"
-    key = keys_of(1)[0]
+    key = fresh_keys(1)[0]
 
     async def get_without_open(url: str) -> None:
         backend = kvplug.create_backend(url)  # not opened: the get is the first contact
@@ -815,32 +632,23 @@ def test_refused_credentials_and_permissions_name_the_credentials(
         assert "n0t-the-pw" not in str(error.value), why
 
 
-def test_a_database_other_than_0_is_selected(server: RedisServer) -> None:
-    key = keys_of(1)[0]
+def test_a_database_other_than_0_is_selected(standalone: RedisServer) -> None:
+    key = fresh_keys(1)[0]
     obj = make_obj(41)
 
     async def scenario() -> str:
-        backend = await kvplug.open_backend(f"{server.url}/3")
-        assert isinstance(backend, RedisBackend)
-        try:
+        async with opened(f"{standalone.url}/3") as backend:
+            assert isinstance(backend, RedisBackend)
             await backend.put(key, obj)
-            got = await backend.get(key)
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
+            await reads_back(backend, key, obj)
             assert direct_of(backend).gets == 1
             return backend.key_string(key)
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(obj):
         name = run(scenario())
-    finally:
-        obj.release()
-    with server.client(db=3) as client:
+    with standalone.client(db=3) as client:
         assert client.exists(name) == 1
-    with server.client() as client:
+    with standalone.client() as client:
         assert client.exists(name) == 0
 
 
@@ -849,24 +657,24 @@ def test_a_database_other_than_0_is_selected(server: RedisServer) -> None:
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "client"])
 def test_a_backend_used_from_another_threads_loop_closes_that_loops_connections_with_it(
-    server: RedisServer, direct_reads: bool
+    standalone: RedisServer, direct_reads: bool
 ) -> None:
     """An engine opens the backend on one loop and uses it from a worker's ``asyncio.run``:
     the worker's loop gets connections of its own, closed when that loop ends, and the
     opening loop goes on with its own."""
-    keys = keys_of(2)
+    keys = fresh_keys(2)
     obj = make_obj(95)
     home = asyncio.new_event_loop()
 
     async def round_trip(backend: kvplug.Backend, key: CacheKey) -> None:
         await backend.put(key, obj)
         got = await backend.batched_get(keys)
-        try:
+        with releasing(*got):
             assert same(obj, got[keys.index(key)])
-        finally:
-            release(*got)
 
-    backend = home.run_until_complete(kvplug.open_backend(server.url, direct_reads=direct_reads))
+    backend = home.run_until_complete(
+        kvplug.open_backend(standalone.url, direct_reads=direct_reads)
+    )
     assert isinstance(backend, RedisBackend)
     try:
         home.run_until_complete(round_trip(backend, keys[0]))
@@ -906,27 +714,19 @@ def test_a_backend_used_from_another_threads_loop_closes_that_loops_connections_
 def test_a_restart_fails_fast_then_reads_again_without_reopening(
     fresh_server: RedisServer,
 ) -> None:
-    key = keys_of(1)[0]
+    key = fresh_keys(1)[0]
     obj = make_obj(50)
 
-    async def read_back(backend: kvplug.Backend) -> None:
-        got = await backend.get(key)
-        try:
-            assert same(obj, got)
-        finally:
-            release(got)
-
     async def scenario() -> None:
-        backend = await kvplug.open_backend(fresh_server.url, timeout=2.0)
-        direct = direct_of(backend)
-        try:
+        async with opened(fresh_server.url, timeout=2.0) as backend:
+            direct = direct_of(backend)
             await backend.put(key, obj)
-            await read_back(backend)
+            await reads_back(backend, key, obj)
             fresh_server.stop()
             await asyncio.to_thread(fresh_server.start)
             await backend.put(key, obj)
             # The pooled connection died with the server: the get retries on a new one.
-            await read_back(backend)
+            await reads_back(backend, key, obj)
             assert direct.connects == 2
             fresh_server.stop()
             started = time.monotonic()
@@ -935,27 +735,22 @@ def test_a_restart_fails_fast_then_reads_again_without_reopening(
             assert time.monotonic() - started < 1.0  # refused, not waiting for the deadline
             await asyncio.to_thread(fresh_server.start)
             await backend.put(key, obj)
-            await read_back(backend)
-        finally:
-            await backend.close()
+            await reads_back(backend, key, obj)
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
 
 
 def test_a_paused_server_times_out_and_the_stale_reply_is_never_read(
     fresh_server: RedisServer,
 ) -> None:
-    keys = keys_of(2)
+    keys = fresh_keys(2)
     objs = [make_obj(60), make_obj(61)]
     deadline = 0.5
     allocator = FreeListAllocator(4 << 20, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(fresh_server.url, timeout=deadline, allocator=allocator)
-        try:
+        async with opened(fresh_server.url, timeout=deadline, allocator=allocator) as backend:
             await backend.batched_put(keys, objs)
             release(await backend.get(keys[0]))  # a pooled connection exists
             fresh_server.pause()
@@ -970,19 +765,11 @@ def test_a_paused_server_times_out_and_the_stale_reply_is_never_read(
                 fresh_server.resume()
             # The server now answers the timed-out GETs on their connections; those were
             # aborted, so this get cannot take keys[0]'s late reply for its own.
-            got = await backend.get(keys[1])
-            try:
-                assert same(objs[1], got)
-            finally:
-                release(got)
+            await reads_back(backend, keys[1], objs[1])
             assert direct_of(backend).connects == 3
-        finally:
-            await backend.close()
 
-    try:
+    with releasing(*objs):
         run(scenario())
-    finally:
-        release(*objs)
     assert allocator.stats().used == 0
 
 
@@ -990,14 +777,12 @@ def test_a_cancelled_get_never_writes_into_memory_it_gave_back(fresh_server: Red
     """Cancel a 64 MiB get while its reply is arriving (the server paused mid-value), hand the
     same allocator memory to a new object, let the server send the rest: the new object's
     bytes must stay as written."""
-    shape = (2, 64, 256, 1024)
-    obj = make_obj(70, shape)
-    key = keys_of(1)[0]
+    obj = make_obj(70, LARGE)
+    key = fresh_keys(1)[0]
     allocator = FreeListAllocator(obj.nbytes, pin=False)
 
     async def scenario() -> None:
-        backend = await kvplug.open_backend(fresh_server.url, timeout=60, allocator=allocator)
-        try:
+        async with opened(fresh_server.url, timeout=60, allocator=allocator) as backend:
             await backend.put(key, obj)
             pending = asyncio.ensure_future(backend.get(key))
             async with paused_mid_value(fresh_server, pending, lambda: allocator.stats().used > 0):
@@ -1005,31 +790,22 @@ def test_a_cancelled_get_never_writes_into_memory_it_gave_back(fresh_server: Red
                 with pytest.raises(asyncio.CancelledError):
                     await pending
                 assert allocator.stats().used == 0
-                reuse = allocator.allocate(shape, torch.float16)
+                reuse = allocator.allocate(LARGE, torch.float16)
                 assert reuse is not None and reuse.offset == 0
                 reuse.raw.fill_(0xAB)
             await asyncio.sleep(0.5)  # the server sends the rest of the value now
             intact = bool((reuse.raw == 0xAB).all())  # not in the assert: no 64 MiB repr
             reuse.release()
             assert intact, "the cancelled get wrote into memory it had given back"
-            got = await backend.get(key)
-            try:
-                assert same(obj, got)
-            finally:
-                release(got)
-        finally:
-            await backend.close()
+            await reads_back(backend, key, obj)
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()
 
 
 def test_close_aborts_a_direct_read_in_flight(fresh_server: RedisServer) -> None:
-    shape = (2, 64, 256, 1024)
-    obj = make_obj(80, shape)
-    key = keys_of(1)[0]
+    obj = make_obj(80, LARGE)
+    key = fresh_keys(1)[0]
     allocator = FreeListAllocator(obj.nbytes, pin=False)
 
     async def scenario() -> None:
@@ -1044,7 +820,5 @@ def test_close_aborts_a_direct_read_in_flight(fresh_server: RedisServer) -> None
             assert allocator.stats().used == 0
         assert direct.open_connections == 0
 
-    try:
+    with releasing(obj):
         run(scenario())
-    finally:
-        obj.release()

@@ -21,13 +21,8 @@ from kvplug import BackendTimeout, BackendUnavailable, CacheKey, MemoryObj
 from kvplug.frame import encode_frame
 from kvplug_redis import RedisBackend
 from kvplug_redis.sentinel import Answer, choose
-from kvplug_testing import (
-    SentinelGroup,
-    TLSUnsupported,
-    ValkeySentinelGroup,
-    open_backend_for_failover,
-    tls_problem,
-)
+from kvplug_testing import SentinelGroup, TLSUnsupported, open_backend_for_failover
+from kvplug_testing.server_family import REDIS, VALKEY
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -39,25 +34,19 @@ DEADLINE = 2.0
 TAG = struct.Struct("<qq")
 
 
-def make_group(server: str, tls: bool) -> SentinelGroup:
-    if server == "valkey":
-        if tls and tls_problem() is not None:
-            pytest.skip(f"valkey over TLS: {tls_problem()}")
-        return ValkeySentinelGroup(tls=tls)
-    return SentinelGroup(tls=tls)
-
-
 def started(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
-    server, tls = request.param
+    family, tls = request.param
+    if tls:
+        family.skip_without_tls()
     try:
-        with make_group(server, tls) as group:
+        with family.sentinel_group(tls=tls) as group:
             yield group
     except TLSUnsupported as error:
-        pytest.skip(f"valkey over TLS: {error}")
+        pytest.skip(f"{family.name} over TLS: {error}")
 
 
 @pytest.fixture(
-    params=[("redis", False), ("redis", True), ("valkey", False), ("valkey", True)],
+    params=[(REDIS, False), (REDIS, True), (VALKEY, False), (VALKEY, True)],
     ids=["redis", "rediss", "valkey", "valkeys"],
 )
 def group(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
@@ -65,7 +54,7 @@ def group(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
     yield from started(request)
 
 
-@pytest.fixture(params=[("redis", False), ("valkey", False)], ids=["redis", "valkey"])
+@pytest.fixture(params=[(REDIS, False), (VALKEY, False)], ids=["redis", "valkey"])
 def plain_group(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
     """Redis and Valkey without TLS, for what does not depend on the transport."""
     yield from started(request)

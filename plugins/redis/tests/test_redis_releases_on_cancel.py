@@ -4,65 +4,43 @@ bytes take: kvplug's own connections (plain TCP, unix socket, TLS reads, the mas
 names), the client library (``direct_reads=false``/``direct_writes=false``, TLS puts) and a
 Cluster, on asyncio's event loop and on uvloop (whose transports, like asyncio's from Python
 3.12, keep the buffers they are given). Each check pauses a real server mid-value
-(``kvplug_testing.cancellation``). The checks themselves are shown to catch a backend that goes on
+(``kvplug_testing.cancellation``); the scenarios the Valkey tier runs too are
+``kvplug_testing.tier_suite``'s. The checks themselves are shown to catch a backend that goes on
 reading or writing the caller's memory after a cancellation."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
 
-import kvplug
 from kvplug import Backend
 from kvplug.backend import Buffer
 from kvplug.frame import FrameReceiver
 from kvplug_redis import RedisBackend
-from kvplug_testing import RedisCluster, RedisServer, SentinelGroup
+from kvplug_testing import RedisServer
 from kvplug_testing.cancellation import (
     OPERATIONS,
-    MasterOf,
-    Tap,
     check_cancelled_get_into,
     check_cancelled_put,
     check_operation,
     run_on,
 )
+from kvplug_testing.tier_suite import ReleasesOnCancelScenarios
 
 pytestmark = pytest.mark.redis
 
-LIBRARY = {"direct_reads": False, "direct_writes": False}
-"""Options that send reads and writes through the client library."""
 
-
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("operation", list(OPERATIONS))
-@pytest.mark.parametrize("path", ["direct", "client library"])
-def test_a_cancelled_operation_lets_go_of_the_callers_memory(
-    standalone: RedisServer, path: str, operation: str, loop: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Through a :class:`Tap`, which also sees any byte of the caller's buffer sent after the
-    cancellation (a half-sent command the server then drops)."""
-    options = LIBRARY if path == "client library" else {}
-    with caplog.at_level(logging.ERROR, logger="asyncio"), Tap(*standalone.address) as tap:
-        run_on(loop, check_operation(tap.url(), tap, operation, **options))
-        gc.collect()
-    # A reply future that a cancelled send left behind is let go of, not failed unseen later.
-    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
-
-
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("operation", list(OPERATIONS))
-def test_over_tls_a_cancelled_operation_lets_go_of_the_callers_memory(
-    tls_server: RedisServer, operation: str, loop: str
-) -> None:
-    """Reads on kvplug's own TLS connections (an asyncio transport), puts through the client
-    library."""
-    run_on(loop, check_operation(tls_server.url, tls_server, operation))
+class TestRedisReleasesOnCancel(ReleasesOnCancelScenarios):
+    urls = (
+        "redis://127.0.0.1:1",
+        "rediss://127.0.0.1:1",
+        "unix:///tmp/kvplug-none.sock",
+        "redis+sentinel://127.0.0.1:1/mymaster",
+        "redis+cluster://127.0.0.1:1",
+    )
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
@@ -70,33 +48,6 @@ def test_on_a_unix_socket_a_cancelled_operation_lets_go_of_the_callers_memory(
     unix_server: RedisServer, operation: str
 ) -> None:
     run_on("asyncio", check_operation(unix_server.url, unix_server, operation))
-
-
-@pytest.mark.parametrize("operation", list(OPERATIONS))
-def test_with_sentinel_a_cancelled_operation_lets_go_of_the_callers_memory(
-    sentinel_group: SentinelGroup, operation: str
-) -> None:
-    run_on("asyncio", check_operation(sentinel_group.url, MasterOf(sentinel_group), operation))
-
-
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("operation", list(OPERATIONS))
-def test_on_a_cluster_a_cancelled_operation_lets_go_of_the_callers_memory(
-    cluster: RedisCluster, operation: str, loop: str
-) -> None:
-    run_on(loop, check_operation(cluster.url, cluster, operation))
-
-
-def test_every_mode_declares_releases_on_cancel() -> None:
-    for url in (
-        "redis://127.0.0.1:1",
-        "rediss://127.0.0.1:1",
-        "unix:///tmp/kvplug-none.sock",
-        "redis+sentinel://127.0.0.1:1/mymaster",
-        "redis+cluster://127.0.0.1:1",
-    ):
-        for options in ({}, LIBRARY):
-            assert kvplug.create_backend(url, **options).capabilities.releases_on_cancel, url
 
 
 # -- the checks catch a backend that breaks the promise ---------------------------------------

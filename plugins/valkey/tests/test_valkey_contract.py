@@ -9,57 +9,35 @@ the valkey-server was built without it (the PyPI wheels' are), except in CI."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
-from kvplug_testing import (
-    OverTLS,
-    ValkeyCluster,
-    ValkeySentinelGroup,
-    ValkeyServer,
-    tls_problem,
-)
+from kvplug_testing import OverTLS
+from kvplug_testing.conformance import ControlledServer, FullServer, ServedBy
+from kvplug_testing.server_family import VALKEY
 
 pytestmark = pytest.mark.redis
 
-TLS_PROBLEM = tls_problem()
+TLS_PROBLEM = VALKEY.why_no_tls()
 """Why the valkey-server cannot serve TLS (the PyPI wheels' are built without it), or None."""
 
 
-class TestValkeyConformance(BackendContract):
-    @pytest.fixture
-    def kvplug_url(self, standalone: ValkeyServer) -> str:
-        assert standalone.url.startswith("valkey://")
-        return standalone.url
-
-    @pytest.fixture
-    def server_control(self, standalone: ValkeyServer) -> ValkeyServer:
-        return standalone
+class TestValkeyConformance(ControlledServer, BackendContract):
+    server_fixture = "standalone"
 
 
 if TLS_PROBLEM is None:
 
-    class TestValkeysConformance(OverTLS, BackendContract):
-        @pytest.fixture
-        def kvplug_url(self, tls_server: ValkeyServer) -> str:
-            assert tls_server.url.startswith("valkeys://")
-            return tls_server.url
+    class TestValkeysConformance(ControlledServer, OverTLS, BackendContract):
+        server_fixture = "tls_server"
 
-        @pytest.fixture
-        def server_control(self, tls_server: ValkeyServer) -> ValkeyServer:
-            return tls_server
-
-    class TestValkeysSentinelConformance(OverTLS, BackendContract):
+    class TestValkeysSentinelConformance(ServedBy, OverTLS, BackendContract):
         """valkeys+sentinel://: TLS to the sentinels and to the master they name, with a
         client certificate. Clause 10 is n/a, as for plain Sentinel."""
 
-        @pytest.fixture
-        def kvplug_url(self, tls_sentinel_group: ValkeySentinelGroup) -> str:
-            assert tls_sentinel_group.url.startswith("valkeys+sentinel://")
-            return tls_sentinel_group.url
+        server_fixture = "tls_sentinel_group"
 
 else:
 
@@ -72,35 +50,18 @@ else:
         pytest.skip(TLS_PROBLEM or "")
 
 
-class TestValkeySentinelConformance(BackendContract):
+class TestValkeySentinelConformance(ServedBy, BackendContract):
     """Failover is tested in test_valkey_backend.py; clause 10 is n/a for a whole group."""
 
-    @pytest.fixture
-    def kvplug_url(self, sentinel_group: ValkeySentinelGroup) -> str:
-        assert sentinel_group.url.startswith("valkey+sentinel://")
-        return sentinel_group.url
+    server_fixture = "sentinel_group"
 
 
-class TestValkeyClusterConformance(BackendContract):
-    @pytest.fixture
-    def kvplug_url(self, cluster: ValkeyCluster) -> str:
-        assert cluster.url.startswith("valkey+cluster://")
-        return cluster.url
-
-    @pytest.fixture
-    def server_control(self, cluster: ValkeyCluster) -> ValkeyCluster:
-        return cluster
+class TestValkeyClusterConformance(ControlledServer, BackendContract):
+    server_fixture = "cluster"
 
 
-class TestFullValkeyConformance(CapacityContract):
+class TestFullValkeyConformance(FullServer, CapacityContract):
     """maxmemory with noeviction: puts raise CapacityExceeded (valkey-py's OutOfMemoryError),
     reads keep working."""
 
-    @pytest.fixture
-    def kvplug_url(self) -> Iterator[str]:
-        with ValkeyServer(maxmemory="4mb", policy="noeviction") as server:
-            yield server.url
-
-    @pytest.fixture
-    def small_store_options(self) -> dict[str, object]:
-        return {}  # the server behind kvplug_url is the small store
+    policy = "noeviction"

@@ -24,8 +24,12 @@ exits; none depends on a service being already up.
 suite's ``ServerControl`` (``pause``, ``resume``, ``stop``, ``start``), so clause 10 runs against
 them.
 :mod:`kvplug_testing.tier_checks` holds what the Redis and Valkey tier tests share (it imports
-torch and kvplug, so it is imported by name only); :mod:`kvplug_testing.stall` stalls a
-backend's worker thread for the engine integrations' boundary tests, and
+torch and kvplug, so it is imported by name only), :mod:`kvplug_testing.tier_suite` the tests
+both tiers run, each against its own family of servers (:mod:`kvplug_testing.server_family`),
+which :mod:`kvplug_testing.server_fixtures` starts as pytest fixtures, and
+:mod:`kvplug_testing.conformance` points the contract suite at those servers;
+:mod:`kvplug_testing.stall` stalls a backend's worker thread for the engine integrations'
+boundary tests, and
 :mod:`kvplug_testing.threads` runs an event loop on a thread and checks that no thread is left.
 :mod:`kvplug_testing.engine_process` runs a real engine in a child process driven by JSON lines
 (the engine integrations' real-engine tests and benchmarks), and

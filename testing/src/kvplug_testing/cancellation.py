@@ -301,6 +301,23 @@ def _assert_let_go(objs: Sequence[MemoryObj], what: str) -> None:
     )
 
 
+async def _cancel_in_flight(
+    task: asyncio.Future[Any],
+    what: str,
+    objs: Sequence[MemoryObj],
+    hold: Hold | None,
+    finished_too_soon: str,
+) -> None:
+    """Cancel ``task``, the operation ``what`` on ``objs``, and check that it let go of them.
+    Held by ``hold``, it must still be in flight once it settled, or the check proves nothing
+    (``finished_too_soon`` says why)."""
+    if hold is not None:
+        await asyncio.sleep(SETTLE_SECONDS)
+        assert not task.done(), finished_too_soon
+    await _cancelled(task, what, held=hold is not None)
+    _assert_let_go(objs, what)
+
+
 def _corrupt_count(backend: Backend) -> int | None:
     """Damaged values read so far, seen through wrappers (a torn put reads as one)."""
     seen: Any = backend
@@ -385,14 +402,14 @@ async def check_cancelled_get_into(
 
         async def cancel() -> None:
             assert task is not None
-            if hold is not None:
-                await asyncio.sleep(SETTLE_SECONDS)
-                assert not task.done(), (
-                    f"the whole {what} of {nbytes} bytes arrived before the server was paused; "
-                    "the check needs a larger value (nbytes)"
-                )
-            await _cancelled(task, what, held=hold is not None)
-            _assert_let_go(dests, what)
+            await _cancel_in_flight(
+                task,
+                what,
+                dests,
+                hold,
+                f"the whole {what} of {nbytes} bytes arrived before the server was paused; "
+                "the check needs a larger value (nbytes)",
+            )
             for dest in dests:
                 dest.raw.fill_(SENTINEL)
 
@@ -442,14 +459,14 @@ async def check_cancelled_put(
             task = asyncio.ensure_future(writing)
             if hold is None:
                 await _turns(REQUEST_TURNS)
-            else:
-                await asyncio.sleep(SETTLE_SECONDS)
-                assert not task.done(), (
-                    f"the {what} of {nbytes} bytes ended against a paused server; the check needs "
-                    "a larger value (nbytes)"
-                )
-            await _cancelled(task, what, held=hold is not None)
-            _assert_let_go(sources, what)
+            await _cancel_in_flight(
+                task,
+                what,
+                sources,
+                hold,
+                f"the {what} of {nbytes} bytes ended against a paused server; the check needs "
+                "a larger value (nbytes)",
+            )
             if isinstance(hold, Tap):
                 hold.mark()
             for source in sources:

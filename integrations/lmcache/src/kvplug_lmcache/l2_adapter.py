@@ -60,7 +60,6 @@ works again as soon as kvplug's backend does (kvplug backends recover without a 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import contextlib
 import itertools
@@ -69,19 +68,16 @@ import threading
 from collections.abc import Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvplug.backend import Backend
 from kvplug.errors import (
     BackendClosed,
     BackendUnavailable,
-    ConfigError,
     KvplugError,
     LayoutMismatch,
 )
@@ -91,27 +87,24 @@ from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime.engine import (
     CallHealth,
     EngineIO,
-    check_keys,
-    check_target,
-    flag,
     open_client,
-    positive_seconds,
     probe,
-    tiers_of,
     within_deadline,
 )
-from kvplug.runtime.store import store_of, store_url, stored_keys
+from kvplug.runtime.store import store_of, stored_keys
 from kvplug.runtime.sync import SyncClient
-from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.secrets import mask_data, mask_text
 from kvplug.stats import summarize
-from kvplug.units import parse_size
-from kvplug_lmcache.keys import cache_key_to_object_key, object_key_to_cache_key
+from kvplug_lmcache.adapter_config import (
+    DEFAULT_LOCK_TTL,
+    DEFAULT_TASK_TIMEOUT,
+    KvplugL2AdapterConfig,
+    backend_url_and_options,
+)
+from kvplug_lmcache.key_listing import check_page_request, mp_keys, page_after
+from kvplug_lmcache.keys import object_key_to_cache_key
+from kvplug_lmcache.lmcache_memory import MemoryTags, byte_view, memory_tags
 from kvplug_lmcache.usage import default_capacity, held_by_backend
-
-try:  # LMCache 0.5.7 and later: adapters declare the memory they keep bytes in
-    from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
-except ImportError:  # LMCache 0.5.6
-    MemoryResidency = MemorySegment = MemoryTags = None
 
 logger = logging.getLogger("kvplug.lmcache")
 T = TypeVar("T")
@@ -119,195 +112,8 @@ Outcome = tuple[Any, BaseException | None]
 """What a task coroutine returns: its result for LMCache, and why it failed (None: it did
 not)."""
 
-DEFAULT_TASK_TIMEOUT = 60.0
-"""Seconds one store, lookup or load task may take before it is reported failed."""
-DEFAULT_LOCK_TTL = 300.0
-"""Seconds a lock lasts when LMCache never gives it back."""
 MAX_UNCLAIMED = 100_000
 """Results of tasks LMCache never asked for kept at most (the oldest go first)."""
-_PARAMS = {
-    "url": "a kvplug URL, e.g. file:///var/cache/kv or redis://host:6379",
-    "config": "the path of a kvplug tiers YAML (instead of url)",
-    "options": "kvplug backend options (or Store options with config), a mapping",
-    "capacity": "bytes the adapter reports as its capacity (int or '100GiB'); default: the "
-    "backend's max_size when it has one, else 0 (unknown)",
-    "task_timeout": f"seconds a store, lookup or load may take (default {DEFAULT_TASK_TIMEOUT})",
-    "lock_ttl": f"seconds a lock lasts unless unlocked earlier (default {DEFAULT_LOCK_TTL})",
-    "check_on_start": "fail at start when the backend is unreachable (default true)",
-    "pin_locked": "pin locked keys on backends that can pin (default true)",
-}
-
-
-class KvplugL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]  # lmcache is untyped
-    """The ``adapter_params`` of :class:`KvplugL2Adapter`, checked when LMCache builds it.
-
-    Fields:
-        url: any kvplug URL (``cpu://?max_size=8GiB``, ``file:///var/cache/kv``,
-            ``redis://host:6379``, ``store:///etc/kvplug.yaml``, ...).
-        config: the path of a kvplug tiers YAML; give exactly one of ``url`` and ``config``.
-        options: kvplug backend options (Store options with ``config``), e.g.
-            ``{"timeout": 5}``.
-        capacity: bytes reported as the adapter's capacity (an int or ``"100GiB"``); with a
-            capacity LMCache's aggregate L2 eviction can run (``"eviction"`` in the adapter
-            JSON). Default: the backend's ``max_size`` when it has one (cpu, file, a Store of
-            such tiers), else 0, which LMCache reads as unknown.
-        task_timeout: seconds one store, lookup or load may take before it is reported as
-            failed (default 60).
-        lock_ttl: seconds a lookup's lock lasts unless it is unlocked earlier (default 300);
-            a bound for locks whose lookup result LMCache never collected.
-        check_on_start: when true (the default), a backend that does not answer at start
-            fails the adapter (and ``lmcache server``) with kvplug's message; when false the
-            adapter starts anyway and its loads miss until the backend answers.
-        pin_locked: pin locked keys on backends that can pin (default true).
-
-    Example::
-
-        >>> config = KvplugL2AdapterConfig.from_dict(
-        ...     {"url": "cpu://?max_size=64MiB", "capacity": "64MiB"}
-        ... )
-        >>> config.url, config.capacity, config.task_timeout
-        ('cpu://?max_size=64MiB', 67108864, 60.0)
-        >>> try:
-        ...     KvplugL2AdapterConfig.from_dict({"urll": "cpu://"})
-        ... except ConfigError as error:
-        ...     print(str(error).split(" kvplug's keys")[0])
-        KvplugL2Adapter: unknown key(s) 'urll' (did you mean 'url'?) in adapter_params.
-    """
-
-    def __init__(
-        self,
-        url: str | None = None,
-        config: str | None = None,
-        options: Mapping[str, Any] | None = None,
-        capacity: int | None = None,
-        task_timeout: float = DEFAULT_TASK_TIMEOUT,
-        lock_ttl: float = DEFAULT_LOCK_TTL,
-        check_on_start: bool = True,
-        pin_locked: bool = True,
-    ) -> None:
-        self.url = url
-        self.config = config
-        self.options: dict[str, Any] = dict(options or {})
-        self.capacity = capacity
-        self.task_timeout = task_timeout
-        self.lock_ttl = lock_ttl
-        self.check_on_start = check_on_start
-        self.pin_locked = pin_locked
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KvplugL2AdapterConfig:
-        """Check ``adapter_params``; raises :class:`~kvplug.errors.ConfigError` naming the
-        field, what is wrong and what to write instead."""
-        if not isinstance(d, Mapping):
-            raise ConfigError(
-                f"KvplugL2Adapter adapter_params must be a JSON object, got {type(d).__name__}."
-            )
-        check_keys(d, _PARAMS, what="KvplugL2Adapter", where="adapter_params")
-        url, config, options = d.get("url"), d.get("config"), d.get("options")
-        check_target(url, config, options, what="KvplugL2Adapter adapter_params")
-        capacity = d.get("capacity")
-        if capacity is not None:
-            capacity = parse_size(capacity, what="KvplugL2Adapter adapter_params.capacity")
-        what = "KvplugL2Adapter adapter_params"
-        seconds = {
-            name: positive_seconds(d.get(name, default), name=name, what=what)
-            for name, default in (
-                ("task_timeout", DEFAULT_TASK_TIMEOUT),
-                ("lock_ttl", DEFAULT_LOCK_TTL),
-            )
-        }
-        flags = {
-            name: flag(d.get(name, True), name=name, what=what)
-            for name in ("check_on_start", "pin_locked")
-        }
-        return cls(
-            url=url,
-            config=config,
-            options=options,
-            capacity=capacity,
-            task_timeout=seconds["task_timeout"],
-            lock_ttl=seconds["lock_ttl"],
-            **flags,
-        )
-
-    @classmethod
-    def help(cls) -> str:
-        fields = "\n".join(f"- {name}: {meaning}" for name, meaning in _PARAMS.items())
-        return (
-            "kvplug L2 adapter (type 'plugin', module_path 'kvplug_lmcache.l2_adapter', "
-            f"class_name 'KvplugL2Adapter'); adapter_params:\n{fields}\n"
-            'Example: {"type": "plugin", "module_path": "kvplug_lmcache.l2_adapter", '
-            '"class_name": "KvplugL2Adapter", "adapter_params": {"url": "file:///var/cache/kv"}}'
-        )
-
-    def target(self) -> str:
-        """What the adapter opens, safe to print (passwords masked)."""
-        if self.url is not None:
-            return mask_url(self.url)
-        return f"the tiers of {self.config}"
-
-    def __repr__(self) -> str:
-        return f"KvplugL2AdapterConfig({self.target()})"
-
-
-def backend_url_and_options(adapter_params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The kvplug URL and options of the backend :class:`KvplugL2Adapter` opens for
-    ``adapter_params`` (of LMCache's ``--l2-adapter`` JSON), checked by
-    :meth:`KvplugL2AdapterConfig.from_dict` as at the server's start: ``url`` as given, or for
-    ``config`` the ``store://`` URL of that tiers YAML (the same Store over the same tiers), with
-    ``options``. ``kvplug.open_backend(url, **options)`` opens that backend, as the contract
-    suite does in ``integrations/lmcache/tests/test_lmcache_contract.py``.
-
-    Example::
-
-        >>> backend_url_and_options({"url": "redis://cache-1:6379", "options": {"timeout": 5}})
-        ('redis://cache-1:6379', {'timeout': 5})
-        >>> backend_url_and_options({"config": "/etc/kvplug.yaml"})
-        ('store:///etc/kvplug.yaml', {})
-    """
-    config = KvplugL2AdapterConfig.from_dict(dict(adapter_params))
-    url = config.url
-    if config.config is not None:
-        url = store_url(config.config)
-    return str(url), dict(config.options)
-
-
-def _byte_view(obj: Any) -> torch.Tensor:
-    """The logical bytes of an LMCache memory object as a flat uint8 tensor (no copy)."""
-    raw = obj.raw_tensor
-    if raw is None:
-        raise KvplugError("LMCache handed over an invalidated memory object; it has no bytes.")
-    if not raw.is_contiguous():
-        raise KvplugError("LMCache handed over a memory object whose buffer is not contiguous.")
-    flat = raw.reshape(-1).view(torch.uint8)
-    size = int(obj.get_size())
-    if flat.numel() < size:
-        raise KvplugError(
-            f"LMCache's memory object says it holds {size} bytes but its buffer has only "
-            f"{flat.numel()}."
-        )
-    view: torch.Tensor = flat[:size]
-    return view
-
-
-def _memory_tags(backend: Backend, shared: bool) -> Any:
-    """LMCache's tags for where the backend keeps its bytes, seen through wrappers: REMOTE
-    where other hosts may see them (LMCache's meaning), so not for ``file://``, whose directory
-    the processes of one host share (LMCache says ``shared`` for one on a network
-    filesystem)."""
-    tiers = tiers_of(backend)
-    remote = shared or any(
-        tier.capabilities.shared_across_processes and tier.url.scheme != "file" for tier in tiers
-    )
-    residency = MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL
-    if all(tier.url.scheme in ("gds", "weka") for tier in tiers):
-        segment = MemorySegment.GDS
-    elif all(tier.capabilities.zero_copy and not tier.capabilities.persistent for tier in tiers):
-        segment = MemorySegment.DRAM
-    else:
-        segment = MemorySegment.STORAGE
-    return MemoryTags(segment, residency)
-
 
 _KINDS = ("stores", "lookups", "loads")
 """The kinds of task LMCache submits; each has a ``failed_<kind>`` counter."""
@@ -400,7 +206,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         self._pins = config.pin_locked and backend.capabilities.pin
         # Reading a host-memory tier costs nothing, so a touch reads (its LRU sees the use).
         self._touches = backend.capabilities.zero_copy and store_of(backend) is None
-        self._tags = _memory_tags(backend, shared=False) if MemoryTags is not None else None
+        self._tags = memory_tags(backend, shared=False) if MemoryTags is not None else None
 
         self._state = threading.Lock()
         """Guards everything report_status shows, so that one snapshot is consistent: task
@@ -564,8 +370,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
             sources = [
-                MemoryObj.from_tensor(_byte_view(obj), MemoryFormat.BINARY_BUFFER)
-                for obj in objects
+                MemoryObj.from_tensor(byte_view(obj), MemoryFormat.BINARY_BUFFER) for obj in objects
             ]
             sizes = [source.nbytes for source in sources]
             await self._io.store(cache_keys, sources)
@@ -702,7 +507,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         try:
             cache_keys = [object_key_to_cache_key(key) for key in keys]
             dests = [
-                MemoryObj.from_tensor(_byte_view(buffer), MemoryFormat.BINARY_BUFFER)
+                MemoryObj.from_tensor(byte_view(buffer), MemoryFormat.BINARY_BUFFER)
                 for buffer in objects
             ]
             try:
@@ -821,35 +626,14 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         ``next_page_token`` of the page before. ``size_bytes`` is known for keys this adapter
         stored since it started, 0 for the others. Each page lists the whole backend, so
         listing suits maintenance, not the serving path."""
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        check_page_request(page_size, cursor)
         if not self._backend.capabilities.list_keys:
             raise NotImplementedError(
                 f"{self._config.target()} cannot list its keys (kvplug capability 'list_keys')."
             )
-        if cursor is not None:
-            try:
-                cache_key_to_object_key(CacheKey.parse(cursor))
-            except (KvplugError, ValueError):
-                raise ValueError(
-                    f"cursor {cursor!r} is not a next_page_token this adapter returned"
-                ) from None
-
-        async def listed() -> list[tuple[str, ObjectKey]]:
-            found = []
-            async for cache_key in self._backend.list_keys():
-                try:
-                    key = cache_key_to_object_key(cache_key)
-                except (KvplugError, ValueError):
-                    continue  # not an MP key (another engine shares the store)
-                if model_name is None or key.model_name == model_name:
-                    found.append((cache_key.to_string(), key))
-            return sorted(found, key=lambda item: item[0])
-
-        items = self._client.run(self._within_deadline(listed(), "a listing")).result()
-        start = 0 if cursor is None else bisect.bisect_right([t for t, _ in items], cursor)
-        page = items[start : start + page_size]
-        more = start + page_size < len(items)
+        listed = mp_keys(self._backend, model_name)
+        items = self._client.run(self._within_deadline(listed, "a listing")).result()
+        page, more = page_after(items, cursor, page_size)
         with self._state:
             entries = tuple(
                 KeyEntry(key=key.to_encoded_object_key(), size_bytes=self._sizes.get(key, 0))
@@ -862,9 +646,9 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
     def set_backend_identity(self, name: str, shared: bool = False) -> None:
         super().set_backend_identity(name, shared)
         if MemoryTags is not None:
-            self._tags = _memory_tags(self._backend, shared)
+            self._tags = memory_tags(self._backend, shared)
 
-    def get_memory_tags(self) -> Any:
+    def getmemory_tags(self) -> Any:
         """Where the bytes live (LMCache 0.5.7+): DRAM for host-memory tiers, GDS for
         GPUDirect storage, STORAGE otherwise; REMOTE when another process or host can see
         them (Redis, Valkey, a ``shared`` adapter), else LOCAL."""
@@ -1005,6 +789,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
 
 
 __all__ = [
+    "DEFAULT_LOCK_TTL",
     "DEFAULT_TASK_TIMEOUT",
     "KvplugL2Adapter",
     "KvplugL2AdapterConfig",

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from kvplug.errors import ConfigError, InvalidBackendURL
 from kvplug.url import BackendURL
-from kvplug_disk.fileops import O_DIRECT, classify_os_error, reason, unlink_quietly
+from kvplug_disk.fileops import O_DIRECT, WriterLock, classify_os_error, reason, unlink_quietly
 from kvplug_disk.layout import BLOCK, probe_name
+from kvplug_disk.options import DiskOptions
 
 logger = logging.getLogger("kvplug.disk")
 
@@ -237,6 +238,50 @@ def open_directory(url: BackendURL, path: str, writer: str, o_direct: bool) -> D
     return directory
 
 
+def open_directories(
+    url: BackendURL,
+    paths: Sequence[str],
+    writer: str,
+    options: DiskOptions,
+    locks: list[WriterLock],
+) -> list[Directory]:
+    """The tier's directories ``paths``, each prepared (made, checked), locked for the backend
+    ``writer`` (each lock appended to ``locks``: the caller releases them, also when this
+    raises) and opened (:func:`open_directory`); two names of one directory count once."""
+    directories: list[Directory] = []
+    seen: set[tuple[int, int]] = set()
+    for path in paths:
+        _prepare_directory(path, url, options.allow_shared_dir)
+        info = os.stat(path)
+        if (info.st_dev, info.st_ino) in seen:
+            continue  # two names of one directory
+        seen.add((info.st_dev, info.st_ino))
+        try:
+            locks.append(WriterLock(path, writer))
+        except OSError as error:
+            raise ConfigError(
+                f"{url}: cannot create this backend's lock file in {path}: "
+                f"{reason(error)}. The cache directory must be writable by this user; fix its "
+                "permissions or choose another directory."
+            ) from None
+        directories.append(open_directory(url, path, writer, options.o_direct))
+    return directories
+
+
+def shard_of(directories: Sequence[Directory], stem: str, home: int | None) -> Directory:
+    """The directory the object file ``stem`` is written to: by the stem's hash, or, when
+    the scheme names a ``home`` (``gds://``'s ``shard=by_gpu``), directory ``home % count``."""
+    if home is not None:
+        return directories[home % len(directories)]
+    return directories[int(stem[2:10], 16) % len(directories)]
+
+
+def probe_order(directories: Sequence[Directory], stem: str, home: int | None) -> list[Directory]:
+    """Where to look for the object file ``stem``: its shard first, then the others."""
+    first = shard_of(directories, stem, home)
+    return [first, *(d for d in directories if d is not first)]
+
+
 def _directory_paths(url: BackendURL, extra: Sequence[str]) -> tuple[str, ...]:
     raw = (url.path.split(",") if url.path else []) + list(extra)
     if not raw:
@@ -357,5 +402,8 @@ __all__ = [
     "DirectIO",
     "Directory",
     "ProbeFailure",
+    "open_directories",
     "open_directory",
+    "probe_order",
+    "shard_of",
 ]

@@ -7,18 +7,24 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvplug.memory import MemoryObj
 from kvplug_disk.slots import Slots
+
+if TYPE_CHECKING:
+    from kvplug_disk.backend import DiskBackend
+    from kvplug_disk.catalog import Catalog
+    from kvplug_disk.payloads import PayloadPlanner
 
 T = TypeVar("T")
 
 READ_HELPERS = 8
 """Threads per I/O thread that read the later pieces of a payload while the I/O thread reads
-the first one and hashes them (see :meth:`kvplug_disk.backend.DiskBackend._read_hashing`);
-started when first needed."""
+the first one and hashes them (see :func:`kvplug_disk.piecewise.read_hashing`); started when
+first needed."""
 
 
 def _hand_back(abandoned: Callable[[T], None], future: concurrent.futures.Future[T]) -> None:
@@ -131,4 +137,17 @@ class Workers:
         self.readers.shutdown(wait=False)
 
 
-__all__ = ["READ_HELPERS", "Workers", "release_read"]
+@dataclass(frozen=True)
+class FileWork:
+    """What the read and write paths of one backend work with on its file I/O threads: the
+    backend (its URL, options, directories, FileIO, allocator and scheme), its catalog, its
+    payload planner, these threads, and its writer id, which names its temporary files."""
+
+    backend: DiskBackend
+    catalog: Catalog
+    planner: PayloadPlanner
+    workers: Workers
+    writer: str
+
+
+__all__ = ["READ_HELPERS", "FileWork", "Workers", "release_read"]

@@ -94,8 +94,17 @@ class FileIO(abc.ABC):
     moves host memory itself may override them to move header and payload in one call
     (:class:`~kvplug_disk.fileio.PosixFileIO` does) and set :attr:`moves_host_views`.
 
+    **Alignment.** File offsets and lengths are whole 4096-byte blocks (:data:`BLOCK`): the
+    header block at 0, the payload from 4096, zero-padded to a block boundary. Memory the
+    engine hands over is a flat ``uint8`` tensor; when the file is opened with O_DIRECT
+    (:attr:`Payload.o_direct`) it starts on a 4096-byte boundary and spans whole blocks (the
+    object's own allocator block, or aligned staging memory when :meth:`accepts` refuses the
+    object's memory).
+
     Implementations must be thread-safe: the engine calls them from its worker threads.
-    Failures are ``OSError`` (the engine turns them into kvplug errors).
+    Failures are ``OSError`` (the engine turns them into kvplug errors): one that is not of
+    :attr:`library_errors` and has errno EIO or EINVAL while an object is read means a
+    damaged file (a counted miss, the file removed).
 
     Every call that reads or writes a payload's memory runs inside ``payload.access()``, one
     call at a time, and lets what it raises propagate: the payload may be a caller's buffer
@@ -111,7 +120,16 @@ class FileIO(abc.ABC):
     :attr:`Payload.buffers` (any host memory), so that without O_DIRECT a payload needs no
     aligned staging; False when they need :attr:`Payload.tensor` in memory :meth:`accepts`."""
     refuses_nofollow: ClassVar[bool] = False
-    """True when :meth:`open` refuses a descriptor opened with ``O_NOFOLLOW`` (cuFile does)."""
+    """True when :meth:`open` refuses a descriptor opened with ``O_NOFOLLOW`` (cuFile does):
+    the engine then creates files without that flag (``O_EXCL`` refuses links anyway) and
+    reads a payload through a second descriptor of the file it checked, opened without it."""
+    library: ClassVar[str] = "the I/O library"
+    """What error messages call the library behind this FileIO."""
+    library_errors: ClassVar[tuple[type[OSError], ...]] = ()
+    """Errors of the library itself (cuFile's, whatever their errno), which say nothing about
+    the file's bytes: a read failing with one is a :class:`~kvplug.errors.BackendError`,
+    never a damaged file. When :meth:`open` refuses a file with one and the file was replaced
+    or removed meanwhile, the engine reads the file there now instead."""
     _shared_table: ClassVar[dict[int, _Region] | None] = None
     """Set on a subclass whose registrations are process-wide (cuFile's are)."""
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()

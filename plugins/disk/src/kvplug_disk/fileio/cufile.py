@@ -97,6 +97,8 @@ class CuFileIO(FileIO):
 
     name = "cufile"
     refuses_nofollow: ClassVar[bool] = True
+    library: ClassVar[str] = "cuFile"
+    library_errors: ClassVar[tuple[type[OSError], ...]] = (CuFileError,)
     _shared_table: ClassVar[dict[int, _Region] | None] = {}
 
     def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""What the machine says about GPUDirect Storage, read once at open: cuFile's mode and mounts.
+"""What the machine says about GPUDirect Storage, read once at open: cuFile's mode and mounts,
+and what to tell the user when the machine cannot run it (:class:`GdsUnavailable`).
 
 cuFile runs in one of two ways. With the ``nvidia-fs`` kernel driver loaded and a filesystem
 that supports it, reads and writes are DMA between the file and GPU memory ("gds"). Without
@@ -25,15 +26,20 @@ Example::
     ('compat', 'the nvidia-fs kernel driver is not loaded')
 """
 
-# ruff: noqa: PTH110, PTH118, PTH123
+# ruff: noqa: PTH110, PTH116, PTH118, PTH123
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvplug.errors import ConfigError
+from kvplug.url import BackendURL
+from kvplug_disk.fileio.cufile import CuFileError
 
 DEFAULT_CONFIG = "/etc/cufile.json"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -165,12 +171,69 @@ def mount_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
     return best
 
 
+class GdsUnavailable(ConfigError):
+    """``gds://`` cannot run on this machine (no CUDA GPU, no cuFile, cuFile refuses I/O)."""
+
+
+def unavailable(url: BackendURL, cause: str) -> GdsUnavailable:
+    """The error that ``url`` cannot open for ``cause``, with what the scheme needs."""
+    return GdsUnavailable(
+        f"{url} cannot open: {cause.rstrip('. ')}. {url.scheme}:// needs a CUDA GPU, "
+        "NVIDIA's cuFile library (libcufile) and cufile-python (pip install "
+        "'kvplug-disk[gds]'); see "
+        "docs/gds.md. For a disk tier on a machine without a GPU, use file:///dir instead."
+    )
+
+
+def udev_hint(path: str, error: CuFileError) -> str:
+    """How to let cuFile use files of ``path`` when it refused one with ``error`` for want of
+    a udev record; empty for other errors."""
+    hint = ""
+    if error.code == 5027:
+        try:
+            device = os.stat(path).st_dev
+            record = f"/run/udev/data/b{os.major(device)}:{os.minor(device)}"
+        except OSError:
+            record = "/run/udev/data/b<major>:<minor>"
+        hint = (
+            " cuFile looks the file's block device up in the udev database; on machines "
+            "without one (containers, some VMs) it refuses every file. Give it the record "
+            f"(as root): mkdir -p /run/udev/data && printf 'E:ID_FS_USAGE=filesystem\\n"
+            f"E:ID_FS_TYPE=ext4\\n' > {record} (with the real filesystem type); see "
+            "docs/gds.md."
+        )
+    return hint
+
+
+def libcufile_candidates() -> list[str]:
+    """Versioned libcufile files in the usual places, to name in an error message."""
+    patterns = [
+        "/usr/local/cuda*/targets/*/lib/libcufile.so.*",
+        "/usr/local/cuda*/lib64/libcufile.so.*",
+        "/usr/lib/x86_64-linux-gnu/libcufile.so.*",
+    ]
+    try:
+        import nvidia.cufile  # type: ignore[import-not-found, unused-ignore]
+
+        patterns += [f"{p}/lib/libcufile.so.*" for p in nvidia.cufile.__path__]
+    except ImportError:
+        pass
+    found: list[str] = []
+    for pattern in patterns:
+        found += sorted(glob.glob(pattern))  # noqa: PTH207 - absolute patterns
+    return found[:3]
+
+
 __all__ = [
     "DEFAULT_CONFIG",
     "CuFileMode",
+    "GdsUnavailable",
     "detect_mode",
+    "libcufile_candidates",
     "mount_of",
     "nvidia_fs_loaded",
     "read_cufile_config",
     "strip_json_comments",
+    "udev_hint",
+    "unavailable",
 ]
