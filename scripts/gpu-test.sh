@@ -32,8 +32,9 @@ PYEOF
 if [ $# -eq 0 ]; then
   set -- tests/test_memory_cuda.py tests/test_gpu_kernel_cuda.py tests/test_gpu_ops.py \
     tests/test_gpu_pipeline.py tests/test_gpu_pipeline_cuda.py \
-    core/src/kvplug/runtime/gpu plugins/disk/tests/test_gds_cuda.py plugins/disk/tests/test_gds_backend.py \
-    plugins/disk/tests/test_gds_contract.py
+    core/src/kvplug/runtime/gpu plugins/disk/tests/test_gds_cuda.py \
+    plugins/disk/tests/test_gds_backend.py plugins/disk/tests/test_gds_contract.py \
+    plugins/disk/tests/test_disk_schemes.py plugins/disk/tests/test_disk_failures.py
 fi
 status=0
 "$PY" -m pytest -p no:cacheprovider -q -rs "$@" || status=$?
