@@ -7,9 +7,12 @@ buffer (get itself is zero-copy). The raw limit is the same two copies done with
 means no overhead; the target is >= 0.8.
 
 It also reports the per-operation overhead on tiny objects (4 KiB), where copies cost nothing
-and what remains is kvplug's own bookkeeping.
+and what remains is kvplug's own bookkeeping, and the cost of an engine thread's call through
+:class:`~kvplug.runtime.sync.SyncClient`, which runs a ``runs_inline`` backend's operation on the
+calling thread: against the same operation's coroutine stepped by hand (the raw limit of running
+it inline) and against a plain dict lookup.
 
-    .venv/bin/python benchmarks/bench_cpu.py [--chunks 64] [--repeat 5]
+    .venv/bin/python benchmarks/bench_cpu.py [--chunks 64] [--repeat 5] [--calls 200] [--passes 500]
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 import torch
 
 import kvplug
 from kvplug import CacheKey, FreeListAllocator, MemoryObj
+from kvplug.runtime.sync import SyncClient
+
+T = TypeVar("T")
 
 SHAPES = {
     "8B-class [2,32,256,1024] fp16": (2, 32, 256, 1024),
@@ -127,16 +135,85 @@ async def small_object_overhead(count: int) -> None:
     )
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+def stepped(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The operation's coroutine run to its end by hand: what running it inline costs at least."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    raise AssertionError("an operation of cpu:// waited")
+
+
+def per_call(calls: int, passes: int, *ways: Callable[[int], object]) -> list[float]:
+    """For each of ``ways``, the seconds one ``way(n)`` takes in the fastest of ``passes``
+    passes of ``calls`` calls: on a shared machine the pass least disturbed by others. The ways
+    take turns within each pass, so load falls on all alike."""
+    times: list[list[float]] = [[] for _ in ways]
+    for _ in range(passes):
+        for way, taken in zip(ways, times, strict=True):
+            start = time.perf_counter()
+            for n in range(calls):
+                way(n)
+            taken.append((time.perf_counter() - start) / calls)
+    return [min(taken) for taken in times]
+
+
+def inline_call_overhead(calls: int, passes: int) -> None:
+    """Gets (hits) and contains through a SyncClient on cpu://, which runs them on this thread,
+    against the same operations stepped by hand and a plain dict lookup."""
+    with SyncClient("cpu://?max_size=64MiB") as client:
+        backend = client.backend
+        keys = [key(n) for n in range(64)]
+        for k in keys:
+            client.put(k, MemoryObj.from_tensor(torch.ones(1024, dtype=torch.uint8))).result()
+        plain = dict.fromkeys(keys, True)
+
+        def client_get(n: int) -> None:
+            got = client.get(keys[n % 64]).result()
+            assert got is not None
+            got.release()
+
+        def stepped_get(n: int) -> None:
+            got = stepped(backend.get(keys[n % 64]))
+            assert got is not None
+            got.release()
+
+        rows = {
+            "get": (client_get, stepped_get),
+            "contains": (
+                lambda n: client.contains(keys[n % 64]).result(),
+                lambda n: stepped(backend.contains(keys[n % 64])),
+            ),
+        }
+        print(f"SyncClient on cpu:// (inline, 1 KiB hits, fastest of {passes} x {calls} calls):")
+        for operation, (through_client, by_hand) in rows.items():
+            inline, raw, dict_op = per_call(
+                calls, passes, through_client, by_hand, lambda n: plain[keys[n % 64]]
+            )
+            print(
+                f"  {operation:<9} SyncClient {inline * 1e6:5.2f} us, stepped by hand "
+                f"{raw * 1e6:5.2f} us, plain dict {dict_op * 1e6:5.2f} us; inline ratio "
+                f"{raw / inline:4.2f}x of stepping by hand"
+            )
+
+
+async def tier_against_copies(chunks: int, repeat: int) -> None:
     for name, shape in SHAPES.items():
-        await measure_shape(name, shape, args.chunks, args.repeat)
+        await measure_shape(name, shape, chunks, repeat)
     await small_object_overhead(20_000)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=200, help="calls per inline pass")
+    parser.add_argument("--passes", type=int, default=500, help="inline passes, the fastest kept")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    asyncio.run(tier_against_copies(args.chunks, args.repeat))
+    inline_call_overhead(args.calls, args.passes)  # from a thread without a loop, as engines do
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -7,8 +7,8 @@ import concurrent.futures
 import contextlib
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -30,11 +30,10 @@ from kvplug import (
     UnknownOption,
 )
 from kvplug.backend import Buffer, BytesBackendOptions, RawValues, Wrapper, Wraps
+from kvplug.inline import run_inline
 from kvplug.runtime.sync import SyncClient
 from kvplug.stats import summarize
 from kvplug_testing.threads import loop_thread
-
-T = TypeVar("T")
 
 
 class DictBytes(BytesBackend):
@@ -686,16 +685,6 @@ def frequent_thread_switches() -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
-def inline(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run an operation of a runs_inline backend on this thread, as SyncClient does."""
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    coroutine.close()
-    raise AssertionError("an operation of cpu:// waited")
-
-
 @pytest.mark.parametrize("how", ["sync_client", "stepped", "own_loops"])
 def test_counters_are_exact_while_many_threads_operate_at_once(how: str) -> None:
     """cpu:// runs its operations on the caller's thread (runs_inline), engine threads many at
@@ -723,7 +712,9 @@ def test_counters_are_exact_while_many_threads_operate_at_once(how: str) -> None
                 one_round(lambda k: client.get(k).result(), lambda k: client.contains(k).result())
         elif how == "stepped":
             for _ in range(ROUNDS):
-                one_round(lambda k: inline(backend.get(k)), lambda k: inline(backend.contains(k)))
+                one_round(
+                    lambda k: run_inline(backend.get(k)), lambda k: run_inline(backend.contains(k))
+                )
         else:
 
             async def rounds() -> None:

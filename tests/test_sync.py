@@ -23,9 +23,11 @@ from kvplug import (
     KvplugError,
     MemoryFormat,
     MemoryObj,
+    UnexpectedBackendError,
     UnknownScheme,
 )
 from kvplug import errors as kvplug_errors
+from kvplug.inline import NeededALoop
 from kvplug.runtime.sync import SyncClient
 from kvplug_blackhole.backend import BlackholeBackend
 from kvplug_cpu.backend import CpuBackend
@@ -143,6 +145,92 @@ def test_an_inline_backend_whose_operation_waits_fails_clearly_and_releases() ->
         with pytest.raises(KvplugError, match=r"declares runs_inline.*Remove runs_inline"):
             waiting.get(key(2)).result(10)
         assert obj.ref_count == 1, "the client's own reference was not given back"
+
+
+class _SleepingCpu(CpuBackend):
+    """A backend that claims runs_inline but whose get sleeps: asyncio.sleep with a delay asks
+    the running loop for a future before it suspends."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        await asyncio.sleep(0.01)
+        return await super()._get(key)
+
+
+class _HidesItsWaitCpu(CpuBackend):
+    """A backend whose get would carry on past a failed wait, as a hook catching every
+    Exception does."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        try:
+            await asyncio.sleep(0.01)
+        except Exception:
+            return None
+        return await super()._get(key)
+
+
+class _RaisesTheOldWordingCpu(CpuBackend):
+    """A backend whose get raises a RuntimeError with the words CPython uses for a missing
+    loop, without waiting for anything."""
+
+    async def _get(self, key: CacheKey) -> MemoryObj | None:
+        raise RuntimeError("no running event loop")
+
+
+def _inline_client(backend_class: type[CpuBackend]) -> SyncClient:
+    backend = backend_class("cpu://?max_size=8MiB")
+    asyncio.run(backend.open())
+    return SyncClient(backend)
+
+
+@pytest.mark.parametrize("backend_class", [_SleepingCpu, _HidesItsWaitCpu, _WaitingCpu])
+def test_an_inline_operation_that_really_waits_is_caught_by_kvplug_itself(
+    backend_class: type[CpuBackend],
+) -> None:
+    """An operation of a runs_inline backend that awaits something that suspends (a sleep of
+    10 ms, also one that swallows every Exception around it, or a bare yield) is abandoned on
+    the caller's thread and reported as such, its cause kvplug's own NeededALoop; the call is
+    counted as a failed get."""
+    with _inline_client(backend_class) as waiting:
+        waiting.put(key(3), MemoryObj.from_tensor(torch.ones(4))).result(10)
+        future = waiting.get(key(3))
+        assert future.done(), "an inline operation that waited must fail at once, not later"
+        with pytest.raises(KvplugError, match=r"declares runs_inline.*Remove runs_inline") as error:
+            future.result()
+        assert isinstance(error.value.__cause__, NeededALoop)
+        expected = "yielded to the event loop" if backend_class is _WaitingCpu else "create_future"
+        assert expected in str(error.value)
+        assert waiting.backend.operation_stats()["get"].errors == 1
+        assert waiting.contains(key(3)).result(10), "the backend works on after the abandoned get"
+
+
+def test_whether_an_inline_operation_waited_is_never_read_from_an_errors_text() -> None:
+    """A RuntimeError that only reads like a missing loop is the backend's own error: it is
+    translated like any other (UnexpectedBackendError), not taken for a wait."""
+    with _inline_client(_RaisesTheOldWordingCpu) as client:
+        with pytest.raises(UnexpectedBackendError, match="no running event loop") as error:
+            client.get(key(4)).result(10)
+        assert "runs_inline" not in str(error.value)
+        assert type(error.value.__cause__) is RuntimeError
+
+
+def test_an_inline_call_from_inside_a_running_loop_leaves_that_loop_as_it_was() -> None:
+    """Code on an event loop may call a SyncClient: the operation runs inline there too, a wait
+    is caught the same way, and the thread's running loop is the caller's again afterwards."""
+    with SyncClient("cpu://?max_size=8MiB") as fast, _inline_client(_SleepingCpu) as sleeping:
+
+        async def calls() -> None:
+            loop = asyncio.get_running_loop()
+            fast.put(key(5), MemoryObj.from_tensor(torch.ones(4))).result(10)
+            got = fast.get(key(5)).result(10)
+            assert got is not None
+            got.release()
+            assert asyncio.get_running_loop() is loop
+            with pytest.raises(KvplugError, match="declares runs_inline"):
+                sleeping.get(key(5)).result(10)
+            assert asyncio.get_running_loop() is loop
+            await asyncio.sleep(0.001)  # the caller's loop still serves its own waits
+
+        asyncio.run(calls())
 
 
 def test_batched_operations_return_aligned_results(client) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
+from kvplug.lazy import lazy_exports
+
 __version__ = importlib.metadata.version("kvplug-contracts")
 
 if TYPE_CHECKING:
@@ -33,22 +35,23 @@ if TYPE_CHECKING:
 
 _SUPPORT = ("CLAUSES", "Keyspace", "check_same", "clause", "make_obj", "not_applicable", "violated")
 
+# Imported on first use, so that loading the `kvplug contract` command imports no pytest.
+_export = lazy_exports(
+    __name__,
+    {
+        "kvplug_contracts.support": _SUPPORT,
+        "kvplug_contracts.suite": ("ServerControl",),
+        "kvplug_contracts.plugin": ("load_known_failures",),
+    },
+)
+
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so that loading the `kvplug contract` command imports no pytest.
-    if name in _SUPPORT:
-        from kvplug_contracts import support
-
-        return getattr(support, name)
-    if name.endswith("Contract") or name == "ServerControl":
+    if name.endswith("Contract"):  # BackendContract, and each of the suite's groups of clauses
         from kvplug_contracts import suite
 
         return getattr(suite, name)
-    if name == "load_known_failures":
-        from kvplug_contracts import plugin
-
-        return plugin.load_known_failures
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _export(name)
 
 
 __all__ = ["BackendContract", "ServerControl", "__version__", "load_known_failures", *_SUPPORT]

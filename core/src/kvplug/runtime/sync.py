@@ -4,6 +4,15 @@
 ``concurrent.futures.Future`` s, so an engine thread can start a store, keep computing, and
 collect the result later. Vendors write only async code; this is the one bridge.
 
+An operation of a backend that declares :attr:`~kvplug.backend.Backend.runs_inline`
+(``cpu://``) skips the IO thread: it runs to its end on the calling thread
+(:func:`kvplug.inline.run_inline`), and the future returned is already done. That it waited
+after all is known by kvplug's own means, not by the text of an error: the thread's running
+loop is kvplug's stand-in while the operation is stepped, which raises
+:class:`~kvplug.inline.NeededALoop` at any request, and a step that suspends is caught as
+such. The operation is then abandoned and its future holds a
+:class:`~kvplug.errors.KvplugError` naming the backend.
+
 A client ends its IO thread cleanly: :meth:`SyncClient.close` lets every task on the loop end
 (those started while it closes too) before the loop is closed, and a client still open when
 the interpreter exits is closed then (after the program's own threads have ended), so no task
@@ -38,6 +47,7 @@ from typing import Any, TypeVar
 
 from kvplug.backend import Backend
 from kvplug.errors import BackendClosed, BackendTimeout, KvplugError
+from kvplug.inline import NeededALoop, run_inline
 from kvplug.keys import CacheKey
 from kvplug.memory import Allocator, MemoryObj
 from kvplug.registry import open_backend
@@ -75,6 +85,7 @@ class SyncClient:
         **options: Any,
     ) -> None:
         self._pid = os.getpid()
+        self._forks_before = _forks
         self._closed = False
         self._stopping = False
         """Set (under :attr:`_lock`) once the loop was told to stop: nothing is submitted
@@ -116,7 +127,7 @@ class SyncClient:
             raise
 
     def _check(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks_before:  # not os.getpid(): a system call on every operation
             raise KvplugError(
                 f"this SyncClient was created in process {self._pid} and is used in forked "
                 f"process {os.getpid()}; its IO thread does not exist here. Create a new "
@@ -140,29 +151,23 @@ class SyncClient:
             return self._submit(coroutine)
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
-            coroutine.send(None)
-        except StopIteration as done:
-            future.set_result(done.value)
-            return future
-        except RuntimeError as error:
-            # What an operation that needs a loop meets on a thread without one.
-            future.set_exception(self._waited() if "no running event loop" in str(error) else error)
-            return future
+            future.set_result(run_inline(coroutine))
+        except NeededALoop as waited:
+            future.set_exception(self._waited(waited))
         except Exception as error:
             future.set_exception(error)
-            return future
-        coroutine.close()
-        future.set_exception(self._waited())
         return future
 
-    def _waited(self) -> KvplugError:
+    def _waited(self, waited: NeededALoop) -> KvplugError:
         name = type(self.backend).__qualname__
-        return KvplugError(
-            f"{name} declares runs_inline, but one of its operations waited; an inline "
-            "backend's operations must finish without waiting. The operation was abandoned. "
-            f"Remove runs_inline from {name} (SyncClient then runs its operations on its IO "
-            "thread)."
+        error = KvplugError(
+            f"{name} declares runs_inline, but one of its operations waited ({waited}); an "
+            "inline backend's operations must finish without waiting. The operation was "
+            f"abandoned. Remove runs_inline from {name} (SyncClient then runs its operations "
+            "on its IO thread)."
         )
+        error.__cause__ = waited
+        return error
 
     def _checked(self, coroutine: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
         """``coroutine``, once this client is known usable here; else it is closed unrun."""
@@ -309,6 +314,19 @@ FINISH_SECONDS = 5.0
 blocked the loop) before it cancels them, and then the cancelled ones to end."""
 EXIT_SECONDS = 10.0
 """Seconds each client still open at interpreter exit may take to close."""
+
+_forks = 0
+"""How many times this process is a forked child of the one before it: a client made before
+the last fork belongs to the parent."""
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
 
 _running: set[SyncClient] = set()
 """Clients whose IO thread may still run: closed at interpreter exit. Held strongly: a client

@@ -648,7 +648,7 @@ class KvplugL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # lmcache is u
         if MemoryTags is not None:
             self._tags = memory_tags(self._backend, shared)
 
-    def getmemory_tags(self) -> Any:
+    def get_memory_tags(self) -> Any:
         """Where the bytes live (LMCache 0.5.7+): DRAM for host-memory tiers, GDS for
         GPUDirect storage, STORAGE otherwise; REMOTE when another process or host can see
         them (Redis, Valkey, a ``shared`` adapter), else LOCAL."""

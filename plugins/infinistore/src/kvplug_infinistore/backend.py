@@ -44,306 +44,62 @@ A test seam: ``InfiniStoreBackend(url, connection_factory=...)`` (also through
 ``kvplug.open_backend(url, connection_factory=...)``) builds the connection object from the
 ``infinistore.ClientConfig`` instead of ``infinistore.InfinityConnection``; the package's
 tests use it to run the contract suite against a recording stand-in of the client.
+
+Its modules, one job each: this one (the operations), :mod:`kvplug_infinistore.options`,
+:mod:`kvplug_infinistore.session` (one connection through InfiniStore's client) and
+:mod:`kvplug_infinistore.layout` (the stored value and its end marker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import queue
-import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
-
-import numpy as np
-from pydantic import Field, field_validator, model_validator
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvplug.backend import Buffer, BytesBackend, Capabilities
 from kvplug.errors import (
     BackendError,
-    BackendTimeout,
     BackendUnavailable,
     CapacityExceeded,
-    ConfigError,
-    CorruptObject,
     InvalidBackendURL,
     KvplugError,
 )
-from kvplug.frame import MAX_HEADER_LEN, FrameReceiver, decode_header, encode_frame
-from kvplug.options import BytesBackendOptions
-from kvplug.units import format_size, parse_size
+from kvplug.frame import MAX_HEADER_LEN, FrameReceiver, encode_frame
+from kvplug.units import format_size
 from kvplug.url import BackendURL
+from kvplug_infinistore.layout import (
+    END_MAGIC,
+    END_MARKER,
+    end_marker,
+    feed,
+    fill,
+    joined,
+    value_bytes,
+    wipe_end,
+)
+from kvplug_infinistore.options import InfiniStoreOptions
+from kvplug_infinistore.session import (
+    CODE_INVALID_REQUEST,
+    CODE_OUT_OF_MEMORY,
+    ConnectionFactory,
+    ConnectionLost,
+    Session,
+    client_config,
+    default_connection_factory,
+    error_code,
+    open_session,
+    server_name,
+)
 
 if TYPE_CHECKING:
     from kvplug.keys import CacheKey
-    from kvplug.memory import Allocator, FreeListAllocator, MemoryObj
+    from kvplug.memory import Allocator, MemoryObj
 
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
 
-ConnectionFactory = Callable[[Any], Any]
-"""Builds a connection (an object with ``infinistore.InfinityConnection``'s methods) from an
-``infinistore.ClientConfig``."""
-
-END_MARKER = struct.Struct("<8sQ")
-"""What follows the frame in every stored value: a magic and the frame's length."""
-END_MAGIC = b"KVPFEND1"
-_NO_END = bytes(END_MARKER.size)
-
-MAX_RDMA_BLOCK = (1 << 31) - 1
-"""InfiniStore's RDMA requests carry the block size as a C ``int``."""
 MAX_TCP_VALUE = (1 << 32) - 1
 """InfiniStore's TCP read reply carries the value's size in 32 bits."""
-
-# InfiniStore's return codes (its protocol.h), as its client puts them into messages.
-CODE_INVALID_REQUEST = 400
-CODE_KEY_NOT_FOUND = 404
-CODE_OUT_OF_MEMORY = 507
-
-LINK_TYPES = {"ETHERNET": "Ethernet", "LINK_ETHERNET": "Ethernet", "IB": "IB", "LINK_IB": "IB"}
-
-
-def end_marker(frame_len: int) -> bytes:
-    """The 16 bytes stored after a frame of ``frame_len`` bytes."""
-    return END_MARKER.pack(END_MAGIC, frame_len)
-
-
-class InfiniStoreOptions(BytesBackendOptions):
-    """Options of ``infinistore://host:port?name=value&...``.
-
-    * ``connection_type`` (``rdma`` or ``tcp``; default ``rdma``, as LMCache): how values move.
-    * ``device`` (default ``mlx5_0``, LMCache's default): the RDMA device (``ibv_devices``).
-    * ``ib_port`` (default 1): the port of that device.
-    * ``link_type`` (``Ethernet`` for RoCE or ``IB``; default ``Ethernet``, as LMCache):
-      the device port's link layer. LMCache's name ``infinistore_link_type`` (with its values
-      ``LINK_ETHERNET`` / ``LINK_IB``) is accepted too.
-    * ``max_value_size`` (default ``128MiB``): the largest value a read accepts, so the room
-      an RDMA read reserves in staging; a larger object is refused at put with
-      :class:`~kvplug.errors.CapacityExceeded` (it could not be read back).
-    * ``staging_size`` (default ``1GiB``): registered memory for RDMA transfers; at least
-      ``max_value_size``. Transfers wait (within their deadline) while it is all in use.
-    * ``timeout`` (seconds, default 10): the deadline of one operation.
-    * ``connect_timeout`` (seconds, default 5): the limit of the port probe and of the
-      client's connect.
-    * ``workers`` (default 4): threads for the client's blocking calls, per connection.
-    * ``reconnect_delay`` (seconds, default 0.05) and ``reconnect_max_delay`` (default 2):
-      after a failed connect, operations fail at once for this long, doubling up to the
-      maximum until the server answers again.
-    * ``exact_contains`` (default true): ``batched_contains`` checks every key of the prefix
-      that InfiniStore's ``get_match_last_index`` reports. That call binary-searches, so it
-      is exact only when the present keys form a prefix; ``false`` trusts it (one round
-      trip, LMCache's behaviour).
-    * ``log_level`` (``error``, ``warning``, ``info``, ``debug``; default ``warning``): the
-      client library's log level (its environment variable ``INFINISTORE_LOG_LEVEL`` wins).
-    * ``key_prefix``, ``serde``: as for every byte store.
-    """
-
-    connection_type: Literal["rdma", "tcp"] = Field("rdma", description="rdma or tcp")
-    device: str = Field("mlx5_0", min_length=1, description="RDMA device name")
-    ib_port: int = Field(1, ge=1, le=255, description="port of the RDMA device")
-    link_type: Literal["Ethernet", "IB"] | None = Field(
-        None, description="link layer of the device port: Ethernet (RoCE) or IB"
-    )
-    infinistore_link_type: Literal["Ethernet", "IB"] | None = Field(
-        None, description="LMCache's name for link_type"
-    )
-    max_value_size: int = Field(128 << 20, description="largest value a read accepts")
-    staging_size: int = Field(1 << 30, description="registered memory for RDMA transfers")
-    connect_timeout: float = Field(5.0, gt=0, description="seconds of the probe and connect")
-    workers: int = Field(4, ge=1, le=64, description="threads for blocking client calls")
-    reconnect_delay: float = Field(0.05, gt=0, description="first back-off after a failure")
-    reconnect_max_delay: float = Field(2.0, gt=0, description="longest back-off")
-    exact_contains: bool = Field(True, description="verify get_match_last_index's prefix")
-    log_level: Literal["error", "warning", "info", "debug"] = Field(
-        "warning", description="the InfiniStore client's log level"
-    )
-
-    @field_validator("connection_type", mode="before")
-    @classmethod
-    def _lower_connection_type(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _lower_log_level(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("link_type", "infinistore_link_type", mode="before")
-    @classmethod
-    def _link_type(cls, value: object) -> object:
-        if isinstance(value, str):
-            known = LINK_TYPES.get(value.strip().upper())
-            if known is None:
-                raise ValueError(
-                    f"link type {value!r} is not one of Ethernet (RoCE) or IB (LMCache's "
-                    "LINK_ETHERNET, LINK_IB); use the link layer of the device port "
-                    "(ibv_devinfo shows it)"
-                )
-            return known
-        return value
-
-    @field_validator("max_value_size", "staging_size", mode="before")
-    @classmethod
-    def _size(cls, value: object) -> int:
-        return parse_size(value, what="an infinistore:// size")
-
-    @model_validator(mode="after")
-    def _check(self) -> InfiniStoreOptions:
-        if (
-            self.link_type is not None
-            and self.infinistore_link_type is not None
-            and self.link_type != self.infinistore_link_type
-        ):
-            raise ValueError(
-                f"link_type={self.link_type} and infinistore_link_type="
-                f"{self.infinistore_link_type} disagree; give one of them"
-            )
-        if not 4096 <= self.max_value_size <= MAX_RDMA_BLOCK:
-            raise ValueError(
-                f"max_value_size must be between 4KiB and 2GiB - 1 byte (InfiniStore's RDMA "
-                f"block size is a C int), got {self.max_value_size}"
-            )
-        if self.staging_size < self.max_value_size:
-            raise ValueError(
-                f"staging_size ({format_size(self.staging_size)}) must hold at least one value "
-                f"of max_value_size ({format_size(self.max_value_size)}); raise staging_size"
-            )
-        return self
-
-    @property
-    def effective_link_type(self) -> str:
-        """The link type the client is configured with (LMCache's default: Ethernet)."""
-        return self.link_type or self.infinistore_link_type or "Ethernet"
-
-
-def default_connection_factory(config: Any) -> Any:
-    """``infinistore.InfinityConnection(config)``: the real client."""
-    import infinistore  # type: ignore[import-untyped]
-
-    return infinistore.InfinityConnection(config)
-
-
-def client_config(options: InfiniStoreOptions, host: str, port: int) -> Any:
-    """The ``infinistore.ClientConfig`` for ``options``."""
-    import infinistore
-
-    return infinistore.ClientConfig(
-        host_addr=host,
-        service_port=port,
-        connection_type=(
-            infinistore.TYPE_RDMA if options.connection_type == "rdma" else infinistore.TYPE_TCP
-        ),
-        dev_name=options.device,
-        ib_port=options.ib_port,
-        link_type=options.effective_link_type,
-        log_level=options.log_level,
-    )
-
-
-def error_code(error: BaseException) -> int | None:
-    """The InfiniStore return code in a client error's message (``ret = 507``), if any."""
-    text = str(error)
-    marker = "ret = "
-    at = text.rfind(marker)
-    if at < 0:
-        return None
-    digits = text[at + len(marker) :].split()[0].rstrip(".,") if text[at + len(marker) :] else ""
-    try:
-        return int(digits)
-    except ValueError:
-        return None
-
-
-class _ConnectionLost(BackendUnavailable):
-    """A client call failed in a way that leaves the connection unusable."""
-
-
-class _Workers:
-    """A few daemon threads that run the client's blocking calls. Not a ThreadPoolExecutor:
-    its threads are joined when the interpreter exits, and a call stuck in InfiniStore's
-    client (a server that accepted the connection and never answers) would then hang the
-    exit of the whole process."""
-
-    def __init__(self, count: int) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._count = count
-        for number in range(count):
-            threading.Thread(
-                target=self._work, name=f"kvplug-infinistore-{number}", daemon=True
-            ).start()
-
-    def submit(self, job: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((job, future))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = job()
-            except BaseException as error:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-    def shutdown(self) -> None:
-        """Let the threads end once the jobs queued so far are done."""
-        for _ in range(self._count):
-            self._jobs.put(None)
-
-
-class _Session:
-    """One connection to the server: the client object, the lock that keeps its blocking calls
-    one at a time, the threads that run them, and (RDMA) the staging memory registered with
-    it. A session that failed is dropped whole; a new one is built on the next operation."""
-
-    def __init__(self, conn: Any, workers: int, staging: FreeListAllocator | None) -> None:
-        self.conn = conn
-        self.lock = threading.Lock()
-        self.executor = _Workers(workers)
-        self.staging = staging
-        self.base = int(staging.buffer.data_ptr()) if staging is not None else 0
-        self.dropped = False
-
-    async def call(self, function: Callable[..., T], *args: Any) -> T:
-        """``function(*args)`` on one of the session's threads, under its lock."""
-
-        def locked() -> T:
-            with self.lock:
-                return function(*args)
-
-        return await asyncio.wrap_future(self.executor.submit(locked))
-
-    def drop(self) -> None:
-        """Stop using this connection: close it once its running call (if any) returns, and
-        let its threads end."""
-        if self.dropped:
-            return
-        self.dropped = True
-
-        def close() -> None:
-            with self.lock:
-                try:
-                    self.conn.close()
-                except Exception as error:  # closing a broken connection may fail: harmless
-                    logger.debug("closing an InfiniStore connection failed: %s", error)
-
-        try:
-            self.executor.submit(close)
-        finally:
-            self.executor.shutdown()
 
 
 class InfiniStoreBackend(BytesBackend):
@@ -392,7 +148,7 @@ class InfiniStoreBackend(BytesBackend):
                 remove=True, shared_across_processes=True, releases_on_cancel=True
             )
         self._factory = connection_factory or default_connection_factory
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._connecting: asyncio.Lock | None = None
         self._retry_at = 0.0
         self._delay = self.options.reconnect_delay
@@ -420,9 +176,9 @@ class InfiniStoreBackend(BytesBackend):
             session.drop()
 
     def _where(self) -> str:
-        return f"the InfiniStore server at {self.host}:{self.port}"
+        return server_name(self.host, self.port)
 
-    async def _live_session(self) -> _Session:
+    async def _live_session(self) -> Session:
         """The connection to use now, connecting first when there is none (at most one
         connect at a time; while the back-off runs, fail at once)."""
         session = self._session
@@ -452,91 +208,20 @@ class InfiniStoreBackend(BytesBackend):
             self._session = session
             return session
 
-    async def _probe(self) -> None:
-        """A plain TCP connect to the server's port: fails fast where the client would hang."""
-        limit = self.options.connect_timeout
-        try:
-            async with asyncio.timeout(limit):
-                _, writer = await asyncio.open_connection(self.host, self.port)
-        except TimeoutError:
-            raise BackendTimeout(
-                f"connecting to {self._where()} took longer than {limit} s (connect_timeout); "
-                "the host is down or a firewall drops the packets. Check the host and port, or "
-                "raise connect_timeout."
-            ) from None
-        except OSError as error:
-            raise BackendUnavailable(
-                f"cannot reach {self._where()}: {error.strerror or error}. Start the server "
-                f"(infinistore --service-port {self.port} ...) or fix the URL's host and port."
-            ) from None
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    async def _connect(self) -> Session:
+        return await open_session(self._factory, self.options, self.host, self.port, self.url)
 
-    async def _connect(self) -> _Session:
-        await self._probe()
-        try:
-            config = client_config(self.options, self.host, self.port)
-            conn = self._factory(config)
-        except Exception as error:
-            raise ConfigError(
-                f"InfiniStore's client refused the configuration for {self.url}: {error}. Fix "
-                "the option it names."
-            ) from None
-        staging = None
-        if self.rdma:
-            from kvplug.memory import FreeListAllocator
-
-            staging = FreeListAllocator(
-                self.options.staging_size, sized_by="infinistore:// staging_size"
-            )
-        session = _Session(conn, self.options.workers, staging)
-        limit = self.options.connect_timeout
-        try:
-            async with asyncio.timeout(limit):
-                await session.call(conn.connect)
-                if staging is not None:
-                    await session.call(conn.register_mr, session.base, staging.capacity)
-        except TimeoutError:
-            session.drop()
-            raise BackendTimeout(
-                f"{self._where()} accepted the connection but did not complete InfiniStore's "
-                f"handshake within {limit} s (connect_timeout); is it an InfiniStore server, "
-                "and is it overloaded?"
-            ) from None
-        except Exception as error:
-            session.drop()
-            raise BackendUnavailable(
-                f"connecting to {self._where()} over {self.options.connection_type.upper()} "
-                f"failed: {error}. {self._connect_fix()}"
-            ) from None
-        except BaseException:
-            session.drop()
-            raise
-        return session
-
-    def _connect_fix(self) -> str:
-        if self.rdma:
-            return (
-                f"Check that this host has the RDMA device {self.options.device!r} with port "
-                f"{self.options.ib_port} active and link layer {self.options.effective_link_type} "
-                "(ibv_devinfo), that the server runs with the same link type, and that "
-                f"{format_size(self.options.staging_size)} of memory can be registered "
-                "(ulimit -l); or use connection_type=tcp."
-            )
-        return "Check that the server is running and reachable from this host."
-
-    def _lost(self, session: _Session, error: BaseException, doing: str) -> _ConnectionLost:
+    def _lost(self, session: Session, error: BaseException, doing: str) -> ConnectionLost:
         """Drop ``session`` after ``error`` and say so."""
         if self._session is session:
             self._session = None
         session.drop()
-        return _ConnectionLost(
+        return ConnectionLost(
             f"{doing} on {self._where()} failed: {error}. The connection was closed and the "
             "next operation connects again; if this repeats, check the server's log."
         )
 
-    async def _on(self, session: _Session, doing: str, function: Callable[..., T], *args: Any) -> T:
+    async def _on(self, session: Session, doing: str, function: Callable[..., T], *args: Any) -> T:
         try:
             return await session.call(function, *args)
         except asyncio.CancelledError:
@@ -550,7 +235,7 @@ class InfiniStoreBackend(BytesBackend):
         except Exception as error:
             raise self._server_error(session, error, doing) from None
 
-    def _server_error(self, session: _Session, error: BaseException, doing: str) -> KvplugError:
+    def _server_error(self, session: Session, error: BaseException, doing: str) -> KvplugError:
         """A client error as kvplug's: the server's answer where it gave one (the connection
         stays), else a lost connection."""
         code = error_code(error)
@@ -569,7 +254,7 @@ class InfiniStoreBackend(BytesBackend):
 
     # -- staging (RDMA) -----------------------------------------------------------------------
 
-    async def _reserve(self, session: _Session, size: int, doing: str) -> MemoryObj:
+    async def _reserve(self, session: Session, size: int, doing: str) -> MemoryObj:
         """A staging block of ``size`` bytes; waits (within the deadline) while staging is
         full."""
         staging = session.staging
@@ -589,7 +274,7 @@ class InfiniStoreBackend(BytesBackend):
 
     async def _transfer(
         self,
-        session: _Session,
+        session: Session,
         write: bool,
         names: Sequence[str],
         blocks: Sequence[MemoryObj],
@@ -616,7 +301,7 @@ class InfiniStoreBackend(BytesBackend):
         def finished(done: asyncio.Future[Any]) -> None:
             for block in held:
                 if write or abandoned:
-                    _wipe_end(block.memoryview(), block_size)
+                    wipe_end(block.memoryview(), block_size)
                 block.release()
             if not done.cancelled():
                 done.exception()  # retrieved: an abandoned request's error is not logged
@@ -666,7 +351,7 @@ class InfiniStoreBackend(BytesBackend):
             )
 
     async def _tcp_put(self, key: str, parts: Sequence[Buffer], size: int) -> None:
-        value = _joined(parts, size)
+        value = joined(parts, size)
         session = await self._live_session()
         conn = session.conn
 
@@ -677,7 +362,7 @@ class InfiniStoreBackend(BytesBackend):
         await self._on(session, f"put of {key}", write)
 
     async def _rdma_put(
-        self, session: _Session, size: int, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+        self, session: Session, size: int, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
     ) -> None:
         """Write values of one ``size``: as many per request as staging holds at once."""
         doing = f"put of {keys[0]}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
@@ -694,7 +379,7 @@ class InfiniStoreBackend(BytesBackend):
             batch = range(start, start + len(blocks))
             try:
                 for block, index in zip(blocks, batch, strict=True):
-                    _fill(block.memoryview(), values[index])
+                    fill(block.memoryview(), values[index])
                 try:
                     await self._transfer(session, True, [keys[i] for i in batch], blocks, size)
                 except asyncio.CancelledError:
@@ -716,7 +401,7 @@ class InfiniStoreBackend(BytesBackend):
         found: list[bytes | None] = [None]
 
         def keep(index: int, view: memoryview) -> None:
-            found[index] = _value_bytes(view)
+            found[index] = value_bytes(view)
 
         await self._rdma_read(session, [key], [self.options.max_value_size], keep)
         return found[0]
@@ -726,13 +411,13 @@ class InfiniStoreBackend(BytesBackend):
             for key, receiver in zip(keys, receivers, strict=True):
                 value = await self._tcp_read(key)
                 if value is not None:
-                    _feed(receiver, memoryview(value), exact=True)
+                    feed(receiver, memoryview(value), exact=True)
             return
         session = await self._live_session()
         limits = [self._read_room(receiver) for receiver in receivers]
 
         def deliver(index: int, view: memoryview) -> None:
-            _feed(receivers[index], view, exact=False)
+            feed(receivers[index], view, exact=False)
 
         await self._rdma_read(session, keys, limits, deliver)
 
@@ -766,7 +451,7 @@ class InfiniStoreBackend(BytesBackend):
 
     async def _rdma_read(
         self,
-        session: _Session,
+        session: Session,
         keys: Sequence[str],
         rooms: Sequence[int],
         deliver: Callable[[int, memoryview], None],
@@ -775,7 +460,7 @@ class InfiniStoreBackend(BytesBackend):
         each value read to ``deliver(i, view)`` (never called for an absent key). Keys that
         reserve the same room share one request; when a request meets an absent key
         (InfiniStore then fails the whole request), its keys are read one by one."""
-        import infinistore
+        import infinistore  # type: ignore[import-untyped]
 
         groups: dict[int, list[int]] = {}
         for index, room in enumerate(rooms):
@@ -822,7 +507,7 @@ class InfiniStoreBackend(BytesBackend):
                     deliver(index, block.memoryview())
             finally:
                 for block in blocks:
-                    _wipe_end(block.memoryview(), room)
+                    wipe_end(block.memoryview(), room)
                     block.release()
 
     async def contains_bytes(self, key: str) -> bool:
@@ -894,87 +579,6 @@ def _uint8() -> Any:
     import torch
 
     return torch.uint8
-
-
-def _joined(parts: Sequence[Buffer], size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    value = np.empty(size, dtype=np.uint8)
-    _fill(memoryview(cast(Any, value)).cast("B"), parts)
-    return value
-
-
-def _fill(into: memoryview, parts: Sequence[Buffer]) -> None:
-    offset = 0
-    for part in parts:
-        view = memoryview(part).cast("B")
-        into[offset : offset + view.nbytes] = view
-        offset += view.nbytes
-
-
-def _frame_end(view: memoryview) -> int | None:
-    """Where the frame at the start of ``view`` says it ends, or None for no valid header."""
-    try:
-        return decode_header(view).frame_len
-    except CorruptObject:
-        return None
-
-
-def _wipe_end(view: memoryview, room: int) -> None:
-    """Clear the end marker a value left in staging, so that a later, shorter value read into
-    the same memory can never be completed by it."""
-    end = _frame_end(view[: min(room, MAX_HEADER_LEN)])
-    if end is not None and end + END_MARKER.size <= min(room, view.nbytes):
-        view[end : end + END_MARKER.size] = _NO_END
-
-
-def _value_bytes(view: memoryview) -> bytes:
-    """The stored value at the start of an RDMA read's ``view``, as far as it can be told: the
-    frame and its end marker, or the header's claim, or the first header's worth of bytes."""
-    end = _frame_end(view)
-    if end is None:
-        return bytes(view[:MAX_HEADER_LEN])
-    return bytes(view[: min(end + END_MARKER.size, view.nbytes)])
-
-
-def _feed(receiver: FrameReceiver, view: memoryview, *, exact: bool) -> None:
-    """Hand the stored value at the start of ``view`` to ``receiver``, or report it damaged.
-
-    ``exact``: ``view`` is the whole value (TCP). Otherwise (RDMA) ``view`` is the region the
-    value was read into, longer than the value, and the value's end is where its header says,
-    confirmed by the end marker there."""
-    try:
-        header = decode_header(view)
-    except CorruptObject as error:
-        _damaged(receiver, view.nbytes if exact else 1, error)
-        return
-    end = header.frame_len
-    total = end + END_MARKER.size
-    if (exact and view.nbytes != total) or (not exact and view.nbytes < total):
-        _damaged(
-            receiver,
-            view.nbytes,
-            CorruptObject(
-                f"stored value has {view.nbytes if exact else 'fewer than ' + str(total)} "
-                f"bytes, its frame says {total} with the end marker (truncated or torn)."
-            ),
-        )
-        return
-    magic, length = END_MARKER.unpack_from(view, end)
-    if magic != END_MAGIC or length != end:
-        _damaged(
-            receiver,
-            total,
-            CorruptObject(
-                "stored value has no end marker where its frame ends: it was cut short or "
-                "overwritten by something other than kvplug."
-            ),
-        )
-        return
-    receiver.receive(view[:end])
-
-
-def _damaged(receiver: FrameReceiver, length: int, error: CorruptObject) -> None:
-    receiver.start(max(length, 1))
-    receiver.damage = error
 
 
 __all__ = [

@@ -31,30 +31,30 @@ ordinary HEALTH, and the connection uses the *plain* mode, LMCache's own protoco
 
 **Keys.** The key on the wire is ``key_prefix`` and LMCache's key string, as it is. In the
 extended mode a key the server's rules refuse (whitespace, control or invisible characters)
-travels escaped (:func:`encode_key`); LMCache clients never make such keys, so every key they
-can share travels unchanged.
+travels escaped (:func:`kvplug_lm.keys.encode_key`); LMCache clients never make such keys, so
+every key they can share travels unchanged.
 
 **Both modes:** when the allocator cannot hold an object a get read, its payload is drained
 (the connection stays in step) and the get is a miss. Objects stored in a memory format
 kvplug does not know (7 and 8, from newer LMCache) are misses too, with a warning.
+
+Its modules, one job each: this one (the backend: modes, requests, hooks),
+:mod:`kvplug_lm.client_options`, :mod:`kvplug_lm.keys` (keys on the wire),
+:mod:`kvplug_lm.replies` (the extended mode's replies and refusals),
+:mod:`kvplug_lm.pipelining` (pipelined batches) and :mod:`kvplug_lm.connection` (the pool).
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import xxhash
-from pydantic import Field
 
 from kvplug.backend import Backend, Capabilities, fill_into
 from kvplug.damage import DamagedValues
 from kvplug.errors import (
-    BackendError,
     BackendUnavailable,
     CapacityExceeded,
     ConfigError,
@@ -66,7 +66,11 @@ from kvplug.keys import CacheKey
 from kvplug.options import BackendOptions
 from kvplug.url import BackendURL
 from kvplug_lm import wire
-from kvplug_lm.connection import Connection, Hasher, Pool, ReplyError
+from kvplug_lm.client_options import LMOptions
+from kvplug_lm.connection import Connection, Hasher, Pool
+from kvplug_lm.keys import ESCAPED_KEY_MARK, decode_key, encode_key, travels_plain
+from kvplug_lm.pipelining import pipelined
+from kvplug_lm.replies import read_reply, refusal, send_simple, simple_request, status_name
 from kvplug_lm.server_options import DEFAULT_PORT
 
 if TYPE_CHECKING:
@@ -76,44 +80,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_KEY = "kvplug-health@1@0@0@half"
 """The key of a plain HEALTH (not the hello's: a kvplug server answers that one with more)."""
-
-Mode = Literal["auto", "plain", "extended"]
-
-
-class LMOptions(BackendOptions):
-    """Options of ``lm://host:port?name=value&...``.
-
-    * ``timeout`` (seconds, default 10): the deadline of one operation; past it,
-      :class:`~kvplug.errors.BackendTimeout`, and the connection it used is closed.
-    * ``connections`` (default 8): the most connections the pool keeps to the server; a
-      batch spreads over the idle ones.
-    * ``connect_timeout`` (seconds, default 5): the limit of one connect and its hello.
-    * ``mode`` (``auto``, ``plain`` or ``extended``; default ``auto``): ``auto`` sends the
-      hello and uses the extended mode with a kvplug server, the plain mode with LMCache's;
-      ``plain`` never sends it (LMCache's protocol only, also against a kvplug server);
-      ``extended`` requires a kvplug server and fails at open against another.
-    * ``secret``: the shared secret of a kvplug server started with one (extended mode).
-      Only a proof of it travels (HMAC of the server's nonce); it is masked in every log,
-      error and repr.
-    * ``checksums`` (default true): the extended mode sends xxh3-64 of every payload (the
-      server refuses a damaged one) and verifies the checksum of every payload read; a
-      mismatch is a miss, counted in ``corrupt_objects``, and the key is deleted.
-    * ``reconnect_delay`` (seconds, default 0.05) and ``reconnect_max_delay`` (default 2):
-      after a failed connect, operations fail at once for this long (with jitter), doubling
-      up to the maximum until the server answers again.
-    * ``key_prefix`` (default empty): prepended to every key string on the wire, so several
-      users of one server keep apart. In the plain mode it must keep the key LMCache's form
-      (no ``@``, no whitespace), or LMCache's server drops the connection.
-    """
-
-    connections: int = Field(8, ge=1, le=1024, description="the most pooled connections")
-    connect_timeout: float = Field(5.0, gt=0, description="seconds of one connect and hello")
-    mode: Mode = Field("auto", description="auto, plain or extended")
-    secret: str | None = Field(None, repr=False, description="shared secret (extended mode)")
-    checksums: bool = Field(True, description="xxh3 of every payload (extended mode)")
-    reconnect_delay: float = Field(0.05, gt=0, description="first back-off after a failure")
-    reconnect_max_delay: float = Field(2.0, gt=0, description="longest back-off")
-    key_prefix: str = Field("", description="prepended to every key on the wire")
 
 
 CHECKSUM_FAILED = "its payload does not match the checksum it was stored with"
@@ -218,11 +184,11 @@ class LMBackend(Backend):
                 wire.pack_ext_request(wire.Op.AUTH, request_id=request_id, payload_len=len(proof)),
                 proof,
             )
-            header, _ = await self._ext_reply(connection, request_id)
+            header, _ = await read_reply(connection, request_id, self.address)
             if header.status != wire.Status.OK:
                 raise ConfigError(
                     f"the kvplug lm-server at {self.address} refused the secret "
-                    f"({_status_name(header.status)}); set 'secret' to the server's shared "
+                    f"({status_name(header.status)}); set 'secret' to the server's shared "
                     "secret."
                 )
 
@@ -278,7 +244,7 @@ class LMBackend(Backend):
         text = self.options.key_prefix + key.to_string()
         raw = text.encode()
         if self.mode == "plain":
-            if not _travels_plain(raw):
+            if not travels_plain(raw):
                 raise NotSupported(
                     f"key {key} cannot travel in LMCache's plain protocol: it is {len(raw)} "
                     f"bytes (at most {wire.PLAIN_KEY_BYTES}) or holds whitespace or control "
@@ -420,88 +386,6 @@ class LMBackend(Backend):
 
     # -- extended mode ----------------------------------------------------------------------
 
-    async def _ext_reply(
-        self, connection: Connection, request_id: int
-    ) -> tuple[wire.ExtReply, bytearray]:
-        """The next reply's header and meta; its payload is still to be read."""
-        try:
-            header = wire.unpack_ext_reply(await connection.recv_exact(wire.EXT_REPLY.size))
-        except wire.WireError as error:
-            raise KvplugError(
-                f"lm://{self.address} sent a reply kvplug cannot parse ({error}); the "
-                "connection was closed."
-            ) from None
-        if header.request_id != request_id:
-            raise KvplugError(
-                f"lm://{self.address} answered request {header.request_id} where {request_id} "
-                "was expected; the connection was closed."
-            )
-        meta = await connection.recv_exact(header.meta_len)
-        return header, meta
-
-    async def _refusal(self, connection: Connection, header: wire.ExtReply, what: str) -> Exception:
-        """What to raise for a reply that is neither OK nor NOT_FOUND (its payload is read):
-        a :class:`ReplyError` keeps the connection, except after BAD_REQUEST (the server
-        closes the connection after it)."""
-        error = await self._ext_error(connection, header, what)
-        return error if header.status == wire.Status.BAD_REQUEST else ReplyError(error)
-
-    async def _ext_error(
-        self, connection: Connection, header: wire.ExtReply, what: str
-    ) -> Exception:
-        """The error of a reply that is neither OK nor NOT_FOUND (its payload is read)."""
-        reason = (await connection.recv_exact(header.payload_len)).decode("utf-8", "replace")
-        status = header.status
-        name = _status_name(status)
-        detail = f": {reason}" if reason else ""
-        if status in (wire.Status.TOO_LARGE, wire.Status.NO_SPACE):
-            return CapacityExceeded(
-                f"{what} on lm://{self.address} was refused ({name}{detail}); the server is "
-                "full or the object exceeds its limit. Raise --max-memory or the object limit."
-            )
-        if status in (wire.Status.AUTH_REQUIRED, wire.Status.AUTH_FAILED):
-            return ConfigError(
-                f"{what} on lm://{self.address} was refused ({name}); set 'secret' to the "
-                "server's shared secret."
-            )
-        if status in (wire.Status.SHUTTING_DOWN, wire.Status.INTERNAL):
-            return BackendUnavailable(
-                f"{what} on lm://{self.address} failed ({name}{detail}); the server is "
-                "shutting down or failed. Retry once it is back."
-            )
-        if status == wire.Status.UNSUPPORTED:
-            return NotSupported(f"{what}: lm://{self.address} does not support it{detail}.")
-        if status == wire.Status.BAD_CHECKSUM:
-            return BackendError(
-                f"{what} on lm://{self.address} was refused: the payload arrived damaged (its "
-                "checksum did not match), so nothing was stored. Retry; if it persists, check "
-                "the network path and the client's memory."
-            )
-        return KvplugError(
-            f"{what} on lm://{self.address} failed ({name}{detail}). This is a bug in kvplug's "
-            "client or server; report it with the server's log."
-        )
-
-    async def _ext_simple(self, connection: Connection, op: wire.Op, key: bytes, what: str) -> bool:
-        """A request without payload in either direction: True for OK, False for NOT_FOUND."""
-        request_id = await self._send_simple(connection, op, key)
-        return await self._read_simple(connection, request_id, what)
-
-    async def _send_simple(self, connection: Connection, op: wire.Op, key: bytes) -> int:
-        request_id = connection.next_request_id()
-        await connection.send(wire.pack_ext_request(op, request_id=request_id, key=key))
-        return request_id
-
-    async def _read_simple(self, connection: Connection, request_id: int, what: str) -> bool:
-        header, _ = await self._ext_reply(connection, request_id)
-        if header.status == wire.Status.OK:
-            await connection.drain(header.payload_len)
-            return True
-        if header.status == wire.Status.NOT_FOUND:
-            await connection.drain(header.payload_len)
-            return False
-        raise await self._refusal(connection, header, what)
-
     async def _send_put(self, connection: Connection, key: bytes, obj: MemoryObj) -> int:
         from kvplug.memory import DTYPE_CODES
 
@@ -533,21 +417,21 @@ class LMBackend(Backend):
         return request_id
 
     async def _read_put(self, connection: Connection, request_id: int, key: bytes) -> None:
-        header, _ = await self._ext_reply(connection, request_id)
+        header, _ = await read_reply(connection, request_id, self.address)
         if header.status != wire.Status.OK:
-            raise await self._refusal(connection, header, f"put of {key.decode()}")
+            raise await refusal(connection, header, f"put of {key.decode()}", self.address)
         await connection.drain(header.payload_len)
 
     async def _read_get(
         self, connection: Connection, request_id: int, key: bytes, dest: MemoryObj | None
     ) -> tuple[MemoryObj | None, bool]:
         """The object of a GET reply (or ``dest`` filled) and whether its checksum failed."""
-        header, raw_meta = await self._ext_reply(connection, request_id)
+        header, raw_meta = await read_reply(connection, request_id, self.address)
         if header.status == wire.Status.NOT_FOUND:
             await connection.drain(header.payload_len)
             return None, False
         if header.status != wire.Status.OK:
-            raise await self._refusal(connection, header, f"get of {key.decode()}")
+            raise await refusal(connection, header, f"get of {key.decode()}", self.address)
         try:
             meta = wire.unpack_meta(raw_meta)
         except wire.WireError as error:
@@ -574,13 +458,15 @@ class LMBackend(Backend):
 
     def _deleter(self, key: bytes) -> Callable[[Connection], Awaitable[bool]]:
         def delete(connection: Connection) -> Awaitable[bool]:
-            return self._ext_simple(connection, wire.Op.DELETE, key, f"delete of {key.decode()}")
+            return simple_request(
+                connection, wire.Op.DELETE, key, f"delete of {key.decode()}", self.address
+            )
 
         return delete
 
     async def _ext_get(self, key: bytes, dest: MemoryObj | None) -> MemoryObj | None:
         async def request(connection: Connection) -> tuple[MemoryObj | None, bool]:
-            request_id = await self._send_simple(connection, wire.Op.GET, key)
+            request_id = await send_simple(connection, wire.Op.GET, key)
             return await self._read_get(connection, request_id, key, dest)
 
         got, damaged = await self._pool.run(request)
@@ -625,13 +511,13 @@ class LMBackend(Backend):
         if self._is_plain():
             return await self._pool.run(lambda c: self._plain_contains(c, name))
         return await self._pool.run(
-            lambda c: self._ext_simple(c, wire.Op.EXISTS, name, f"contains of {key}")
+            lambda c: simple_request(c, wire.Op.EXISTS, name, f"contains of {key}", self.address)
         )
 
     async def _remove(self, key: CacheKey) -> bool:
         name = self.wire_key(key)
         return await self._pool.run(
-            lambda c: self._ext_simple(c, wire.Op.DELETE, name, f"remove of {key}")
+            lambda c: simple_request(c, wire.Op.DELETE, name, f"remove of {key}", self.address)
         )
 
     async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -648,9 +534,9 @@ class LMBackend(Backend):
                 ),
                 payload,
             )
-            header, _ = await self._ext_reply(connection, request_id)
+            header, _ = await read_reply(connection, request_id, self.address)
             if header.status != wire.Status.OK:
-                raise await self._refusal(connection, header, "batched_exists")
+                raise await refusal(connection, header, "batched_exists", self.address)
             found = await connection.recv_exact(header.payload_len)
             if len(found) != len(names):
                 raise KvplugError(
@@ -661,101 +547,6 @@ class LMBackend(Backend):
 
         return await self._pool.run(request)
 
-    async def _pipelined(
-        self,
-        names: Sequence[bytes],
-        send: Any,
-        read: Any,
-        keep: Sequence[object | None] = (),
-    ) -> list[Any]:
-        """Spread ``names`` over the pool's free connections (at least one); on each, write
-        every request (``send(connection, index)`` returns a request id) while reading the
-        replies in order (``read(connection, request_id, index)``). Results are aligned; when
-        it fails, every object read is released but those in ``keep`` (the caller's)."""
-        results: list[Any] = [None] * len(names)
-        keep = list(keep) or [None] * len(names)
-
-        async def on(connection: Connection, indexes: Sequence[int]) -> None:
-            ids: asyncio.Queue[int | Exception] = asyncio.Queue()
-
-            async def writer() -> None:
-                try:
-                    for index in indexes:
-                        ids.put_nowait(await send(connection, index))
-                except Exception as error:
-                    ids.put_nowait(error)  # the reader stops there, instead of waiting on
-
-            async def reader() -> None:
-                refused: ReplyError | None = None
-                for index in indexes:
-                    request_id = await ids.get()
-                    if isinstance(request_id, Exception):
-                        raise request_id
-                    try:
-                        results[index] = await read(connection, request_id, index)
-                    except ReplyError as error:
-                        refused = refused or error  # the later replies still come: read them
-                if refused is not None:
-                    raise refused
-
-            writing = asyncio.ensure_future(writer())
-            try:
-                await reader()
-                await writing
-            except BaseException:
-                release_read(indexes)
-                raise
-            finally:
-                if not writing.done():
-                    writing.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await writing
-
-        def release_read(indexes: Sequence[int]) -> None:
-            from kvplug.memory import MemoryObj
-
-            for index in indexes:
-                result, results[index] = results[index], None
-                if isinstance(result, MemoryObj) and result is not keep[index]:
-                    result.release()
-
-        async def first(indexes: Sequence[int]) -> None:
-            await self._pool.run(lambda c: on(c, indexes))
-
-        async def extra(indexes: Sequence[int]) -> bool:
-            try:
-                async with self._pool.lease(wait=False) as connection:
-                    if connection is None:
-                        return False
-                    await on(connection, indexes)
-                    return True
-            except ReplyError as refused:
-                raise refused.error from None
-            except OSError as error:
-                raise self._pool.lost(error) from None
-
-        spread = min(len(names), self._pool.size)
-        groups = [list(range(start, len(names), spread)) for start in range(spread)]
-        outcomes = await asyncio.gather(
-            first(groups[0]), *(extra(group) for group in groups[1:]), return_exceptions=True
-        )
-        leftover = [
-            index
-            for group, outcome in zip(groups[1:], outcomes[1:], strict=True)
-            if outcome is False
-            for index in group
-        ]
-        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if error is None and leftover:
-            try:
-                await first(leftover)
-            except BaseException as late:
-                error = late
-        if error is not None:
-            release_read(range(len(results)))
-            raise error
-        return results
-
     async def _ext_batched_read(
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj | None]
     ) -> list[MemoryObj | None]:
@@ -763,7 +554,7 @@ class LMBackend(Backend):
         damaged: list[bytes] = []
 
         async def send(connection: Connection, index: int) -> int:
-            return await self._send_simple(connection, wire.Op.GET, names[index])
+            return await send_simple(connection, wire.Op.GET, names[index])
 
         async def read(connection: Connection, request_id: int, index: int) -> MemoryObj | None:
             got, bad = await self._read_get(connection, request_id, names[index], dests[index])
@@ -771,7 +562,7 @@ class LMBackend(Backend):
                 damaged.append(names[index])
             return got
 
-        results = await self._pipelined(names, send, read, dests)
+        results = await pipelined(self._pool, names, send, read, dests)
         await self.damaged_values.drop(dict.fromkeys(damaged, CHECKSUM_FAILED))
         return results
 
@@ -800,15 +591,15 @@ class LMBackend(Backend):
         async def read(connection: Connection, request_id: int, index: int) -> None:
             await self._read_put(connection, request_id, names[index])
 
-        await self._pipelined(names, send, read)
+        await pipelined(self._pool, names, send, read)
 
     async def _list_keys(self) -> AsyncIterator[CacheKey]:
         async def request(connection: Connection) -> bytes:
             request_id = connection.next_request_id()
             await connection.send(wire.pack_ext_request(wire.Op.LIST, request_id=request_id))
-            header, _ = await self._ext_reply(connection, request_id)
+            header, _ = await read_reply(connection, request_id, self.address)
             if header.status != wire.Status.OK:
-                raise await self._refusal(connection, header, "list_keys")
+                raise await refusal(connection, header, "list_keys", self.address)
             return bytes(await connection.recv_exact(header.payload_len))
 
         listing = await self._run_listing(request)
@@ -826,55 +617,6 @@ class LMBackend(Backend):
         """The LIST round trip, on the backend's loop and under its deadline (counted apart
         from ``list_keys``'s calls, which the template counts)."""
         return await self._run_hook("list_keys_round_trip", self._pool.run, request)
-
-
-ESCAPED_KEY_MARK = "~kvplug-b64~"
-"""How an escaped key begins on the wire (:func:`encode_key`)."""
-
-
-def _clean(raw: bytes) -> bool:
-    try:
-        wire.check_key(raw, len(raw) or 1)
-    except wire.WireError:
-        return False
-    return True
-
-
-def _travels_plain(raw: bytes) -> bool:
-    return len(raw) <= wire.PLAIN_KEY_BYTES and _clean(raw)
-
-
-def encode_key(text: str) -> bytes:
-    """``text`` on the wire in the extended mode: as it is when the server's key rules allow
-    it (every key an LMCache client makes), else :data:`ESCAPED_KEY_MARK` and its UTF-8 in
-    URL-safe base64 (model names with spaces, control or invisible characters). A clean key
-    that itself begins with the mark is escaped too, so two keys never meet on the wire."""
-    raw = text.encode()
-    if _clean(raw) and not text.startswith(ESCAPED_KEY_MARK):
-        return raw
-    return (ESCAPED_KEY_MARK + base64.urlsafe_b64encode(raw).decode("ascii")).encode()
-
-
-def decode_key(raw: bytes) -> str | None:
-    """The key string :func:`encode_key` made ``raw`` from; None for bytes it cannot have
-    made."""
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        return None
-    if not text.startswith(ESCAPED_KEY_MARK):
-        return text or None
-    try:
-        return base64.urlsafe_b64decode(text[len(ESCAPED_KEY_MARK) :]).decode()
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _status_name(status: int) -> str:
-    try:
-        return wire.Status(status).name
-    except ValueError:
-        return f"status {status}"
 
 
 __all__ = [

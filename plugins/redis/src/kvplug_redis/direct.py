@@ -6,8 +6,8 @@ several times (socket, stream buffer, parser buffer, the final object); a frame 
 is copied once more into the :class:`~kvplug.memory.MemoryObj` returned. For a 32 MiB chunk
 those copies cost as much as the network. A client library cannot read into a caller's buffer,
 so for ``GET`` kvplug reads the RESP2 reply itself with a buffered protocol
-(:class:`_ReplyReader`) that drives one :class:`~kvplug.frame.FrameReceiver` per value
-(:meth:`kvplug.backend.BytesBackend.receive_frames`):
+(:class:`~kvplug_redis.reply_reader.ReplyReader`) that drives one
+:class:`~kvplug.frame.FrameReceiver` per value (:meth:`kvplug.backend.BytesBackend.receive_frames`):
 
 1. the bulk-string length line and the frame header arrive in a small buffer of the
    connection; the receiver is started with the value's length and given the header;
@@ -20,8 +20,9 @@ so for ``GET`` kvplug reads the RESP2 reply itself with a buffered protocol
 
 **Writes.** :meth:`DirectConnections.store` sends pipelined ``SET`` s whose values are the
 frame's own buffers (header, then the payload in allocator memory) with ``sendmsg``, on plain
-TCP and unix-socket connections (:class:`_SocketLink`), so a put copies nothing in user space.
-Over TLS the buffers go through an asyncio transport (encryption copies anyway).
+TCP and unix-socket connections (:class:`~kvplug_redis.socket_link.SocketLink`), so a put copies
+nothing in user space. Over TLS the buffers go through an asyncio transport (encryption copies
+anyway).
 
 **Memory safety.** While a reply is arriving, the socket may write into a receiver's memory at
 any read, and while a put is being sent, the socket reads the caller's memory. An operation
@@ -44,50 +45,27 @@ a deposed master, and writes may have gone to it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import itertools
 import random
-import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol, cast
 
 from kvplug.backend import Buffer
-from kvplug.errors import BackendError
 from kvplug.frame import FrameReceiver
 from kvplug_redis.connections import Waiters
+from kvplug_redis.reply_reader import ConnectionLost, Reply, ReplyReader
+from kvplug_redis.socket_link import Endpoint, SocketLink, open_socket
 
-HEAD_SIZE = 64 << 10
-"""Bytes of a connection's buffer for reply lines and frame headers (and drained values)."""
-MAX_LINE = HEAD_SIZE // 2
-"""A reply line (an error message) longer than this is not Redis speaking."""
 MOVED_RETRIES = 3
 """Times a fetch is sent again because the master moved while it ran, before it fails."""
 RETRY_DELAY = (0.01, 0.1)
 """Seconds before the one retry on a fresh connection, drawn at random in this range so that
 many operations broken by one restart do not reconnect at the same instant."""
-IOV_MAX = 1024
-"""Buffers one ``sendmsg`` takes at most (Linux's ``IOV_MAX``)."""
-
-
-class ConnectionLost(ConnectionError):
-    """The connection broke, or was aborted, before the reply was complete."""
 
 
 class MasterMoved(ConnectionLost):
     """The master moved while a fetch ran: its replies may come from the old one."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where to connect: a TCP host and port, or a unix socket path."""
-
-    host: str = ""
-    port: int = 0
-    path: str | None = None
 
 
 def pack(*args: bytes) -> bytes:
@@ -128,397 +106,11 @@ def restart(receivers: Sequence[FrameReceiver]) -> None:
         receiver.abandon()
 
 
-class _Reply:
-    """One expected reply: a value for ``receiver``, else a status (``+OK``: set-up commands,
-    ``SET``) or, with ``integer``, an integer (``EXISTS``), kept in :attr:`number`; ``error``
-    is the error reply that came instead."""
-
-    __slots__ = ("error", "kind", "number", "receiver")
-
-    def __init__(self, receiver: FrameReceiver | None = None, *, integer: bool = False) -> None:
-        self.receiver = receiver
-        self.kind = b"$" if receiver is not None else b":" if integer else b"+"
-        self.number = 0
-        self.error: str | None = None
-
-
-class _Phase:
-    """Where :class:`_ReplyReader` is in the stream: at a reply line, in a value's frame header,
-    in the rest of the value (received or drained), before its CRLF; or detached."""
-
-    LINE = 0
-    HEADER = 1
-    VALUE = 2
-    CRLF = 3
-    DEAD = 4
-
-
-class _ReplyReader(asyncio.BufferedProtocol):
-    """Receives the replies of one connection, in order, as they are expected (:meth:`expect`).
-
-    Reply lines and frame headers go into ``_head``; the rest of a value goes into the memory
-    its receiver named (its sink) or, drained, into ``_head`` again and again. After
-    :meth:`detach` nothing is written anywhere but ``_head``.
-    """
-
-    def __init__(self) -> None:
-        self._head = bytearray(HEAD_SIZE)
-        self._start = 0
-        self._end = 0
-        self._phase = _Phase.LINE
-        self._replies: collections.deque[_Reply] = collections.deque()
-        self._done: asyncio.Future[None] | None = None
-        self._left = 0
-        self._sink: memoryview | None = None
-        self._sink_pos = 0
-        self._into_head = True
-        self.transport: _Link | None = None
-        self.lost: BaseException | None = None
-
-    # -- what the connection asks ----------------------------------------------------------
-
-    def expect(self, replies: Sequence[_Reply]) -> asyncio.Future[None]:
-        """A future that is done when all ``replies`` have arrived, or failed when the
-        connection breaks first."""
-        self._done = asyncio.get_running_loop().create_future()
-        if self.lost is not None:
-            self._done.set_exception(self._lost_error())
-        elif not replies:
-            self._done.set_result(None)
-        else:
-            self._replies.extend(replies)
-        return self._done
-
-    def detach(self) -> None:
-        """Never write into a receiver's memory again (the connection is being aborted)."""
-        self._sink = None
-        self._phase = _Phase.DEAD
-        self._replies.clear()
-
-    # -- asyncio's side ------------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport | _Link) -> None:
-        # Not an isinstance check: uvloop's TLS transport is no asyncio.Transport subclass.
-        self.transport = cast("_Link", transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.lost is None:
-            self.lost = exc or ConnectionLost("the server closed the connection")
-        self.detach()
-        self._fail(self._lost_error())
-
-    def eof_received(self) -> bool:
-        return False
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._phase == _Phase.DEAD:
-            self._start = self._end = 0  # whatever still arrives is dropped
-        if self._start == self._end:
-            self._start = self._end = 0
-            if self._phase == _Phase.VALUE:
-                self._into_head = False
-                if self._sink is not None:
-                    return self._sink[self._sink_pos : self._sink_pos + self._left]
-                return memoryview(self._head)[: min(self._left, HEAD_SIZE)]
-        elif self._end == HEAD_SIZE:
-            held = self._end - self._start
-            self._head[:held] = self._head[self._start : self._end]
-            self._start, self._end = 0, held
-        self._into_head = True
-        return memoryview(self._head)[self._end :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        try:
-            if self._into_head:
-                self._end += nbytes
-                self._advance()
-                return
-            self._left -= nbytes
-            if self._sink is not None:
-                self._sink_pos += nbytes
-                self._sink_received()
-            if not self._left:
-                self._sink = None
-                self._phase = _Phase.CRLF
-        except Exception as error:  # a bug must not leave the caller waiting forever
-            self._broken(f"{type(error).__name__}: {error}")
-
-    # -- parsing -------------------------------------------------------------------------------
-
-    def _advance(self) -> None:
-        head = self._head
-        while True:
-            held = self._end - self._start
-            phase = self._phase
-            if phase == _Phase.LINE:
-                if not held:
-                    return
-                if not self._replies:
-                    self._broken("data arrived that no command asked for")
-                    return
-                cr = head.find(b"\r\n", self._start, self._end)
-                if cr < 0:
-                    if held > MAX_LINE:
-                        self._broken(f"a reply line longer than {MAX_LINE} bytes")
-                    return
-                line = bytes(head[self._start : cr])
-                self._start = cr + 2
-                self._on_line(line)
-            elif phase == _Phase.HEADER:
-                receiver = self._replies[0].receiver
-                assert receiver is not None
-                available = memoryview(head)[self._start : self._end]
-                wanted = receiver.header_len(available)
-                if held < wanted:
-                    return
-                sink = receiver.take_header(available[:wanted])
-                self._start += wanted
-                self._take_value(receiver.remaining, sink)
-            elif phase == _Phase.VALUE:
-                if not held:
-                    return
-                take = min(held, self._left)
-                if self._sink is not None:
-                    end = self._sink_pos + take
-                    self._sink[self._sink_pos : end] = memoryview(head)[
-                        self._start : self._start + take
-                    ]
-                    self._sink_pos = end
-                    self._sink_received()
-                self._start += take
-                self._left -= take
-                if not self._left:
-                    self._sink = None
-                    self._phase = _Phase.CRLF
-            elif phase == _Phase.CRLF:
-                if held < 2:
-                    return
-                if head[self._start : self._start + 2] != b"\r\n":
-                    self._broken("a bulk string without its CRLF")
-                    return
-                self._start += 2
-                self._complete()
-            else:
-                return
-
-    def _on_line(self, line: bytes) -> None:
-        reply = self._replies[0]
-        kind, rest = line[:1], line[1:]
-        receiver = reply.receiver
-        if kind == b"-":
-            reply.error = rest.decode("utf-8", "replace")
-            self._complete()
-        elif kind != reply.kind:
-            self._broken(f"an unexpected reply {line[:40]!r}")
-        elif kind == b"+":
-            self._complete()
-        elif kind == b":" and rest.lstrip(b"-").isdigit():
-            reply.number = int(rest)
-            self._complete()
-        elif kind == b"$" and receiver is not None and rest.lstrip(b"-").isdigit():
-            length = int(rest)
-            if length < 0:
-                self._complete()  # $-1: no such key, the receiver stays a miss
-                return
-            receiver.start(length)
-            self._phase = _Phase.HEADER
-        else:
-            self._broken(f"an unexpected reply {line[:40]!r}")
-
-    def _take_value(self, length: int, sink: memoryview | None) -> None:
-        """Receive the next ``length`` bytes into ``sink``, or drain them."""
-        self._left = length
-        self._sink = sink if length else None
-        self._sink_pos = 0
-        self._phase = _Phase.VALUE if length else _Phase.CRLF
-
-    def _sink_received(self) -> None:
-        """Tell the value's receiver how far its sink is written (it hashes as bytes land)."""
-        receiver = self._replies[0].receiver
-        assert receiver is not None  # a sink is only ever a receiver's
-        receiver.received(self._sink_pos)
-
-    def _complete(self) -> None:
-        self._replies.popleft()
-        self._phase = _Phase.LINE
-        if not self._replies and self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    # -- failures -------------------------------------------------------------------------------
-
-    def _lost_error(self) -> BaseException:
-        error = ConnectionLost(f"the connection broke: {self.lost}")
-        error.__cause__ = self.lost
-        return error
-
-    def _fail(self, error: BaseException) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(error)
-
-    def _broken(self, what: str) -> None:
-        """The stream cannot be trusted any more: stop reading and fail the request."""
-        self.detach()
-        if self.transport is not None:
-            self.transport.abort()
-        self.lost = BackendError(
-            f"the server sent {what}; it does not speak the Redis protocol as kvplug expects, "
-            "or the stream was damaged. The connection was dropped."
-        )
-        self._fail(self.lost)
-
-
-class _Link(Protocol):
-    """What :class:`_Connection` and :class:`_ReplyReader` need of a connection: an asyncio
-    transport (TLS) or a :class:`_SocketLink` (plain TCP, unix socket)."""
-
-    def abort(self) -> None: ...
-
-    def is_closing(self) -> bool: ...
-
-
-class _SocketLink:
-    """A plain connection driven by hand on the event loop: what arrives is received into the
-    buffers :class:`_ReplyReader` names, as an asyncio transport would, and :meth:`send`
-    writes the caller's buffers with ``sendmsg``, straight from their memory.
-
-    Why not a transport: before Python 3.12 an asyncio transport joins the buffers it is given
-    and keeps what the socket did not take in a buffer of its own, deleting each sent part from
-    its front; for a 32 MiB value those copies cost more than the network (a profile showed 80%
-    of a batched put there). A transport also owns its socket, so the loop refuses to watch
-    that socket for anyone else.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, reader: _ReplyReader
-    ) -> None:
-        self._loop = loop
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._reader = reader
-        self._closing = False
-        self._writable: asyncio.Future[None] | None = None
-        loop.add_reader(self._fd, self._on_readable)
-        reader.connection_made(self)
-
-    def _on_readable(self) -> None:
-        try:
-            nbytes = self._sock.recv_into(self._reader.get_buffer(-1))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:
-            self._close(error)
-            return
-        if not nbytes:
-            self._close(None)
-            return
-        self._reader.buffer_updated(nbytes)
-
-    async def send(self, buffers: Sequence[Buffer]) -> None:
-        """Write ``buffers`` in order; returns once the kernel has taken every byte (the
-        caller may then reuse them). Raises :class:`ConnectionLost` if the connection breaks
-        or is aborted meanwhile."""
-        pending = collections.deque(
-            view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes
-        )
-        while pending:
-            if self._closing:
-                raise ConnectionLost("the connection was closed while sending")
-            try:
-                sent = self._sock.sendmsg(list(itertools.islice(pending, IOV_MAX)))
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as error:
-                self._close(error)
-                raise ConnectionLost(f"the connection broke while sending: {error}") from error
-            while sent:
-                head = pending[0]
-                if head.nbytes <= sent:
-                    sent -= head.nbytes
-                    pending.popleft()
-                else:
-                    pending[0] = head[sent:]
-                    sent = 0
-            if pending:
-                await self._wait_writable()
-
-    async def _wait_writable(self) -> None:
-        waiter = self._loop.create_future()
-        self._writable = waiter
-
-        def ready() -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        self._loop.add_writer(self._fd, ready)
-        try:
-            await waiter
-        finally:
-            self._writable = None
-            if not self._closing:
-                self._loop.remove_writer(self._fd)
-
-    def abort(self) -> None:
-        """Close at once; what was not sent is dropped, a sender waiting raises."""
-        self._close(None)
-
-    def is_closing(self) -> bool:
-        return self._closing
-
-    def _close(self, error: Exception | None) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_writer(self._fd)
-        self._sock.close()
-        waiter = self._writable
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionLost("the connection was closed while sending"))
-        # As a transport does: the protocol hears of it from the loop, not from inside a call.
-        self._loop.call_soon(self._reader.connection_lost, error)
-
-
-async def _open_socket(loop: asyncio.AbstractEventLoop, endpoint: Endpoint) -> socket.socket:
-    """A connected non-blocking socket to ``endpoint`` (each of the host's addresses is tried
-    in turn)."""
-    if endpoint.path is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, endpoint.path)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    try:  # an IP address needs no lookup, and no thread of the loop's executor
-        addresses = socket.getaddrinfo(
-            endpoint.host, endpoint.port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
-        )
-    except socket.gaierror:
-        addresses = await loop.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
-    failure: OSError | None = None
-    for family, kind, proto, _, address in addresses:
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_connect(sock, address)
-        except OSError as error:
-            sock.close()
-            failure = error
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    raise failure or OSError(f"no address found for {endpoint.host}:{endpoint.port}")
-
-
 class _Connection:
     """One of the pool's connections; used by one operation at a time."""
 
     def __init__(
-        self, transport: asyncio.Transport | _SocketLink, reader: _ReplyReader, generation: int
+        self, transport: asyncio.Transport | SocketLink, reader: ReplyReader, generation: int
     ) -> None:
         self.transport = transport
         self.reader = reader
@@ -529,14 +121,14 @@ class _Connection:
     def usable(self) -> bool:
         return self.reader.lost is None and not self.transport.is_closing()
 
-    async def request(self, data: Sequence[Buffer], replies: Sequence[_Reply]) -> None:
+    async def request(self, data: Sequence[Buffer], replies: Sequence[Reply]) -> None:
         """Send ``data`` (commands, as buffers in order) and wait for ``replies``. Anything
         that ends this early (the deadline, a cancellation, a broken connection) aborts the
         connection before it raises, so no receiver's memory is written afterwards and no
         buffer of ``data`` is read."""
         done = self.reader.expect(replies)
         try:
-            if isinstance(self.transport, _SocketLink):
+            if isinstance(self.transport, SocketLink):
                 await self.transport.send(data)
             else:
                 for piece in data:
@@ -556,7 +148,8 @@ class _Connection:
 
 
 class DirectConnections:
-    """A pool of connections that serve ``GET`` s through :class:`_ReplyReader` and ``SET`` s
+    """A pool of connections that serve ``GET`` s through
+    :class:`~kvplug_redis.reply_reader.ReplyReader` and ``SET`` s
     sent from the caller's memory.
 
     ``locate`` says where the server is (asked again after a broken connection or a
@@ -613,7 +206,7 @@ class DirectConnections:
         the receivers' memory any more."""
         data = b"".join(pack(b"GET", name.encode()) for name in names)
         await self._exchange(
-            [data], lambda: [_Reply(receiver) for receiver in receivers], lambda: restart(receivers)
+            [data], lambda: [Reply(receiver) for receiver in receivers], lambda: restart(receivers)
         )
         self.gets += len(names)
 
@@ -621,21 +214,21 @@ class DirectConnections:
         """Send ``count`` commands answered by ``+OK`` (``SET`` s packed by
         :func:`~kvplug_redis.pipeline.set_command`: ``commands`` are their pieces, in order)
         pipelined on one connection; on a plain connection each buffer goes to the socket
-        from its own memory (:class:`_SocketLink`). Retried like :meth:`fetch`, also when the
-        master moved meanwhile (the values may have gone to the deposed one); the first error
-        reply is raised once every reply is read. When this returns or raises, no buffer of
-        ``commands`` is read any more."""
-        await self._exchange(commands, lambda: [_Reply() for _ in range(count)], lambda: None)
+        from its own memory (:class:`~kvplug_redis.socket_link.SocketLink`). Retried like
+        :meth:`fetch`, also when the master moved meanwhile (the values may have gone to the
+        deposed one); the first error reply is raised once every reply is read. When this
+        returns or raises, no buffer of ``commands`` is read any more."""
+        await self._exchange(commands, lambda: [Reply() for _ in range(count)], lambda: None)
         self.sets += count
 
     async def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each of ``names`` exists: ``EXISTS`` of each, pipelined on one connection,
         retried like :meth:`fetch`."""
         data = b"".join(pack(b"EXISTS", name.encode()) for name in names)
-        replies: list[_Reply] = []
+        replies: list[Reply] = []
 
-        def expected() -> list[_Reply]:
-            replies[:] = [_Reply(integer=True) for _ in names]
+        def expected() -> list[Reply]:
+            replies[:] = [Reply(integer=True) for _ in names]
             return replies
 
         await self._exchange([data], expected, lambda: None)
@@ -650,7 +243,7 @@ class DirectConnections:
     async def _exchange(
         self,
         data: Sequence[Buffer],
-        expected: Callable[[], list[_Reply]],
+        expected: Callable[[], list[Reply]],
         start_over: Callable[[], None],
     ) -> None:
         broken = moved = 0
@@ -674,7 +267,7 @@ class DirectConnections:
                 start_over()
             await asyncio.sleep(random.uniform(*RETRY_DELAY))
 
-    async def _exchange_once(self, data: Sequence[Buffer], replies: list[_Reply]) -> None:
+    async def _exchange_once(self, data: Sequence[Buffer], replies: list[Reply]) -> None:
         conn = await self._acquire()
         try:
             await conn.request(data, replies)
@@ -733,10 +326,10 @@ class DirectConnections:
 
     async def _connect(self, endpoint: Endpoint, generation: int) -> _Connection:
         loop = asyncio.get_running_loop()
-        reader = _ReplyReader()
-        link: asyncio.Transport | _SocketLink
+        reader = ReplyReader()
+        link: asyncio.Transport | SocketLink
         if self._ssl is None or endpoint.path is not None:
-            link = _SocketLink(loop, await _open_socket(loop, endpoint), reader)
+            link = SocketLink(loop, await open_socket(loop, endpoint), reader)
         else:
             link, _ = await loop.create_connection(
                 lambda: reader,
@@ -752,7 +345,7 @@ class DirectConnections:
             self._drop(conn)
             raise ConnectionLost("the backend was closed while connecting")
         if self._setup_count:
-            replies = [_Reply() for _ in range(self._setup_count)]
+            replies = [Reply() for _ in range(self._setup_count)]
             try:
                 await conn.request([self._setup], replies)
             except BaseException:
