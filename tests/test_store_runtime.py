@@ -796,7 +796,7 @@ def test_a_read_in_flight_when_the_store_closes_leaves_no_worker_and_no_entry() 
         if got is not None:
             got.release()
         await asyncio.sleep(0.2)
-        assert not store._pending and store._pending_bytes == 0
+        assert not len(store._ledger) and store._ledger.queued_bytes == 0
         assert not any(t.worker is not None and not t.worker.done() for t in store._tiers)
         assert len(removes) <= 1
 
