@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import re
 import subprocess
 import sys
@@ -406,8 +407,6 @@ def test_backend_plugins_are_written_against_the_sdk_only() -> None:
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_import_path_from_before_the_move_names_the_same_objects(old: str) -> None:
-    import importlib
-
     shim, home = importlib.import_module(old), importlib.import_module(MOVED[old])
     assert shim.__all__ == home.__all__
     for name in home.__all__:

@@ -5,7 +5,6 @@ backend and sorts it by the key's string form, which is also the page's cursor."
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 
 from lmcache.v1.distributed.api import ObjectKey
 
@@ -46,9 +45,7 @@ async def mp_keys(backend: Backend, model_name: str | None) -> Listed:
     return sorted(found, key=lambda item: item[0])
 
 
-def page_after(
-    items: Sequence[tuple[str, ObjectKey]], cursor: str | None, size: int
-) -> tuple[Sequence[tuple[str, ObjectKey]], bool]:
+def page_after(items: Listed, cursor: str | None, size: int) -> tuple[Listed, bool]:
     """The ``size`` items after ``cursor`` (from the first with None), and whether more follow."""
     start = 0 if cursor is None else bisect.bisect_right([text for text, _ in items], cursor)
     return items[start : start + size], start + size < len(items)

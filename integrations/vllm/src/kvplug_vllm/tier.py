@@ -106,6 +106,7 @@ from kvplug.secrets import mask_text, mask_url
 from kvplug.stats import CounterSummary, summarize
 from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
 from kvplug_vllm.settings import (
+    _WHAT,
     DEFAULT_LOOKUP_TIMEOUT,
     DEFAULT_TASK_TIMEOUT,
     TierSettings,
@@ -124,7 +125,6 @@ UNWIND_SECONDS = 5.0
 operation it cancelled has let go of the primary tier's memory, which takes far less."""
 CLOSE_SECONDS = 5.0
 """Seconds :meth:`KvplugTier.shutdown` gives kvplug to close the store once no job is left."""
-_WHAT = "KvplugTier"
 _FAILURES = ("failed_stores", "failed_loads", "failed_lookups")
 
 
