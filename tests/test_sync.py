@@ -128,6 +128,35 @@ def test_operations_of_an_inline_backend_run_on_the_callers_thread(client) -> No
     assert seen == [threading.get_ident()]
 
 
+def test_an_inline_operations_future_works_as_any_future(client) -> None:
+    """The future an inline operation returns (kvplug.runtime.sync.Finished, born done and
+    sharing one condition) answers what engines ask of a concurrent.futures.Future: results,
+    exceptions, callbacks, wait and as_completed beside a pending future, cancel."""
+    client.put(key(2), MemoryObj.from_tensor(torch.ones(4))).result(10)
+    hit, miss = client.contains(key(2)), client.contains(key(3))
+    assert isinstance(hit, concurrent.futures.Future)
+    assert (hit.result(), miss.result(0), hit.exception()) == (True, False, None)
+    assert (hit.done(), hit.running(), hit.cancel(), hit.cancelled()) == (True, False, False, False)
+    called: list[concurrent.futures.Future[bool]] = []
+    hit.add_done_callback(called.append)
+    assert called == [hit]
+    pending: concurrent.futures.Future[int] = concurrent.futures.Future()
+    done, not_done = concurrent.futures.wait([hit, pending, miss], timeout=0.01)
+    assert (done, not_done) == ({hit, miss}, {pending})
+    pending.set_result(1)
+    assert set(concurrent.futures.as_completed([hit, pending, miss], timeout=5)) == {
+        hit,
+        miss,
+        pending,
+    }
+    with _inline_client(_RaisesTheOldWordingCpu) as failing:
+        failed = failing.get(key(4))
+        assert failed.done() and isinstance(failed.exception(), UnexpectedBackendError)
+        for _ in range(2):  # the same error each time it is asked for
+            with pytest.raises(UnexpectedBackendError):
+                failed.result()
+
+
 class _WaitingCpu(CpuBackend):
     """A backend that claims runs_inline but whose get waits once."""
 

@@ -42,8 +42,8 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 from kvplug.backend import Backend
 from kvplug.errors import BackendClosed, BackendTimeout, KvplugError
@@ -56,8 +56,43 @@ from kvplug.runtime.store import Store, open_store
 from kvplug.secrets import mask_url
 from kvplug.url import BackendURL
 
+_FINISHED = concurrent.futures._base.FINISHED
+
 T = TypeVar("T")
 logger = logging.getLogger("kvplug.sync")
+
+
+class Finished(concurrent.futures.Future[T]):
+    """A ``concurrent.futures.Future`` born done: what an inline operation returns.
+
+    A plain future builds a ``threading.Condition`` of its own, about a fifth of an inline
+    ``cpu://`` get; a finished future never changes state again, so all of them share one
+    condition (``wait``, ``as_completed`` and callbacks still take it, and find it done).
+
+    >>> Finished(3).result()
+    3
+    >>> Finished(exception=KeyError("k")).exception()
+    KeyError('k')
+    """
+
+    _shared_condition = threading.Condition()
+
+    def __init__(self, result: T | None = None, exception: BaseException | None = None) -> None:
+        # The attributes concurrent.futures.Future.__init__ sets, in their finished state.
+        self._condition = self._shared_condition
+        self._state = _FINISHED
+        self._result = result
+        self._exception = exception
+        self._waiters = []
+        self._done_callbacks: list[Callable[[concurrent.futures.Future[T]], object]] = []
+
+    def result(self, timeout: float | None = None) -> T:
+        """The result, or the exception raised; at once, without the condition."""
+        exception = self._exception
+        if exception is None:
+            return cast(T, self._result)
+        del self  # the traceback would hold this frame, and it this future: a reference cycle
+        raise exception
 
 
 class SyncClient:
@@ -149,14 +184,12 @@ class SyncClient:
         IO thread."""
         if not self.backend.runs_inline:
             return self._submit(coroutine)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
-            future.set_result(run_inline(coroutine))
+            return Finished(run_inline(coroutine))
         except NeededALoop as waited:
-            future.set_exception(self._waited(waited))
+            return Finished(exception=self._waited(waited))
         except Exception as error:
-            future.set_exception(error)
-        return future
+            return Finished(exception=error)
 
     def _waited(self, waited: NeededALoop) -> KvplugError:
         name = type(self.backend).__qualname__
