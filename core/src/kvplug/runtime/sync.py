@@ -65,7 +65,7 @@ logger = logging.getLogger("kvplug.sync")
 class Finished(concurrent.futures.Future[T]):
     """A ``concurrent.futures.Future`` born done: what an inline operation returns.
 
-    A plain future builds a ``threading.Condition`` of its own, about a fifth of an inline
+    A plain future builds a ``threading.Condition`` of its own, about a third of an inline
     ``cpu://`` get; a finished future never changes state again, so all of them share one
     condition (``wait``, ``as_completed`` and callbacks still take it, and find it done).
 

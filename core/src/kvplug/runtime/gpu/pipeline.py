@@ -58,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -68,9 +68,7 @@ from kvplug.keys import DEFAULT_CHUNK_SIZE, CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime.gpu.layouts import PagedKVCache
 from kvplug.runtime.gpu.ops import Impl, _slice_slots, gather, scatter
-
-if TYPE_CHECKING:
-    from kvplug.runtime.sync import SyncClient
+from kvplug.runtime.sync import Finished, SyncClient, new_io_loop
 
 DEFAULT_DEPTH = 2
 """Chunks in flight by default: one being copied on the GPU while one is stored or read."""
@@ -384,18 +382,14 @@ class _CallerThreadDriver(_Driver):
                 "and it drives the backend on the calling thread. Call it from a worker thread "
                 "(await asyncio.to_thread(offload, ...)) or pass a kvplug.runtime.sync.SyncClient."
             )
-        from kvplug.runtime.sync import new_io_loop
-
         self.backend = backend
         self.loop, self.executor = new_io_loop()
 
     def _run(self, coroutine: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         try:
-            future.set_result(self.loop.run_until_complete(coroutine))
+            return Finished(self.loop.run_until_complete(coroutine))
         except Exception as error:
-            future.set_exception(error)
-        return future
+            return Finished(exception=error)
 
     def put(self, key: CacheKey, obj: MemoryObj) -> concurrent.futures.Future[None]:
         return self._run(self.backend.put(key, obj))
