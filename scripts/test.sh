@@ -28,6 +28,21 @@ failed() {
 section() {
   printf '== %s (%dm%02ds elapsed)\n' "$*" $((SECONDS / 60)) $((SECONDS % 60))
 }
+# The CPU time (user, system) of this shell, then of the processes it has waited for so far:
+# what tells a step that waits from one that computes, on a machine whose cores the steps
+# share. (`times` in a pipeline or $(...) would report a subshell's.)
+cpu_used() {
+  echo "-- CPU (user, system) of the shell, then of the processes it waited for:"
+  times
+}
+# with_cpu COMMAND...: COMMAND, then cpu_used; COMMAND's exit status.
+with_cpu() {
+  local status=0
+  "$@" || status=$?
+  cpu_used
+  return "$status"
+}
+export -f cpu_used with_cpu
 
 # -- steps in the background -------------------------------------------------------------------
 jobs_dir=$(mktemp -d)
@@ -116,7 +131,7 @@ engine_venvs() {
   bash scripts/setup-engines.sh
 }
 export -f engine_venvs
-start_job engines "the engine venvs (scripts/setup-engines.sh)" bash -c engine_venvs
+start_job engines "the engine venvs (scripts/setup-engines.sh)" bash -c 'with_cpu engine_venvs'
 
 section ruff
 "$VENV/bin/ruff" check .
@@ -143,8 +158,10 @@ section "pytest, on $WORKERS workers (pytest-xdist)"
 # pytest exits 5 when it collected no test: that is a failure here too, as is a worker that
 # crashed (its test fails). The Mooncake tests run later, in a network namespace of their own.
 # --durations lists the slowest tests in CI's log.
+cpu_used
 "$PY" -m pytest -p no:cacheprovider --durations=30 -n "$WORKERS" \
   --ignore=plugins/mooncake/tests "$@"
+cpu_used
 
 # -- the last steps, a few at a time ----------------------------------------------------------
 # The contract suite through the CLI, against every built-in backend and the example.
@@ -175,10 +192,8 @@ contract_cli() {
   # have no memory limit, so clause 9 is waived here: the main test session fills small ones.
   unbounded="9=a server without a memory limit; the main test session fills small servers"
   "$VENV/bin/kvplug" contract --proxy --waive "$unbounded" "redis://127.0.0.1:$port"
-  # Whole tiers configs as one Store: cpu in front of a disk, cpu in front of that redis-server.
-  printf 'tiers:\n  - cpu://?max_size=256MiB\n  - file://%s/store-disk\n' "$acme_dir" \
-    >"$acme_dir/cpu-file.yaml"
-  "$VENV/bin/kvplug" contract --config "$acme_dir/cpu-file.yaml"
+  # A whole tiers config as one Store: cpu in front of that redis-server (cpu in front of a disk
+  # runs in the main session: tests/test_store_contract.py).
   printf 'tiers:\n  - cpu://?max_size=256MiB\n  - redis://127.0.0.1:%s\n' "$port" \
     >"$acme_dir/cpu-redis.yaml"
   "$VENV/bin/kvplug" contract --config "$acme_dir/cpu-redis.yaml" \
@@ -261,7 +276,7 @@ while [ ${#steps[@]} -gt 0 ] || [ ${#engine_steps[@]} -gt 0 ] || [ ${#job_pid[@]
     read -r name command <<<"${steps[0]}"
     steps=("${steps[@]:1}")
     read -ra command <<<"$command"
-    start_job "$name" "${title[$name]}" bash -c '"$@"' "$name" "${command[@]}"
+    start_job "$name" "${title[$name]}" bash -c 'with_cpu "$@"' "$name" "${command[@]}"
     running=$((running + 1))
   done
   finish_job
