@@ -374,3 +374,36 @@ def test_chunk_keys_ranges_and_keys() -> None:
     exact = list(chunk_keys(tokens[:512], template, chunk_size=256))
     assert [(s, e) for s, e, _ in exact] == [(0, 256), (256, 512)]
     assert list(chunk_keys([], template)) == []
+
+
+def test_a_tenant_is_part_of_the_key_so_two_tenants_never_share_a_chunk() -> None:
+    plain = CacheKey("m", 2, 1, b"\x0a\x0b", "bfloat16", (("rank", "3"),))
+    team_a, team_b = plain.with_tenant("team a"), plain.with_tenant("team b")
+    assert len({plain, team_a, team_b}) == 3
+    assert len({str(plain), str(team_a), str(team_b)}) == 3
+    assert (plain.tenant, team_a.tenant, team_b.tenant) == ("", "team a", "team b")
+    assert str(team_a) == "m@2@1@0a0b@bfloat16@rank%3@salt%team%20a"
+    assert CacheKey.parse(str(team_a)) == team_a and CacheKey.parse(str(team_a)).tenant == "team a"
+    assert team_a.with_tenant("") == plain
+    assert team_a.with_hash(9).tenant == "team a"
+
+
+def test_a_new_tenant_replaces_the_old_one_in_its_place() -> None:
+    key = CacheKey("m", 1, 0, 1, tags=(("salt", "x"), ("group", "0")))
+    moved = key.with_tenant("y")
+    assert moved.tags == (("salt", "y"), ("group", "0"))
+
+
+@given(st.text(min_size=1, max_size=128).filter(lambda t: "\x00" not in t))
+def test_any_tenant_name_survives_the_string_form(tenant: str) -> None:
+    key = CacheKey("m", 1, 0, 5).with_tenant(tenant)
+    assert CacheKey.parse(str(key)).tenant == tenant
+
+
+@pytest.mark.parametrize(
+    ("tenant", "says"),
+    [("x" * 129, "at most 128"), ("a\x00b", "NUL"), (7, "non-empty string")],
+)
+def test_a_name_that_is_no_tenants_is_refused_saying_why(tenant: object, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        CacheKey("m", 1, 0, 5).with_tenant(tenant)  # type: ignore[arg-type]

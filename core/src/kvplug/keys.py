@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote
 
 import xxhash
 
@@ -63,6 +64,36 @@ _LMCACHE_NAME_BY_TORCH_DTYPE_NAME: Mapping[str, str] = {
 
 _DTYPE_NAMES = frozenset(_LMCACHE_NAME_BY_TORCH_DTYPE_NAME.values())
 _HEX = re.compile(r"-?[0-9a-f]+")
+
+TENANT_TAG = "salt"
+"""The tag naming a key's tenant. LMCache's name for its per-user ``cache_salt``: a key that
+LMCache's MP server stores through kvplug and one an engine stores directly name one tenant the
+same way."""
+MAX_TENANT_LENGTH = 128
+"""The longest tenant name, in characters (LMCache's limit on ``cache_salt``)."""
+# Printable ASCII except the key separators and '%' itself: quote() is then reversible and its
+# text a valid tag value. The same text LMCache's salt gets in kvplug-lmcache's keys.
+_TENANT_SAFE = "".join(chr(c) for c in range(33, 127) if chr(c) not in "@%")
+
+
+def tenant_tag_value(tenant: str) -> str:
+    """The value of the ``salt`` tag that names ``tenant`` in a key's string form
+    (percent-encoded); raises :class:`InvalidKey` for a name that is not a tenant's.
+
+    >>> tenant_tag_value("team a@b")
+    'team%20a%40b'
+    """
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidKey(f"a tenant is a non-empty string, got {tenant!r}.")
+    if len(tenant) > MAX_TENANT_LENGTH:
+        raise InvalidKey(
+            f"tenant {tenant[:16]!r}... has {len(tenant)} characters; at most "
+            f"{MAX_TENANT_LENGTH} are allowed (LMCache's limit on cache_salt). Use a shorter "
+            "name, or a hash of the long one."
+        )
+    if "\x00" in tenant:
+        raise InvalidKey("a tenant name cannot contain NUL characters.")
+    return quote(tenant, safe=_TENANT_SAFE)
 
 
 @functools.cache
@@ -261,6 +292,45 @@ class CacheKey:
             tags.append((tag_key, tag_value))
         return cls(model_name, numbers[0], numbers[1], _parse_hash(chunk, text), dtype, tuple(tags))
 
+    @property
+    def tenant(self) -> str:
+        """The tenant this key belongs to, ``""`` for none: the decoded value of its ``salt``
+        tag (:data:`TENANT_TAG`). The tenant is part of the string form, so the same chunk hash
+        under two tenants names two stored objects.
+
+        >>> CacheKey("m", 1, 0, 7).with_tenant("team a").tenant
+        'team a'
+        """
+        for name, value in self.tags:
+            if name == TENANT_TAG:
+                return unquote(value)
+        return ""
+
+    def with_tenant(self, tenant: str) -> CacheKey:
+        """This key for ``tenant``: its ``salt`` tag set (in its place when the key has one,
+        else last), or removed for ``""``.
+
+        >>> str(CacheKey("m", 1, 0, 7).with_tenant("team a"))
+        'm@1@0@7@half@salt%team%20a'
+        """
+        others = [(name, value) for name, value in self.tags if name != TENANT_TAG]
+        if tenant == "":
+            tags = others
+        else:
+            value = tenant_tag_value(tenant)
+            place = next(
+                (n for n, (name, _) in enumerate(self.tags) if name == TENANT_TAG), len(others)
+            )
+            tags = [*others[:place], (TENANT_TAG, value), *others[place:]]
+        return CacheKey(
+            self.model_name,
+            self.world_size,
+            self.worker_id,
+            self.chunk_hash,
+            self.dtype,
+            tuple(tags),
+        )
+
     def with_hash(self, chunk_hash: int | bytes) -> CacheKey:
         """The same namespace, dtype and tags with another chunk hash."""
         return CacheKey(
@@ -333,10 +403,13 @@ def chunk_keys(
 
 __all__ = [
     "LMCACHE_DTYPE_NAMES",
+    "MAX_TENANT_LENGTH",
+    "TENANT_TAG",
     "CacheKey",
     "InvalidKey",
     "chain_hash",
     "chunk_hashes",
     "chunk_keys",
     "lmcache_dtype_name",
+    "tenant_tag_value",
 ]

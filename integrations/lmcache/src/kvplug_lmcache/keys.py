@@ -12,7 +12,8 @@ has no world size, worker or dtype of its own. It maps to::
 where world size and worker are unpacked from ``kv_rank`` when it is in the packed form
 LMCache's ``ObjectKey.ComputeKVRank`` writes (else ``1`` and ``0``), ``uint8`` says the object
 is a byte buffer whose layout LMCache keeps, the whole ``kv_rank`` and group are kept as decimal
-tags, and a non-empty salt is kept percent-encoded. Every field is kept whole, so distinct
+tags, and a non-empty salt is the key's tenant (:attr:`kvplug.keys.CacheKey.tenant`, the
+``salt`` tag, percent-encoded). Every field is kept whole, so distinct
 ObjectKeys never share a stored object.
 
 Example::
@@ -28,20 +29,16 @@ Example::
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote, unquote
 
 from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE, CacheEngineKey
 from lmcache.v1.distributed.api import ObjectKey
 
-from kvplug.keys import CacheKey, InvalidKey, lmcache_dtype_name
+from kvplug.keys import TENANT_TAG, CacheKey, InvalidKey, lmcache_dtype_name, tenant_tag_value
 
 OBJECT_DTYPE = "uint8"
 """The dtype name of MP objects' keys: LMCache's ``ObjectKey`` names a byte buffer."""
 
 _TAG_PREFIX = "lmcache.tag."
-# Printable ASCII except the key separators and '%' itself, so quote() is reversible and the
-# text is a valid tag value.
-_SALT_SAFE = "".join(chr(c) for c in range(33, 127) if chr(c) not in "@%")
 
 
 def _unpacked_rank(kv_rank: int) -> tuple[int, int]:
@@ -55,7 +52,7 @@ def object_key_to_cache_key(key: ObjectKey) -> CacheKey:
     """The kvplug key of an MP ``ObjectKey``; :func:`cache_key_to_object_key` inverts it."""
     tags = [("rank", str(key.kv_rank)), ("group", str(key.object_group_id))]
     if key.cache_salt:
-        tags.append(("salt", quote(key.cache_salt, safe=_SALT_SAFE)))
+        tags.append((TENANT_TAG, tenant_tag_value(key.cache_salt)))
     world_size, worker_id = _unpacked_rank(key.kv_rank)
     return CacheKey(
         key.model_name, world_size, worker_id, bytes(key.chunk_hash), OBJECT_DTYPE, tuple(tags)
@@ -82,7 +79,7 @@ def cache_key_to_object_key(key: CacheKey) -> ObjectKey:
         model_name=key.model_name,
         kv_rank=kv_rank,
         object_group_id=group,
-        cache_salt=unquote(tags.get("salt", "")),
+        cache_salt=key.tenant,
     )
 
 
