@@ -46,6 +46,24 @@ def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
     assert output.count("read back bit-exact through kvplug") == 4
 
 
+def test_lm_tls_benchmark_times_plain_and_tls_side_by_side() -> None:
+    output = run(
+        "bench_lm_tls.py",
+        "--chunks",
+        "2",
+        "--batch",
+        "2",
+        "--repeat",
+        "1",
+        "--server-memory",
+        "256MiB",
+    )
+    rows = [line.split() for line in output.splitlines() if line.startswith("  ")]
+    ops = [row[0] for row in rows if row[0] != "lm://"]
+    assert ops == ["put", "get", "batched_put", "batched_get"] * 2, output
+    assert all(float(row[-1].rstrip("x")) > 0 for row in rows if row[0] != "lm://")
+
+
 def test_lookup_benchmark_counts_what_the_server_saw_for_each_way() -> None:
     output = run("bench_lookup.py", "--chunks", "8", "--lookups", "3", "--repeat", "1")
     rows = {

@@ -1,6 +1,7 @@
 """The contract suite against the ``lm://`` client and ``kvplug lm-server`` (a subprocess on
 127.0.0.1): in the extended mode the two negotiate, in the plain mode forced on the client
-(LMCache's protocol against kvplug's server), and against a small server for clause 9.
+(LMCache's protocol against kvplug's server), over TLS (``lms://``), and against a small server
+for clause 9.
 Every class hands the suite the server's process as ``server_control``, so clause 10 runs
 against a real pause (SIGSTOP), stop (SIGKILL) and restart on the same port.
 
@@ -29,6 +30,7 @@ from kvplug_contracts.support import clause, not_applicable
 from kvplug_lm.backend import LMBackend
 from kvplug_lm.server import LMServer, ServerOptions, run_in_thread
 from kvplug_testing.lm import LMServerProcess
+from kvplug_testing.tls import OverTLS, make_tls_files
 
 # Room for the suite's 80 MiB objects, several at once.
 SERVER_MEMORY = "1GiB"
@@ -107,6 +109,35 @@ class TestLMExtendedConformance(_OnTheServerProcess):
     @pytest.fixture
     def kvplug_options(self) -> dict[str, object]:
         return {"mode": "extended"}
+
+    @pytest.fixture
+    def damage_stored(self) -> Callable[..., Any]:
+        return _not_applicable(EXTENDED_NO_DAMAGE)
+
+
+@pytest.fixture(scope="module")
+def tls_lm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMServerProcess]:
+    """A server that speaks only TLS and requires a client certificate (test certificates)."""
+    files = make_tls_files(tmp_path_factory.mktemp("tls"))
+    with LMServerProcess(
+        ["--max-memory", SERVER_MEMORY], tls=files, client_certificates=True
+    ) as server:
+        yield server
+
+
+class TestLMOverTLSConformance(OverTLS, _OnTheServerProcess):
+    """``lms://``: the extended mode over TLS, with a client certificate, and clause 10's
+    restarts and pauses of a TLS server."""
+
+    @pytest.fixture
+    def kvplug_url(self, tls_lm_server: LMServerProcess) -> str:
+        return tls_lm_server.url
+
+    @pytest.fixture
+    def server_control(self, tls_lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
+        yield tls_lm_server
+        tls_lm_server.resume()
+        tls_lm_server.start()
 
     @pytest.fixture
     def damage_stored(self) -> Callable[..., Any]:

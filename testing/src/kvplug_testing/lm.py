@@ -19,7 +19,9 @@ In a test module::
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from kvplug_testing.ports import HOST, free_port
 from kvplug_testing.process import ControlledProcess
+from kvplug_testing.tls import TLSFiles, tls_query
 
 # A plain HEALTH request (command 5, zeros, an LMCache key) and the size of its reply, written
 # out here so that this module needs neither kvplug_lm nor lmcache.
@@ -35,10 +38,16 @@ _HEALTH = struct.pack("<9i150s", 5, 0, 1, 2, 0, 0, 0, 0, 0, b"health@1@0@0@half"
 _REPLY_BYTES = 36
 
 
-def health(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
-    """Whether an lm:// server on ``host:port`` answers a plain HEALTH with 200."""
+def health(
+    port: int, host: str = HOST, timeout: float = 0.5, tls: ssl.SSLContext | None = None
+) -> bool:
+    """Whether an lm:// server on ``host:port`` answers a plain HEALTH with 200 (over TLS with
+    the client context ``tls``)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=timeout))
+            if tls is not None:
+                sock = stack.enter_context(tls.wrap_socket(sock, server_hostname=host))
             sock.sendall(_HEALTH)
             reply = b""
             while len(reply) < _REPLY_BYTES:
@@ -58,8 +67,10 @@ class LMServerProcess(ControlledProcess):
     ``args``: extra arguments of ``python -m kvplug_lm.server`` (``--max-memory 64MiB``,
     ``--spill file:///...``); ``python``: the interpreter that runs it (this one by default);
     ``argv``: a whole command line instead, with ``{port}`` and ``{host}`` filled in (how
-    :meth:`lmcache` starts LMCache's server). Killed on :meth:`close`, also when a test fails,
-    and when the interpreter exits.
+    :meth:`lmcache` starts LMCache's server); ``tls``: the server speaks TLS with these test
+    certificates (:func:`kvplug_testing.tls.make_tls_files`), and with ``client_certificates``
+    requires a client certificate their CA signed. Killed on :meth:`close`, also when a test
+    fails, and when the interpreter exits.
     """
 
     def __init__(
@@ -70,9 +81,22 @@ class LMServerProcess(ControlledProcess):
         argv: Sequence[str] | None = None,
         port: int | None = None,
         startup_timeout: float = 60.0,
+        tls: TLSFiles | None = None,
+        client_certificates: bool = False,
     ) -> None:
         self.port = port if port is not None else free_port()
         self.host = HOST
+        self.tls = tls
+        if tls is not None:
+            args = [
+                *args,
+                "--tls-cert-file",
+                str(tls.server_cert),
+                "--tls-key-file",
+                str(tls.server_key),
+            ]
+            if client_certificates:
+                args += ["--tls-ca-cert-file", str(tls.ca_cert)]
         self.startup_timeout = startup_timeout
         self.workdir = Path(tempfile.mkdtemp(prefix="kvplug-lm-"))
         self._argv = (
@@ -99,7 +123,18 @@ class LMServerProcess(ControlledProcess):
 
     @property
     def url(self) -> str:
-        return f"lm://{self.host}:{self.port}"
+        """``lm://host:port``; with TLS ``lms://host:port`` and the options that trust the
+        test CA and present the test client certificate."""
+        if self.tls is None:
+            return f"lm://{self.host}:{self.port}"
+        return f"lms://{self.host}:{self.port}?" + tls_query(self.tls, client_certificate=True)
+
+    def _answers(self) -> bool:
+        if self.tls is None:
+            return health(self.port, self.host)
+        context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+        context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return health(self.port, self.host, tls=context)
 
     @property
     def argv(self) -> list[str]:
@@ -112,7 +147,7 @@ class LMServerProcess(ControlledProcess):
             return
         self.launch_until(
             self.argv,
-            lambda: health(self.port, self.host),
+            self._answers,
             self.startup_timeout,
             f"answer on {self.host}:{self.port}",
         )

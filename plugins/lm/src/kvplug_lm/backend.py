@@ -34,6 +34,10 @@ extended mode a key the server's rules refuse (whitespace, control or invisible 
 travels escaped (:func:`kvplug_lm.keys.encode_key`); LMCache clients never make such keys, so
 every key they can share travels unchanged.
 
+**TLS.** ``lms://host:port`` is the same protocol over TLS, to a kvplug lm-server started
+with ``--tls-cert-file`` and ``--tls-key-file``; the ``ssl_*`` options are those of every TLS
+scheme (:class:`kvplug.tls.TLSOptions`). LMCache's server has no TLS.
+
 **Both modes:** when the allocator cannot hold an object a get read, its payload is drained
 (the connection stays in step) and the get is a miss. Objects stored in a memory format
 kvplug does not know (7 and 8, from newer LMCache) are misses too, with a warning.
@@ -47,6 +51,7 @@ Its modules, one job each: this one (the backend: modes, requests, hooks),
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -58,12 +63,14 @@ from kvplug.errors import (
     BackendUnavailable,
     CapacityExceeded,
     ConfigError,
+    InvalidBackendURL,
     KvplugError,
     LayoutMismatch,
     NotSupported,
 )
 from kvplug.keys import CacheKey
 from kvplug.options import BackendOptions
+from kvplug.tls import TLSFilesError, TLSOptions, client_context
 from kvplug.url import BackendURL
 from kvplug_lm import wire
 from kvplug_lm.client_options import LMOptions
@@ -137,10 +144,29 @@ class LMBackend(Backend):
             initial_delay=self.options.reconnect_delay,
             max_delay=max(self.options.reconnect_delay, self.options.reconnect_max_delay),
             handshake=self._handshake,
+            tls=self._tls_context(),
         )
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """``lms://``: the context of the ``ssl_*`` options; ``lm://``: None, and an ``ssl_*``
+        option given there is refused (it would be ignored)."""
+        if self.url.scheme == "lms":
+            try:
+                return client_context(self.options)
+            except TLSFilesError as error:
+                raise InvalidBackendURL(f"{self.url}: {error}") from None
+        given = sorted(self.options.model_fields_set & set(TLSOptions.model_fields))
+        if given:
+            raise InvalidBackendURL(
+                f"{self.url}: {', '.join(given)} apply to TLS connections only, which lm:// "
+                "does not make. Use lms:// (a kvplug lm-server started with --tls-cert-file "
+                "and --tls-key-file), or drop the option."
+            )
+        return None
 
     @property
     def address(self) -> str:
+        """The server's URL without options (``lm://host:port``)."""
         return self._pool.address
 
     def describe(self) -> dict[str, str]:
@@ -196,13 +222,13 @@ class LMBackend(Backend):
         if found == "plain":
             if self.options.mode == "extended":
                 raise ConfigError(
-                    f"lm://{self.address} is not a kvplug lm-server (it answered the hello as "
+                    f"{self.address} is not a kvplug lm-server (it answered the hello as "
                     "LMCache's lmcache_server does), but mode=extended requires one. Use "
                     "mode=auto or mode=plain, or point the URL at a kvplug lm-server."
                 )
             if self.options.secret:
                 raise ConfigError(
-                    f"lm://{self.address} speaks LMCache's plain protocol, which has no "
+                    f"{self.address} speaks LMCache's plain protocol, which has no "
                     "authentication, but the 'secret' option is set. Point the URL at a "
                     "kvplug lm-server that requires the secret, or drop the option."
                 )
@@ -213,7 +239,7 @@ class LMBackend(Backend):
             )
         elif self.mode != found:
             raise BackendUnavailable(
-                f"the server at lm://{self.address} changed kind: it was opened in the "
+                f"the server at {self.address} changed kind: it was opened in the "
                 f"{self.mode} mode and now answers as a {found}-mode server. Reopen the backend."
             )
 
@@ -229,7 +255,7 @@ class LMBackend(Backend):
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             raise BackendUnavailable(
-                f"lm://{self.address} answered HEALTH with {reply.code}; check the server."
+                f"{self.address} answered HEALTH with {reply.code}; check the server."
             )
 
     async def _close(self) -> None:
@@ -318,7 +344,7 @@ class LMBackend(Backend):
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             raise CapacityExceeded(
-                f"lm://{self.address} did not keep {key.decode()}: EXIST right after its PUT "
+                f"{self.address} did not keep {key.decode()}: EXIST right after its PUT "
                 f"answered {reply.code}, so the server dropped the object of {obj.nbytes} "
                 "bytes (a kvplug lm-server does so when it is full or the object exceeds its "
                 "limit). Raise the server's --max-memory, or check its log."
@@ -540,7 +566,7 @@ class LMBackend(Backend):
             found = await connection.recv_exact(header.payload_len)
             if len(found) != len(names):
                 raise KvplugError(
-                    f"lm://{self.address} answered EXISTS_MANY of {len(names)} keys with "
+                    f"{self.address} answered EXISTS_MANY of {len(names)} keys with "
                     f"{len(found)} flags; the connection was closed."
                 )
             return [bool(flag) for flag in found]

@@ -8,12 +8,13 @@ from typing import Literal
 from pydantic import Field
 
 from kvplug.options import BackendOptions
+from kvplug.tls import TLSOptions
 
 Mode = Literal["auto", "plain", "extended"]
 
 
-class LMOptions(BackendOptions):
-    """Options of ``lm://host:port?name=value&...``.
+class LMOptions(BackendOptions, TLSOptions):
+    """Options of ``lm://host:port?name=value&...`` (and ``lms://``, the same over TLS).
 
     * ``timeout`` (seconds, default 10): the deadline of one operation; past it,
       :class:`~kvplug.errors.BackendTimeout`, and the connection it used is closed.
@@ -36,6 +37,11 @@ class LMOptions(BackendOptions):
     * ``key_prefix`` (default empty): prepended to every key string on the wire, so several
       users of one server keep apart. In the plain mode it must keep the key LMCache's form
       (no ``@``, no whitespace), or LMCache's server drops the connection.
+    * ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (default
+      ``required``), ``ssl_check_hostname`` (default true): ``lms://`` only, as on
+      ``rediss://`` (:class:`kvplug.tls.TLSOptions`): the CA bundle the server's certificate
+      is checked against, and the client certificate a server started with
+      ``--tls-ca-cert-file`` requires.
     """
 
     connections: int = Field(8, ge=1, le=1024, description="the most pooled connections")

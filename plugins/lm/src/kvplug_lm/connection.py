@@ -25,11 +25,13 @@ import collections
 import contextlib
 import random
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from kvplug.errors import BackendUnavailable
+from kvplug.tls import TLSChannel
 
 
 class Hasher(Protocol):
@@ -51,8 +53,10 @@ class ConnectionLost(ConnectionError):
 class Connection:
     """One socket to the server, used by one request (or one pipelined batch) at a time."""
 
-    def __init__(self, sock: socket.socket, address: str) -> None:
+    def __init__(self, sock: socket.socket, address: str, tls: TLSChannel | None = None) -> None:
         self.sock = sock
+        self.tls = tls
+        """The connection's TLS (``lms://``); None: plain TCP."""
         self.address = address
         self.closed = False
         self.reused = False
@@ -64,18 +68,27 @@ class Connection:
         return self._next_id
 
     async def send(self, *parts: bytes | memoryview) -> None:
+        tls = self.tls
         loop = asyncio.get_running_loop()
         for part in parts:
-            if len(part):
+            if not len(part):
+                continue
+            if tls is None:
                 await loop.sock_sendall(self.sock, part)
+            else:
+                await tls.sendall(part)
 
     async def recv_into(self, view: memoryview, hasher: Hasher | None = None) -> None:
         """Fill ``view`` exactly from the socket; ``hasher`` (an ``xxhash.xxh3_64()``) is fed
         each piece as it arrives, while the next is still on the wire."""
         loop = asyncio.get_running_loop()
+        tls = self.tls
         received, size = 0, len(view)
         while received < size:
-            count = await loop.sock_recv_into(self.sock, view[received:])
+            if tls is None:
+                count = await loop.sock_recv_into(self.sock, view[received:])
+            else:
+                count = await tls.recv_into(view[received:])
             if count == 0:
                 raise ConnectionLost(f"the server at {self.address} closed the connection")
             if hasher is not None:
@@ -135,10 +148,15 @@ class Pool:
         initial_delay: float,
         max_delay: float,
         handshake: Handshake,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
+        """The TLS context of every connection (``lms://``); None: plain TCP."""
         self.port = port
-        self.address = f"{host}:{port}"
+        self.scheme = "lm" if tls is None else "lms"
+        self.address = f"{self.scheme}://{host}:{port}"
+        """The server's URL, without options: what messages name."""
         self.size = size
         self.connect_timeout = connect_timeout
         self.initial_delay = initial_delay
@@ -164,7 +182,8 @@ class Pool:
         now = time.monotonic()
         if now < self._retry_at:
             raise BackendUnavailable(
-                f"lm://{self.address} was unreachable {self._failures} time(s) in a row "
+                f"{self.address} was unreachable {self._failures} time(s) in a "
+                "row "
                 f"({self._last_failure}); the next connect is tried in "
                 f"{self._retry_at - now:.2f} s. Check that the server (kvplug lm-server or "
                 "lmcache_server) runs and listens there."
@@ -183,15 +202,23 @@ class Pool:
             if sock is not None:
                 sock.close()
             raise self._unreachable(error) from None
-        connection = Connection(sock, self.address)
+        tls = None
+        if self.tls is not None:
+            tls = TLSChannel(sock, self.tls, server_hostname=self.host)
+        connection = Connection(sock, self.address, tls)
         try:
             async with asyncio.timeout(self.connect_timeout):
+                if tls is not None:
+                    await tls.handshake()
                 await self.handshake(connection)
         except TimeoutError:
             connection.close()
             raise self._unreachable(
                 TimeoutError(f"no answer to the hello within {self.connect_timeout} s")
             ) from None
+        except ssl.SSLError as error:
+            connection.close()
+            raise self._refused_tls(error) from None
         except OSError as error:
             connection.close()
             raise self._unreachable(error) from None
@@ -202,19 +229,37 @@ class Pool:
         self._retry_at = 0.0
         return connection
 
+    def _refused_tls(self, error: ssl.SSLError) -> BackendUnavailable:
+        """A TLS handshake that failed: the server's certificate was not trusted, or the server
+        refused ours. Backed off like an unreachable server (the server may be fixed)."""
+        what = error.reason or str(error)
+        if isinstance(error, ssl.SSLCertVerificationError):
+            what = f"the server's certificate failed the check: {error.verify_message}"
+        self._back_off(f"TLS handshake failed: {what}")
+        return BackendUnavailable(
+            f"the TLS handshake with {self.address} failed ({what}). Check "
+            "that ssl_ca_certs holds the CA that signed the server's certificate and that the "
+            "certificate names the host connected to (ssl_check_hostname), and, when the "
+            "server requires client certificates, give ssl_certfile and ssl_keyfile."
+        )
+
     def _unreachable(self, error: BaseException) -> BackendUnavailable:
-        self._failures += 1
-        delay = min(self.max_delay, self.initial_delay * 2 ** (self._failures - 1))
-        self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
         what = str(error) or type(error).__name__
         if isinstance(error, ConnectionRefusedError):
             what = "connection refused"
-        self._last_failure = what
+        self._back_off(what)
         return BackendUnavailable(
-            f"cannot reach lm://{self.address}: {what}. Check that the server (kvplug "
-            "lm-server or lmcache_server) runs, listens on that host and port, and that no "
-            "firewall is in the way; kvplug reconnects on the next operation."
+            f"cannot reach {self.address}: {what}. Check that the server "
+            "(kvplug lm-server or lmcache_server) runs, listens on that host and port, and that "
+            "no firewall is in the way; kvplug reconnects on the next operation."
         )
+
+    def _back_off(self, failure: str) -> None:
+        """Refuse connects for a while after ``failure``, longer after each in a row."""
+        self._failures += 1
+        delay = min(self.max_delay, self.initial_delay * 2 ** (self._failures - 1))
+        self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
+        self._last_failure = failure
 
     # -- leasing ---------------------------------------------------------------------------
 
@@ -283,7 +328,7 @@ class Pool:
         if isinstance(error, BackendUnavailable):
             return error
         return BackendUnavailable(
-            f"the connection to lm://{self.address} broke during a request ({error}); the "
+            f"the connection to {self.address} broke during a request ({error}); the "
             "server stopped or restarted. kvplug reconnects on the next operation."
         )
 

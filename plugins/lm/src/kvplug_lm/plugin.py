@@ -1,5 +1,5 @@
-"""Entry point of kvplug-lm: declares the ``lm://`` scheme. The client is imported only when
-an ``lm://`` URL is opened."""
+"""Entry point of kvplug-lm: declares the ``lm://`` and ``lms://`` schemes. The client is
+imported only when such a URL is opened."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ def kvplug_backends() -> list[BackendSpec]:
     return [
         BackendSpec(
             name="lm",
-            schemes=("lm",),
+            schemes=("lm", "lms"),
             factory="kvplug_lm.backend:LMBackend",
-            description="LMCache lm:// server protocol (kvplug lm-server or lmcache_server)",
+            description="LMCache lm:// server protocol (kvplug lm-server or lmcache_server); "
+            "lms:// over TLS (kvplug lm-server)",
         )
     ]

@@ -25,11 +25,11 @@ async def read_reply(
         header = wire.unpack_ext_reply(await connection.recv_exact(wire.EXT_REPLY.size))
     except wire.WireError as error:
         raise KvplugError(
-            f"lm://{address} sent a reply kvplug cannot parse ({error}); the connection was closed."
+            f"{address} sent a reply kvplug cannot parse ({error}); the connection was closed."
         ) from None
     if header.request_id != request_id:
         raise KvplugError(
-            f"lm://{address} answered request {header.request_id} where {request_id} "
+            f"{address} answered request {header.request_id} where {request_id} "
             "was expected; the connection was closed."
         )
     meta = await connection.recv_exact(header.meta_len)
@@ -56,29 +56,28 @@ async def reply_error(
     detail = f": {reason}" if reason else ""
     if status in (wire.Status.TOO_LARGE, wire.Status.NO_SPACE):
         return CapacityExceeded(
-            f"{what} on lm://{address} was refused ({name}{detail}); the server is "
+            f"{what} on {address} was refused ({name}{detail}); the server is "
             "full or the object exceeds its limit. Raise --max-memory or the object limit."
         )
     if status in (wire.Status.AUTH_REQUIRED, wire.Status.AUTH_FAILED):
         return ConfigError(
-            f"{what} on lm://{address} was refused ({name}); set 'secret' to the "
-            "server's shared secret."
+            f"{what} on {address} was refused ({name}); set 'secret' to the server's shared secret."
         )
     if status in (wire.Status.SHUTTING_DOWN, wire.Status.INTERNAL):
         return BackendUnavailable(
-            f"{what} on lm://{address} failed ({name}{detail}); the server is "
+            f"{what} on {address} failed ({name}{detail}); the server is "
             "shutting down or failed. Retry once it is back."
         )
     if status == wire.Status.UNSUPPORTED:
-        return NotSupported(f"{what}: lm://{address} does not support it{detail}.")
+        return NotSupported(f"{what}: {address} does not support it{detail}.")
     if status == wire.Status.BAD_CHECKSUM:
         return BackendError(
-            f"{what} on lm://{address} was refused: the payload arrived damaged (its "
+            f"{what} on {address} was refused: the payload arrived damaged (its "
             "checksum did not match), so nothing was stored. Retry; if it persists, check "
             "the network path and the client's memory."
         )
     return KvplugError(
-        f"{what} on lm://{address} failed ({name}{detail}). This is a bug in kvplug's "
+        f"{what} on {address} failed ({name}{detail}). This is a bug in kvplug's "
         "client or server; report it with the server's log."
     )
 

@@ -53,11 +53,13 @@ import logging
 import secrets
 import signal
 import socket
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvplug.tls import TLSChannel, server_context
 from kvplug.units import format_size
 from kvplug_lm import wire
 from kvplug_lm.memstore import (
@@ -110,6 +112,7 @@ class LMServer:
         self._stopped: asyncio.Event | None = None
         self._metrics_server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tls: ssl.SSLContext | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -124,6 +127,10 @@ class LMServer:
     async def start(self) -> None:
         """Open the spill tier, allocate the buffer, bind and listen (SO_REUSEADDR)."""
         options = self.options
+        if options.tls_cert_file is not None and options.tls_key_file is not None:
+            self._tls = server_context(
+                options.tls_cert_file, options.tls_key_file, options.tls_ca_cert_file
+            )
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         if options.spill:
@@ -146,13 +153,16 @@ class LMServer:
         self._accept_task = self._loop.create_task(self._accept_loop())
         logger.info(
             "kvplug lm-server listening on %s:%d (max memory %s, spill %s, plain clients %s, "
-            "auth %s, loop %s)",
+            "auth %s, TLS %s, loop %s)",
             options.host,
             self.port,
             format_size(self.store.capacity),
             _masked(options.spill) if options.spill else "off",
             "allowed" if options.plain_allowed else "denied",
             "required" if options.secret else "off",
+            ("on, client certificates required" if options.tls_ca_cert_file else "on")
+            if options.tls
+            else "off",
             type(self._loop).__module__.split(".")[0],
         )
 
@@ -319,8 +329,9 @@ class LMServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+            tls = None if self._tls is None else TLSChannel(sock, self._tls, server_side=True)
             connection = ClientConnection(
-                sock, Reader(loop, sock, self.options, self.counters), peer
+                sock, Reader(loop, sock, self.options, self.counters, tls), peer
             )
             self._connections.add(connection)
             connection.task = loop.create_task(self._serve(connection))
@@ -329,6 +340,9 @@ class LMServer:
         reader = connection.reader
         options = self.options
         try:
+            if connection.tls is not None:
+                async with asyncio.timeout(options.frame_timeout):
+                    await connection.tls.handshake()
             while True:
                 if reader.buffered == 0:
                     if self._stopping:
@@ -354,6 +368,8 @@ class LMServer:
                     break
         except (PeerGone, ConnectionError):
             pass
+        except ssl.SSLError as error:  # a client the certificates refused, a damaged record
+            self.protocol_error("tls", connection, str(error))
         except CloseConnection:
             pass
         except TimeoutError:
@@ -375,14 +391,17 @@ class LMServer:
         loop = self._loop
         assert loop is not None
         total = sum(len(p) for p in parts)
-        sock = connection.sock
+        sock, tls = connection.sock, connection.tls
         async with asyncio.timeout(self._payload_timeout(total)):
             if len(parts) > 1 and total <= INLINE_SEND:
-                await loop.sock_sendall(sock, b"".join(parts))
-            else:
-                for part in parts:
-                    if len(part):
-                        await loop.sock_sendall(sock, part)
+                parts = (b"".join(parts),)
+            for part in parts:
+                if not len(part):
+                    continue
+                if tls is None:
+                    await loop.sock_sendall(sock, part)
+                else:
+                    await tls.sendall(part)
         self.counters["bytes_sent"] += total
 
     def protocol_error(self, kind: str, connection: ClientConnection, reason: str) -> None:

@@ -71,6 +71,13 @@ class ServerOptions:
         30.0, "Seconds requests in flight may take to finish on SIGTERM."
     )
     loop: Literal["auto", "asyncio", "uvloop"] = _option("auto", "auto: uvloop when installed.")
+    tls_cert_file: str | None = _option(
+        None, "The server's TLS certificate (PEM, with its chain): clients connect with lms://."
+    )
+    tls_key_file: str | None = _option(None, "The key of --tls-cert-file (PEM).")
+    tls_ca_cert_file: str | None = _option(
+        None, "CA bundle (PEM): every client must present a certificate it signed."
+    )
 
     @property
     def plain_allowed(self) -> bool:
@@ -88,6 +95,20 @@ class ServerOptions:
                 raise ValueError(f"{name} must be a positive number of seconds.")
         if self.min_rate <= 0 or self.max_connections <= 0 or self.max_object_bytes <= 0:
             raise ValueError("min_rate, max_connections and max_object_bytes must be positive.")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "TLS needs both tls_cert_file and tls_key_file (the certificate and its key); "
+                "give both, or neither for plain TCP."
+            )
+        if self.tls_ca_cert_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "tls_ca_cert_file checks client certificates over TLS; give tls_cert_file and "
+                "tls_key_file too."
+            )
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
 
 def option_help(name: str) -> str:

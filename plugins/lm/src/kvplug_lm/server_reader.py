@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import xxhash
 
+from kvplug.tls import TLSChannel
 from kvplug_lm.server_options import ServerOptions
 
 READ_AHEAD = 64 * 1024
@@ -28,7 +29,7 @@ class CloseConnection(Exception):
 class Reader:
     """A connection's read-ahead buffer over a non-blocking socket."""
 
-    __slots__ = ("buf", "counters", "end", "loop", "options", "sock", "start", "view")
+    __slots__ = ("buf", "counters", "end", "loop", "options", "sock", "start", "tls", "view")
 
     def __init__(
         self,
@@ -36,9 +37,11 @@ class Reader:
         sock: socket.socket,
         options: ServerOptions,
         counters: Counter[str],
+        tls: TLSChannel | None = None,
     ) -> None:
         self.loop = loop
         self.sock = sock
+        self.tls = tls
         self.options = options
         self.counters = counters
         self.buf = bytearray(READ_AHEAD)
@@ -57,11 +60,16 @@ class Reader:
             self.buf[:length] = self.view[self.start : self.end]
             self.start, self.end = 0, length
         while self.end - self.start < need:
-            count = await self.loop.sock_recv_into(self.sock, self.view[self.end :])
+            count = await self._recv_into(self.view[self.end :])
             if count == 0:
                 raise PeerGone
             self.end += count
             self.counters["bytes_received"] += count
+
+    async def _recv_into(self, view: memoryview) -> int:
+        if self.tls is None:
+            return await self.loop.sock_recv_into(self.sock, view)
+        return await self.tls.recv_into(view)
 
     async def wait_readable(self) -> None:
         if self.start == self.end:
@@ -105,7 +113,7 @@ class Reader:
         async with asyncio.timeout_at(start + frame_timeout) as budget:
             position = take
             while position < len(dest):
-                count = await self.loop.sock_recv_into(self.sock, dest[position:])
+                count = await self._recv_into(dest[position:])
                 if count == 0:
                     raise PeerGone
                 hasher.update(dest[position : position + count])
@@ -150,10 +158,11 @@ class Reader:
 
 
 class ClientConnection:
-    __slots__ = ("authenticated", "idle", "nonce", "peer", "reader", "sock", "task")
+    __slots__ = ("authenticated", "idle", "nonce", "peer", "reader", "sock", "task", "tls")
 
     def __init__(self, sock: socket.socket, reader: Reader, peer: str) -> None:
         self.sock = sock
+        self.tls = reader.tls
         self.reader = reader
         self.peer = peer
         self.idle = True

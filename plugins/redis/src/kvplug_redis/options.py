@@ -9,17 +9,18 @@ password in the query).
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
 from kvplug.options import BytesBackendOptions
+from kvplug.tls import TLSOptions
 from kvplug.units import parse_size
 from kvplug.url import BackendURL
 
 
-class RedisOptions(BytesBackendOptions):
-    """Options of the Redis schemes (query parameters or keyword options; keywords win)."""
+class RedisOptions(BytesBackendOptions, TLSOptions):
+    """Options of the Redis schemes (query parameters or keyword options; keywords win); the
+    ``ssl_*`` options (:class:`~kvplug.tls.TLSOptions`) are for the TLS schemes only."""
 
     key_prefix: str = Field(
         "kvplug:",
@@ -43,15 +44,6 @@ class RedisOptions(BytesBackendOptions):
         512 << 20,
         description="largest frame a put sends; the server's proto-max-bulk-len, read at the "
         "first put, bounds it too",
-    )
-    ssl_ca_certs: str | None = Field(None, description="TLS schemes: CA bundle (PEM)")
-    ssl_certfile: str | None = Field(None, description="TLS schemes: client certificate (PEM)")
-    ssl_keyfile: str | None = Field(None, description="TLS schemes: client private key (PEM)")
-    ssl_cert_reqs: Literal["required", "optional", "none"] = Field(
-        "required", description="TLS schemes: how the server certificate is checked"
-    )
-    ssl_check_hostname: bool = Field(
-        True, description="TLS schemes: the certificate must name the host"
     )
     read_from_replicas: bool = Field(
         False, description="Sentinel and Cluster: gets and contains may go to replicas"
@@ -85,8 +77,6 @@ class RedisOptions(BytesBackendOptions):
 
 SECRET_OPTIONS = ("password", "sentinel_password")
 """Options that hold secrets: refused in a URL's query, which is logged unmasked."""
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-"""The PEM files of the TLS schemes: refused by the plain ones, checked to exist at creation."""
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password", "master_check_interval")
 """Options of the Sentinel schemes only."""
 
@@ -117,7 +107,6 @@ def sentinel_password(options: RedisOptions, env_prefix: str) -> str | None:
 __all__ = [
     "SECRET_OPTIONS",
     "SENTINEL_OPTIONS",
-    "TLS_OPTIONS",
     "RedisOptions",
     "credentials",
     "sentinel_password",

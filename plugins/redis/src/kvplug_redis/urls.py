@@ -26,8 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvplug.errors import InvalidBackendURL
+from kvplug.tls import TLS_FILE_OPTIONS
 from kvplug.url import BackendURL
-from kvplug_redis.options import SECRET_OPTIONS, SENTINEL_OPTIONS, TLS_OPTIONS, RedisOptions
+from kvplug_redis.options import SECRET_OPTIONS, SENTINEL_OPTIONS, RedisOptions
 
 
 class Mode(enum.Enum):
@@ -118,7 +119,7 @@ class UrlForms:
         tls = scheme in self.tls_schemes
         sentinel_scheme = self.scheme_of(Mode.SENTINEL, tls=tls)
         if not tls:
-            tls_given = [name for name in TLS_OPTIONS if name in given]
+            tls_given = [name for name in TLS_FILE_OPTIONS if name in given]
             if tls_given:
                 raise url_error(
                     url,
