@@ -211,7 +211,8 @@ class TLSChannel:
             return 0
         while True:
             try:
-                return self._tls.read(len(view), view)
+                count: int = self._tls.read(len(view), view)  # type: ignore[assignment]
+                return count  # with a buffer, read returns how many bytes it wrote
             except ssl.SSLWantReadError:
                 await self._flush()  # what the peer's records asked for (a key update)
                 if not await self._fill():

@@ -166,8 +166,8 @@ class LMBackend(Backend):
 
     @property
     def address(self) -> str:
-        """The server's URL without options (``lm://host:port``)."""
-        return self._pool.address
+        """The server's ``host:port``."""
+        return f"{self._pool.host}:{self._pool.port}"
 
     def describe(self) -> dict[str, str]:
         if self.mode == "extended":
@@ -201,8 +201,8 @@ class LMBackend(Backend):
         if hello.auth_required:
             if not self.options.secret:
                 raise ConfigError(
-                    f"the kvplug lm-server at {self.address} requires authentication; set the "
-                    "'secret' option (lm://host:port?secret=...) to its shared secret."
+                    f"the kvplug lm-server at {self._pool.address} requires authentication; set "
+                    "the 'secret' option (lm://host:port?secret=...) to its shared secret."
                 )
             proof = wire.auth_proof(self.options.secret, hello.nonce)
             request_id = connection.next_request_id()
@@ -210,10 +210,10 @@ class LMBackend(Backend):
                 wire.pack_ext_request(wire.Op.AUTH, request_id=request_id, payload_len=len(proof)),
                 proof,
             )
-            header, _ = await read_reply(connection, request_id, self.address)
+            header, _ = await read_reply(connection, request_id, self._pool.address)
             if header.status != wire.Status.OK:
                 raise ConfigError(
-                    f"the kvplug lm-server at {self.address} refused the secret "
+                    f"the kvplug lm-server at {self._pool.address} refused the secret "
                     f"({status_name(header.status)}); set 'secret' to the server's shared "
                     "secret."
                 )
@@ -222,13 +222,13 @@ class LMBackend(Backend):
         if found == "plain":
             if self.options.mode == "extended":
                 raise ConfigError(
-                    f"{self.address} is not a kvplug lm-server (it answered the hello as "
+                    f"{self._pool.address} is not a kvplug lm-server (it answered the hello as "
                     "LMCache's lmcache_server does), but mode=extended requires one. Use "
                     "mode=auto or mode=plain, or point the URL at a kvplug lm-server."
                 )
             if self.options.secret:
                 raise ConfigError(
-                    f"{self.address} speaks LMCache's plain protocol, which has no "
+                    f"{self._pool.address} speaks LMCache's plain protocol, which has no "
                     "authentication, but the 'secret' option is set. Point the URL at a "
                     "kvplug lm-server that requires the secret, or drop the option."
                 )
@@ -239,7 +239,7 @@ class LMBackend(Backend):
             )
         elif self.mode != found:
             raise BackendUnavailable(
-                f"the server at {self.address} changed kind: it was opened in the "
+                f"the server at {self._pool.address} changed kind: it was opened in the "
                 f"{self.mode} mode and now answers as a {found}-mode server. Reopen the backend."
             )
 
@@ -255,7 +255,7 @@ class LMBackend(Backend):
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             raise BackendUnavailable(
-                f"{self.address} answered HEALTH with {reply.code}; check the server."
+                f"{self._pool.address} answered HEALTH with {reply.code}; check the server."
             )
 
     async def _close(self) -> None:
@@ -281,7 +281,7 @@ class LMBackend(Backend):
         raw = encode_key(text)
         if len(raw) > self._max_key_bytes:
             raise NotSupported(
-                f"key {key} is {len(raw)} bytes on the wire; the server at {self.address} "
+                f"key {key} is {len(raw)} bytes on the wire; the server at {self._pool.address} "
                 f"accepts at most {self._max_key_bytes}. Shorten the model name or key_prefix, "
                 "or raise the server's --max-key-bytes."
             )
@@ -344,7 +344,7 @@ class LMBackend(Backend):
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             raise CapacityExceeded(
-                f"{self.address} did not keep {key.decode()}: EXIST right after its PUT "
+                f"{self._pool.address} did not keep {key.decode()}: EXIST right after its PUT "
                 f"answered {reply.code}, so the server dropped the object of {obj.nbytes} "
                 "bytes (a kvplug lm-server does so when it is full or the object exceeds its "
                 "limit). Raise the server's --max-memory, or check its log."
@@ -425,7 +425,7 @@ class LMBackend(Backend):
         if self.hello is not None and obj.nbytes > self.hello.max_object_bytes:
             raise CapacityExceeded(
                 f"an object of {obj.nbytes} bytes exceeds the largest the server at "
-                f"{self.address} accepts ({self.hello.max_object_bytes} bytes). Raise its "
+                f"{self._pool.address} accepts ({self.hello.max_object_bytes} bytes). Raise its "
                 "--max-object-bytes or --max-memory, or store smaller chunks."
             )
         payload = obj.memoryview()
@@ -443,21 +443,21 @@ class LMBackend(Backend):
         return request_id
 
     async def _read_put(self, connection: Connection, request_id: int, key: bytes) -> None:
-        header, _ = await read_reply(connection, request_id, self.address)
+        header, _ = await read_reply(connection, request_id, self._pool.address)
         if header.status != wire.Status.OK:
-            raise await refusal(connection, header, f"put of {key.decode()}", self.address)
+            raise await refusal(connection, header, f"put of {key.decode()}", self._pool.address)
         await connection.drain(header.payload_len)
 
     async def _read_get(
         self, connection: Connection, request_id: int, key: bytes, dest: MemoryObj | None
     ) -> tuple[MemoryObj | None, bool]:
         """The object of a GET reply (or ``dest`` filled) and whether its checksum failed."""
-        header, raw_meta = await read_reply(connection, request_id, self.address)
+        header, raw_meta = await read_reply(connection, request_id, self._pool.address)
         if header.status == wire.Status.NOT_FOUND:
             await connection.drain(header.payload_len)
             return None, False
         if header.status != wire.Status.OK:
-            raise await refusal(connection, header, f"get of {key.decode()}", self.address)
+            raise await refusal(connection, header, f"get of {key.decode()}", self._pool.address)
         try:
             meta = wire.unpack_meta(raw_meta)
         except wire.WireError as error:
@@ -485,7 +485,7 @@ class LMBackend(Backend):
     def _deleter(self, key: bytes) -> Callable[[Connection], Awaitable[bool]]:
         def delete(connection: Connection) -> Awaitable[bool]:
             return simple_request(
-                connection, wire.Op.DELETE, key, f"delete of {key.decode()}", self.address
+                connection, wire.Op.DELETE, key, f"delete of {key.decode()}", self._pool.address
             )
 
         return delete
@@ -537,13 +537,17 @@ class LMBackend(Backend):
         if self._is_plain():
             return await self._pool.run(lambda c: self._plain_contains(c, name))
         return await self._pool.run(
-            lambda c: simple_request(c, wire.Op.EXISTS, name, f"contains of {key}", self.address)
+            lambda c: simple_request(
+                c, wire.Op.EXISTS, name, f"contains of {key}", self._pool.address
+            )
         )
 
     async def _remove(self, key: CacheKey) -> bool:
         name = self.wire_key(key)
         return await self._pool.run(
-            lambda c: simple_request(c, wire.Op.DELETE, name, f"remove of {key}", self.address)
+            lambda c: simple_request(
+                c, wire.Op.DELETE, name, f"remove of {key}", self._pool.address
+            )
         )
 
     async def _batched_exists(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -560,13 +564,13 @@ class LMBackend(Backend):
                 ),
                 payload,
             )
-            header, _ = await read_reply(connection, request_id, self.address)
+            header, _ = await read_reply(connection, request_id, self._pool.address)
             if header.status != wire.Status.OK:
-                raise await refusal(connection, header, "batched_exists", self.address)
+                raise await refusal(connection, header, "batched_exists", self._pool.address)
             found = await connection.recv_exact(header.payload_len)
             if len(found) != len(names):
                 raise KvplugError(
-                    f"{self.address} answered EXISTS_MANY of {len(names)} keys with "
+                    f"{self._pool.address} answered EXISTS_MANY of {len(names)} keys with "
                     f"{len(found)} flags; the connection was closed."
                 )
             return [bool(flag) for flag in found]
@@ -623,9 +627,9 @@ class LMBackend(Backend):
         async def request(connection: Connection) -> bytes:
             request_id = connection.next_request_id()
             await connection.send(wire.pack_ext_request(wire.Op.LIST, request_id=request_id))
-            header, _ = await read_reply(connection, request_id, self.address)
+            header, _ = await read_reply(connection, request_id, self._pool.address)
             if header.status != wire.Status.OK:
-                raise await refusal(connection, header, "list_keys", self.address)
+                raise await refusal(connection, header, "list_keys", self._pool.address)
             return bytes(await connection.recv_exact(header.payload_len))
 
         listing = await self._run_listing(request)
