@@ -93,14 +93,19 @@ class _OnTheServerProcess(BackendContract):
     test_an_object_larger_than_the_whole_store_never_corrupts = _full_store_elsewhere
 
     @pytest.fixture
-    def kvplug_url(self, lm_server: LMServerProcess) -> str:
-        return lm_server.url
+    def served_by(self, lm_server: LMServerProcess) -> LMServerProcess:
+        """The server process this class runs against."""
+        return lm_server
 
     @pytest.fixture
-    def server_control(self, lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
-        yield lm_server
-        lm_server.resume()
-        lm_server.start()
+    def kvplug_url(self, served_by: LMServerProcess) -> str:
+        return served_by.url
+
+    @pytest.fixture
+    def server_control(self, served_by: LMServerProcess) -> Iterator[LMServerProcess]:
+        yield served_by
+        served_by.resume()
+        served_by.start()
 
 
 class TestLMExtendedConformance(_OnTheServerProcess):
@@ -130,14 +135,8 @@ class TestLMOverTLSConformance(OverTLS, _OnTheServerProcess):
     restarts and pauses of a TLS server."""
 
     @pytest.fixture
-    def kvplug_url(self, tls_lm_server: LMServerProcess) -> str:
-        return tls_lm_server.url
-
-    @pytest.fixture
-    def server_control(self, tls_lm_server: LMServerProcess) -> Iterator[LMServerProcess]:
-        yield tls_lm_server
-        tls_lm_server.resume()
-        tls_lm_server.start()
+    def served_by(self, tls_lm_server: LMServerProcess) -> LMServerProcess:
+        return tls_lm_server
 
     @pytest.fixture
     def damage_stored(self) -> Callable[..., Any]:

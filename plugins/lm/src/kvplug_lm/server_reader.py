@@ -5,9 +5,10 @@ stalled client holds its buffer only so long."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import xxhash
 
@@ -29,7 +30,18 @@ class CloseConnection(Exception):
 class Reader:
     """A connection's read-ahead buffer over a non-blocking socket."""
 
-    __slots__ = ("buf", "counters", "end", "loop", "options", "sock", "start", "tls", "view")
+    __slots__ = (
+        "buf",
+        "counters",
+        "end",
+        "loop",
+        "options",
+        "receive",
+        "sock",
+        "start",
+        "tls",
+        "view",
+    )
 
     def __init__(
         self,
@@ -42,6 +54,10 @@ class Reader:
         self.loop = loop
         self.sock = sock
         self.tls = tls
+        # Bound once: plain reads call the loop directly, with no coroutine of ours between.
+        self.receive: Callable[[memoryview], Awaitable[int]] = (
+            functools.partial(loop.sock_recv_into, sock) if tls is None else tls.recv_into
+        )
         self.options = options
         self.counters = counters
         self.buf = bytearray(READ_AHEAD)
@@ -60,16 +76,11 @@ class Reader:
             self.buf[:length] = self.view[self.start : self.end]
             self.start, self.end = 0, length
         while self.end - self.start < need:
-            count = await self._recv_into(self.view[self.end :])
+            count = await self.receive(self.view[self.end :])
             if count == 0:
                 raise PeerGone
             self.end += count
             self.counters["bytes_received"] += count
-
-    async def _recv_into(self, view: memoryview) -> int:
-        if self.tls is None:
-            return await self.loop.sock_recv_into(self.sock, view)
-        return await self.tls.recv_into(view)
 
     async def wait_readable(self) -> None:
         if self.start == self.end:
@@ -113,7 +124,7 @@ class Reader:
         async with asyncio.timeout_at(start + frame_timeout) as budget:
             position = take
             while position < len(dest):
-                count = await self._recv_into(dest[position:])
+                count = await self.receive(dest[position:])
                 if count == 0:
                     raise PeerGone
                 hasher.update(dest[position : position + count])
