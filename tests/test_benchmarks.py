@@ -36,6 +36,16 @@ def test_disk_benchmark_compares_against_the_raw_tools(tmp_path: Path) -> None:
     assert "ratio   write" in output
 
 
+def test_aesgcm_benchmark_times_plain_and_sealed_beside_the_cipher_alone() -> None:
+    output = run(
+        "bench_aesgcm.py", "--chunks", "2", "--batch", "2", "--repeat", "1", "--tokens", "8"
+    )
+    assert "redis:// (serde=aesgcm)" in output and "file:// (aesgcm:: wrapper)" in output
+    rows = [line.split() for line in output.splitlines() if line.startswith("  batched")]
+    assert [row[0] for row in rows] == ["batched_put", "batched_get"] * 2, output
+    assert all(len(row) == 5 and row[3].endswith("x") for row in rows), output
+
+
 def test_redis_benchmark_compares_both_servers_against_raw_pipelines() -> None:
     output = run(
         "bench_redis.py", "--chunks", "4", "--batch", "2", "--repeat", "1", "--tokens", "4"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvplug
-from kvplug import DamagedValues
+from kvplug import DamagedValues, UnreadableObject
 from kvplug.backend import CountsCorruptObjects
 
 
@@ -115,3 +115,16 @@ def test_built_in_backends_answer_corrupt_objects_from_their_ledger(
     assert isinstance(ledger, DamagedValues)
     ledger.tally(2)
     assert backend.corrupt_objects == 2
+
+
+def test_a_value_not_readable_here_is_counted_and_kept_for_readers_that_can() -> None:
+    stored = {"sealed-with-key-2": b"frame", "torn": b"fr"}
+
+    async def remove(name: str) -> bool:
+        return stored.pop(name, None) is not None
+
+    damaged = DamagedValues("memstore://", remove=remove)
+    why = UnreadableObject("sealed with key id 2, which this reader does not hold")
+    asyncio.run(damaged.drop({"sealed-with-key-2": why, "torn": "its checksum does not match"}))
+    assert damaged.count == 2
+    assert sorted(stored) == ["sealed-with-key-2"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvplug.errors import ConfigError, CorruptObject, KvplugError
+from kvplug.errors import ConfigError, CorruptObject, KvplugError, UnreadableObject
 from kvplug.frame import (
     HASH_STEP,
     MAGIC,
@@ -22,8 +22,10 @@ from kvplug.frame import (
     encode_frame,
     encode_header,
     payload_checksum,
+    reading_serde,
     verify_payload,
 )
+from kvplug.keys import CacheKey
 from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.serde import NaiveSerde, get_serde
 
@@ -471,10 +473,10 @@ def test_receiver_decodes_other_serdes_from_a_scratch_buffer() -> None:
     class Xor(NaiveSerde):
         name = "test-xor"
 
-        def encode(self, obj: MemoryObj) -> bytes:
+        def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> bytes:
             return bytes(b ^ 0x5A for b in obj.memoryview())
 
-        def decode(self, payload: Buffer, obj: MemoryObj) -> None:
+        def decode(self, payload: Buffer, obj: MemoryObj, key: CacheKey | None = None) -> None:
             obj.memoryview()[:] = bytes(b ^ 0x5A for b in memoryview(payload))
 
     obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD, seed=9)
@@ -580,3 +582,56 @@ def test_an_abandoned_receiver_hashes_afresh_when_received_again() -> None:
     assert got is not None and torch.equal(got.raw, obj.raw)
     got.release()
     assert allocator.stats().used == 0
+
+
+class _Sealed(NaiveSerde):
+    """A stand-in for an authenticated serde: it takes an option, binds the key, and reads only
+    its own frames (the real one, aesgcm, is tested in plugins/aesgcm)."""
+
+    name = "test-sealed"
+    authenticated = True
+
+    def __init__(self, secret: int = 0x33) -> None:
+        self.secret = secret
+
+    def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> bytes:
+        assert key is not None
+        return bytes([self.secret, key.chunk_hash & 0xFF]) + bytes(obj.memoryview())
+
+    def decode(self, payload: Buffer, obj: MemoryObj, key: CacheKey | None = None) -> None:
+        view = memoryview(payload)
+        if key is None or bytes(view[:2]) != bytes([self.secret, key.chunk_hash & 0xFF]):
+            raise CorruptObject("sealed for another key")
+        obj.memoryview()[:] = view[2:]
+
+
+def test_the_key_reaches_the_serde_on_both_sides_through_the_receiver() -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD, seed=10)
+    key, other = CacheKey("m", 1, 0, 7), CacheKey("m", 1, 0, 8)
+    sealed = _Sealed()
+    value = b"".join(encode_frame(obj, sealed, key))
+    allocator = FreeListAllocator(1 << 20)
+    got = _received(value, FrameReceiver(allocator, serde=sealed, key=key), 3)
+    assert got is not None and torch.equal(got.raw, obj.raw)
+    got.release()
+    with pytest.raises(CorruptObject, match="another key"):
+        _received(value, FrameReceiver(allocator, serde=sealed, key=other), 3)
+    assert allocator.stats().object_count == 0
+
+
+def test_an_authenticated_serde_reads_no_frame_of_another_serde() -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD, seed=11)
+    plain = b"".join(encode_frame(obj))
+    allocator = FreeListAllocator(1 << 20)
+    with pytest.raises(CorruptObject, match="only frames it wrote"):
+        _received(plain, FrameReceiver(allocator, serde=_Sealed()), 3)
+    with pytest.raises(CorruptObject, match="only frames it wrote"):
+        decode_frame(plain, allocator, serde=_Sealed())
+    assert reading_serde("naive", None).name == "naive"
+
+
+def test_a_frame_of_a_serde_not_here_is_unreadable_not_damage() -> None:
+    obj = random_obj((4, 8), torch.float16, MemoryFormat.KV_2LTD, seed=12)
+    value = b"".join(encode_frame(obj, _Sealed(), CacheKey("m", 1, 0, 7)))
+    with pytest.raises(UnreadableObject, match=r"test-sealed.*cannot decode"):
+        decode_frame(value, FreeListAllocator(1 << 20))

@@ -11,6 +11,7 @@ import torch
 import kvplug.serde as serde_module
 from kvplug import hookimpl
 from kvplug.errors import ConfigError, CorruptObject, PluginConflict
+from kvplug.keys import CacheKey
 from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.registry import PluginWarning, register_plugin, reset_registry
 from kvplug.serde import NaiveSerde, Serde, available_serdes, get_serde, register_serde
@@ -109,10 +110,10 @@ def test_unknown_serde_far_from_any_name_has_no_suggestion() -> None:
 class _Reverse(Serde):
     name = "test-reverse"
 
-    def encode(self, obj: MemoryObj) -> bytes:
+    def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> bytes:
         return bytes(obj.memoryview())[::-1]
 
-    def decode(self, payload: memoryview, out: MemoryObj) -> None:
+    def decode(self, payload: memoryview, out: MemoryObj, key: CacheKey | None = None) -> None:
         if payload.nbytes != out.nbytes:
             raise CorruptObject("size")
         out.memoryview()[:] = bytes(payload)[::-1]

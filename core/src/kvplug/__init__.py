@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "UnexpectedBackendError": "kvplug.errors",
     "UnknownOption": "kvplug.errors",
     "UnknownScheme": "kvplug.errors",
+    "UnreadableObject": "kvplug.errors",
     "BackendSpec": "kvplug.hookspecs",
     "hookimpl": "kvplug.hookspecs",
     "CacheKey": "kvplug.keys",
@@ -98,6 +99,7 @@ if TYPE_CHECKING:
         RefCountError,
         UnknownOption,
         UnknownScheme,
+        UnreadableObject,
     )
     from kvplug.hookspecs import BackendSpec, hookimpl
     from kvplug.keys import CacheKey, chunk_hashes, chunk_keys
@@ -178,6 +180,7 @@ __all__ = [
     "UnexpectedBackendError",
     "UnknownOption",
     "UnknownScheme",
+    "UnreadableObject",
     "__version__",
     "available_schemes",
     "chunk_hashes",

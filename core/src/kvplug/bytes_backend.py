@@ -63,9 +63,9 @@ class BytesBackend(Backend):
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
     ) -> None:
         super().__init__(url, allocator=allocator, **options)
-        from kvplug.serde import get_serde
+        from kvplug.serde import open_serde
 
-        self.serde: Serde = get_serde(self.options.serde)
+        self.serde: Serde = open_serde(self.options.serde, self.options.serde_options)
         # Deleted with remove_bytes also where the store does not declare remove but has it.
         self.damaged_values = DamagedValues[str](
             self.url, remove=None if self.missing_hooks("remove") else self.remove_bytes
@@ -155,7 +155,10 @@ class BytesBackend(Backend):
         from kvplug.frame import FrameReceiver
 
         names = [self.key_string(key) for key in keys]
-        receivers = [FrameReceiver(self.allocator, into=dest) for dest in dests]
+        receivers = [
+            FrameReceiver(self.allocator, into=dest, serde=self.serde, key=key)
+            for key, dest in zip(keys, dests, strict=True)
+        ]
         results: list[MemoryObj | None] = []
         damaged: dict[str, CorruptObject] = {}
         try:
@@ -200,13 +203,14 @@ class BytesBackend(Backend):
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         from kvplug.frame import encode_frame
 
-        await self.put_bytes(self.key_string(key), encode_frame(obj, self.serde))
+        await self.put_bytes(self.key_string(key), encode_frame(obj, self.serde, key))
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         from kvplug.frame import encode_frame
 
         await self.batched_put_bytes(
-            [self.key_string(key) for key in keys], [encode_frame(obj, self.serde) for obj in objs]
+            [self.key_string(key) for key in keys],
+            [encode_frame(obj, self.serde, key) for key, obj in zip(keys, objs, strict=True)],
         )
 
     async def _contains(self, key: CacheKey) -> bool:

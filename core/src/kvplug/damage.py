@@ -7,6 +7,10 @@ reads as a plain miss afterwards and the next put starts clean. When the removal
 store is down, or cannot delete), that is logged too, and the value reads as a miss, counted
 again, until it is overwritten.
 
+A value that is sound but not readable here (:class:`~kvplug.errors.UnreadableObject`: sealed
+with a cipher key this reader does not hold) is counted and logged the same way but kept: other
+readers may hold its key.
+
 :class:`DamagedValues` is that policy. :class:`~kvplug.backend.BytesBackend` applies it to
 every frame it reads; a backend that reads values in its own way (zero-copy into registered
 memory, from files on a worker thread) keeps one ledger and reports to it what it found.
@@ -19,6 +23,8 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Generic, TypeVar
+
+from kvplug.errors import UnreadableObject
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +110,12 @@ class DamagedValues(Generic[Name]):
             else "it reads as a miss; this store cannot delete it, so it stays until overwritten"
         )
         for name, why in damaged.items():
-            self._count_and_log(name, why, what_next)
-        if self._remove is None or not damaged:
+            unreadable = isinstance(why, UnreadableObject)
+            self._count_and_log(name, why, _KEPT if unreadable else what_next)
+        names = [name for name, why in damaged.items() if not isinstance(why, UnreadableObject)]
+        if self._remove is None or not names:
             return
-        remove, names = self._remove, list(damaged)
+        remove = self._remove
         outcomes = await asyncio.gather(*(remove(name) for name in names), return_exceptions=True)
         for name, result in zip(names, outcomes, strict=True):
             if isinstance(result, Exception):
@@ -122,6 +130,9 @@ class DamagedValues(Generic[Name]):
         for result in outcomes:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result
+
+
+_KEPT = "it reads as a miss and stays stored, for the readers that can read it"
 
 
 def _text(name: object) -> str:

@@ -20,6 +20,7 @@ The hierarchy::
         ├── BackendUnavailable       retryable: the store cannot be reached now
         │   └── BackendTimeout       retryable: the deadline passed
         ├── CorruptObject
+        │   └── UnreadableObject     sound, but not readable with this reader's keys
         ├── CapacityExceeded
         ├── NotSupported
         ├── BackendClosed
@@ -115,6 +116,13 @@ class CorruptObject(BackendError):
     """Stored bytes are torn, truncated or altered. Backends turn this into a counted miss."""
 
 
+class UnreadableObject(CorruptObject):
+    """A stored value that is sound but that this reader cannot decode: its serde is not
+    installed or not configured here, or it was sealed with a cipher key this reader does not
+    hold. Read as a counted miss like damage, but left in the store, for the readers that
+    can read it (a writer with a newer key during a rotation)."""
+
+
 class CapacityExceeded(BackendError):
     """The store is full and nothing can be evicted to make room."""
 
@@ -154,4 +162,5 @@ __all__ = [
     "UnexpectedBackendError",
     "UnknownOption",
     "UnknownScheme",
+    "UnreadableObject",
 ]

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from kvplug.errors import CorruptObject
+from kvplug.errors import ConfigError, CorruptObject, UnreadableObject
+from kvplug.keys import CacheKey
 from kvplug.memory import (
     DTYPES_BY_CODE,
     Allocator,
@@ -143,12 +144,39 @@ def encode_header(
     return body + _HEADER_CHECKSUM.pack(xxhash.xxh32_intdigest(body))
 
 
-def encode_frame(obj: MemoryObj, serde: Serde | None = None) -> tuple[bytes, Buffer]:
-    """``(header, payload)`` for ``obj``; write them back to back. The payload may be a
-    zero-copy view of ``obj``'s memory, valid while the caller holds ``obj``."""
+def encode_frame(
+    obj: MemoryObj, serde: Serde | None = None, key: CacheKey | None = None
+) -> tuple[bytes, Buffer]:
+    """``(header, payload)`` for ``obj`` stored under ``key``; write them back to back. The
+    payload may be a zero-copy view of ``obj``'s memory, valid while the caller holds ``obj``."""
     serde = serde or get_serde("naive")
-    payload = serde.encode(obj)
+    payload = serde.encode(obj, key)
     return encode_header(obj.shape, obj.dtype, obj.fmt, serde.name, payload), payload
+
+
+def reading_serde(written_with: str, configured: Serde | None) -> Serde:
+    """The serde that decodes a frame written with the serde named ``written_with``, for a
+    reader configured with ``configured``: that instance (with its options and keys) when the
+    names match, else the shared one of that name.
+
+    Raises :class:`CorruptObject` for a frame of another serde when ``configured`` is
+    authenticated (its store holds only what it sealed), and
+    :class:`~kvplug.errors.UnreadableObject` when the serde is not installed here or needs
+    options this reader lacks."""
+    if configured is not None and written_with == configured.name:
+        return configured
+    if configured is not None and configured.authenticated:
+        raise CorruptObject(
+            f"frame written with serde {written_with!r}, but this store is sealed with "
+            f"{configured.name!r}, which reads only frames it wrote: a value that is not "
+            "sealed was not written by this configuration and is not served."
+        )
+    try:
+        return get_serde(written_with)
+    except ConfigError as error:
+        raise UnreadableObject(
+            f"frame written with serde {written_with!r}, which this reader cannot decode: {error}"
+        ) from None
 
 
 def decode_header(data: Buffer) -> FrameHeader:
@@ -207,8 +235,15 @@ def verify_payload(
         raise CorruptObject("frame payload checksum mismatch: the stored bytes were altered.")
 
 
-def decode_frame(data: Buffer, allocator: Allocator) -> MemoryObj | None:
-    """A new object decoded from a whole frame, or ``None`` when ``allocator`` is full.
+def decode_frame(
+    data: Buffer,
+    allocator: Allocator,
+    *,
+    serde: Serde | None = None,
+    key: CacheKey | None = None,
+) -> MemoryObj | None:
+    """A new object decoded from a whole frame stored under ``key``, or ``None`` when
+    ``allocator`` is full. ``serde`` is the reader's configured serde (:func:`reading_serde`).
 
     Raises :class:`CorruptObject` when the frame is damaged in any way; the one copy made is the
     payload into allocator memory.
@@ -219,20 +254,28 @@ def decode_frame(data: Buffer, allocator: Allocator) -> MemoryObj | None:
         raise CorruptObject(
             f"frame is {view.nbytes} bytes, its header says {header.frame_len} (truncated or torn)."
         )
-    return decode_payload(header, view[header.header_len :], allocator)
+    return decode_payload(header, view[header.header_len :], allocator, serde=serde, key=key)
 
 
-def decode_payload(header: FrameHeader, payload: Buffer, allocator: Allocator) -> MemoryObj | None:
-    """A new object from the payload that ``header`` describes, verified first; ``None`` when
-    ``allocator`` is full. Raises :class:`CorruptObject` when the payload does not match."""
+def decode_payload(
+    header: FrameHeader,
+    payload: Buffer,
+    allocator: Allocator,
+    *,
+    serde: Serde | None = None,
+    key: CacheKey | None = None,
+) -> MemoryObj | None:
+    """A new object from the payload that ``header`` describes, stored under ``key``, verified
+    first; ``None`` when ``allocator`` is full. Raises :class:`CorruptObject` when the payload
+    does not match. ``serde`` is the reader's configured serde (:func:`reading_serde`)."""
     view = memoryview(payload).cast("B")
     verify_payload(header, view)
-    serde = get_serde(header.serde)
+    decoder = reading_serde(header.serde, serde)
     obj = allocator.allocate(header.shape, header.dtype, header.fmt)
     if obj is None:
         return None
     try:
-        serde.decode(view, obj)
+        decoder.decode(view, obj, key)
     except BaseException:
         obj.release()
         raise
@@ -265,7 +308,9 @@ class FrameReceiver:
     the transfer, and :meth:`finish` only compares it.
 
     With ``into`` (a caller's :class:`~kvplug.memory.MemoryObj` in host memory), a ``naive``
-    payload of exactly its size is received into the caller's memory: no copy at all.
+    payload of exactly its size is received into the caller's memory: no copy at all. ``serde``
+    is the reader's configured serde and ``key`` the key the value is stored under: another
+    serde's payload is decoded with them (:func:`reading_serde`).
     Whoever drives a receiver that may be written into later (a socket's buffer) stops those
     writes before calling :meth:`abandon` or letting go of the result.
 
@@ -290,17 +335,28 @@ class FrameReceiver:
         "_hasher",
         "_obj",
         "_scratch",
+        "_serde",
         "_sink",
         "damage",
         "header",
         "into",
+        "key",
         "length",
         "mismatch",
         "remaining",
     )
 
-    def __init__(self, allocator: Allocator, into: MemoryObj | None = None) -> None:
+    def __init__(
+        self,
+        allocator: Allocator,
+        into: MemoryObj | None = None,
+        *,
+        serde: Serde | None = None,
+        key: CacheKey | None = None,
+    ) -> None:
         self._allocator = allocator
+        self._serde = serde
+        self.key = key
         self.into = into
         self.length: int | None = None
         """The stored value's length, once :meth:`start` ran; ``None`` is a miss."""
@@ -343,6 +399,7 @@ class FrameReceiver:
                     f"frame is {length} bytes, its header says {header.frame_len} (truncated "
                     "or torn)."
                 )
+            reading_serde(header.serde, self._serde)
             if header.serde == "naive" and header.payload_len != nbytes_of(
                 header.shape, header.dtype
             ):
@@ -444,7 +501,7 @@ class FrameReceiver:
         scratch, self._scratch = self._scratch, None
         if scratch is None:
             return None
-        return decode_payload(header, scratch, self._allocator)
+        return decode_payload(header, scratch, self._allocator, serde=self._serde, key=self.key)
 
     def abandon(self) -> None:
         """Let go of what was received and start afresh, as if nothing had arrived: the read
@@ -477,5 +534,6 @@ __all__ = [
     "encode_header",
     "header_len",
     "payload_checksum",
+    "reading_serde",
     "verify_payload",
 ]

@@ -15,7 +15,13 @@ from kvplug.secrets import MASK, is_secret_name, mask_repr, mask_text, remember
 from kvplug.url import BackendURL
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from kvplug.options import BackendOptions
+
+SERDE_OPTIONS = "serde_options"
+"""The field of a byte store's options that holds its serde's options, gathered from the
+``serde_``-prefixed names of its URL and config."""
 
 
 class DefaultOptions:
@@ -40,8 +46,16 @@ def parse_backend_options(
     :class:`~kvplug.errors.UnknownOption` with the valid names listed."""
     from pydantic import ValidationError
 
+    from kvplug.serde import SERDE_OPTION_PREFIX
+
     merged: dict[str, Any] = {**url.options, **explicit}
     remember(*(value for name, value in merged.items() if is_secret_name(name)))
+    if SERDE_OPTIONS in model.model_fields:
+        prefixed = [name for name in merged if name.startswith(SERDE_OPTION_PREFIX)]
+        gathered = dict(merged.pop(SERDE_OPTIONS, None) or {})
+        gathered.update((name[len(SERDE_OPTION_PREFIX) :], merged.pop(name)) for name in prefixed)
+        if gathered:
+            merged[SERDE_OPTIONS] = gathered
     known = sorted(model.model_fields)
     for name in merged:
         if name == "serde" and name not in model.model_fields:
@@ -60,15 +74,19 @@ def parse_backend_options(
     try:
         return model.model_validate(merged)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
-            + mask_text(e["msg"])
-            for e in error.errors()
-        )
         raise UnknownOption(
-            f"{backend.__name__} ({url}) got an invalid option: {problems}. "
-            "Fix the value in the URL query or the config."
+            f"{backend.__name__} ({url}) got an invalid option: "
+            f"{describe_validation_error(error)}. Fix the value in the URL query or the config."
         ) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """Each problem pydantic found, as ``option=value: why``; secret values masked."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
+        + mask_text(e["msg"])
+        for e in error.errors()
+    )
 
 
 def _shown_input(location: tuple[int | str, ...], value: object) -> str:

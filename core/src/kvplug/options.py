@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvplug.errors import ConfigError
@@ -37,6 +39,10 @@ class BytesBackendOptions(BackendOptions):
     """Options of every :class:`~kvplug.backend.BytesBackend`."""
 
     serde: str = Field("naive", description="serde that turns objects into payload bytes")
+    serde_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="options of the serde (in a URL or config: each with the serde_ prefix)",
+    )
     key_prefix: str = Field("", description="prepended to every stored key")
 
 

@@ -1,18 +1,26 @@
 """Serializers between a :class:`MemoryObj` and the payload bytes of a frame.
 
-A serde is chosen by name (``remote_serde: naive``). ``naive`` stores the object's bytes as they
-are and is always present; compressing or quantizing serdes are plugins that return their
-classes from the ``kvplug_serdes`` hook.
+A serde is chosen by name (``remote_serde: naive``, ``?serde=naive``). ``naive`` stores the
+object's bytes as they are and is always present; compressing, quantizing or encrypting serdes
+are plugins that return their classes from the ``kvplug_serdes`` hook.
+
+A serde may take options (its :attr:`Serde.Options` model; in a URL each is given with a
+``serde_`` prefix, ``?serde=aesgcm&serde_key_file=/etc/kvplug/keys``): a backend then builds its
+own instance with :func:`open_serde`. Every call names the key the payload is stored under, so a
+serde can bind the payload to it (an authenticated cipher's associated data) or pick a key per
+tenant (:attr:`kvplug.keys.CacheKey.tenant`).
 
 Example::
 
     >>> import torch
+    >>> from kvplug.keys import CacheKey
     >>> from kvplug.memory import MemoryObj
     >>> from kvplug.serde import get_serde
     >>> naive = get_serde("naive")
     >>> src = MemoryObj.from_tensor(torch.arange(6, dtype=torch.float16))
     >>> dst = MemoryObj.from_tensor(torch.zeros(6, dtype=torch.float16))
-    >>> naive.decode(naive.encode(src), dst)
+    >>> key = CacheKey("llama", 1, 0, 0x2A, "half")
+    >>> naive.decode(naive.encode(src, key), dst, key)
     >>> torch.equal(src.tensor, dst.tensor)
     True
 """
@@ -22,11 +30,20 @@ from __future__ import annotations
 import abc
 import difflib
 import threading
-from collections.abc import Iterable
-from typing import ClassVar
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvplug.errors import ConfigError, CorruptObject, PluginConflict
+from kvplug.errors import ConfigError, CorruptObject, PluginConflict, UnknownOption
 from kvplug.memory import MemoryObj
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from kvplug.keys import CacheKey
+
+SERDE_OPTION_PREFIX = "serde_"
+"""How a backend's URL or config names an option of its serde: ``serde_key_file`` is the serde's
+``key_file``."""
 
 
 class Serde(abc.ABC):
@@ -34,17 +51,55 @@ class Serde(abc.ABC):
 
     ``decode`` must fill ``out`` completely from ``payload`` or raise
     :class:`~kvplug.errors.CorruptObject`; it never leaves a half-filled object to be served.
+    A payload that is sound but that this instance cannot read (written with a cipher key it
+    does not hold) raises :class:`~kvplug.errors.UnreadableObject`: a counted miss that stays
+    stored, for the readers that can read it.
+
+    Both calls get the :class:`~kvplug.keys.CacheKey` the payload is stored under: a serde may
+    bind the payload to it, so that a value copied under another key does not decode.
+
+    A serde with settings declares them as a pydantic model in :attr:`Options`; its
+    ``__init__`` then takes the validated model. A serde without options is shared: one
+    instance per name (:func:`get_serde`).
+
+    Example, a serde that stores the bytes reversed (of no use but to show the contract)::
+
+        >>> import torch
+        >>> from kvplug.keys import CacheKey
+        >>> from kvplug.memory import MemoryObj
+        >>> class Reversed(Serde):
+        ...     name = "reversed"
+        ...     def encode(self, obj, key=None):
+        ...         return bytes(obj.memoryview())[::-1]
+        ...     def decode(self, payload, out, key=None):
+        ...         if payload.nbytes != out.nbytes:
+        ...             raise CorruptObject(f"{key}: {payload.nbytes} bytes, {out.nbytes} needed.")
+        ...         out.memoryview()[:] = bytes(payload)[::-1]
+        >>> key = CacheKey("llama", 1, 0, 0x2A, "half")
+        >>> src = MemoryObj.from_tensor(torch.arange(4, dtype=torch.uint8))
+        >>> dst = MemoryObj.from_tensor(torch.zeros(4, dtype=torch.uint8))
+        >>> Reversed().decode(memoryview(Reversed().encode(src, key)), dst, key)
+        >>> dst.tensor.tolist()
+        [0, 1, 2, 3]
     """
 
     name: ClassVar[str]
+    Options: ClassVar[type[BaseModel] | None] = None
+    """The serde's options model, or None when it takes none."""
+    authenticated: ClassVar[bool] = False
+    """Whether the serde proves where its payloads come from (an authenticated cipher). A
+    backend configured with such a serde reads no frame of another serde: a plain frame found
+    in its store was not written by it and is damage, never data."""
 
     @abc.abstractmethod
-    def encode(self, obj: MemoryObj) -> memoryview | bytes:
-        """The payload for ``obj``. May be a zero-copy view valid while ``obj`` is held."""
+    def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> memoryview | bytes | bytearray:
+        """The payload for ``obj`` stored under ``key`` (None: a frame kept outside any store).
+        May be a zero-copy view valid while ``obj`` is held."""
 
     @abc.abstractmethod
-    def decode(self, payload: memoryview, out: MemoryObj) -> None:
-        """Fill ``out`` (allocated with the frame's shape, dtype and format) from ``payload``."""
+    def decode(self, payload: memoryview, out: MemoryObj, key: CacheKey | None = None) -> None:
+        """Fill ``out`` (allocated with the frame's shape, dtype and format) from ``payload``,
+        which was stored under ``key``."""
 
 
 class NaiveSerde(Serde):
@@ -52,10 +107,10 @@ class NaiveSerde(Serde):
 
     name = "naive"
 
-    def encode(self, obj: MemoryObj) -> memoryview:
+    def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> memoryview:
         return obj.memoryview()
 
-    def decode(self, payload: memoryview, out: MemoryObj) -> None:
+    def decode(self, payload: memoryview, out: MemoryObj, key: CacheKey | None = None) -> None:
         if payload.nbytes != out.nbytes:
             raise CorruptObject(
                 f"naive payload has {payload.nbytes} bytes but shape {out.shape} {out.dtype} "
@@ -188,6 +243,68 @@ def get_serde(name: str) -> Serde:
     instance = _instances.get(name)
     if instance is not None:
         return instance
+    serde = get_serde_class(name)
+    with _lock:
+        if name not in _instances:
+            _instances[name] = _construct(serde, {})
+        return _instances[name]
+
+
+def _construct(serde: type[Serde], options: Mapping[str, Any]) -> Serde:
+    model = serde.Options
+    if model is None:
+        if options:
+            raise UnknownOption(
+                f"serde {serde.name!r} takes no options, got "
+                f"{', '.join(SERDE_OPTION_PREFIX + name for name in sorted(options))}. "
+                "Leave them out, or choose the serde they belong to."
+            )
+        return serde()
+    from pydantic import ValidationError
+
+    from kvplug.option_parsing import describe_validation_error
+
+    unknown = sorted(set(options) - set(model.model_fields))
+    if unknown:
+        valid = ", ".join(SERDE_OPTION_PREFIX + name for name in sorted(model.model_fields))
+        raise UnknownOption(
+            f"serde {serde.name!r} has no option "
+            f"{', '.join(SERDE_OPTION_PREFIX + name for name in unknown)}. Valid: {valid}."
+        )
+    try:
+        settings = model.model_validate(dict(options))
+    except ValidationError as error:
+        raise ConfigError(
+            f"serde {serde.name!r} is not configured: {describe_validation_error(error)}. "
+            f"Give its options with the {SERDE_OPTION_PREFIX!r} prefix "
+            f"(?serde={serde.name}&{SERDE_OPTION_PREFIX}<option>=...)."
+        ) from None
+    return serde(settings)  # type: ignore[call-arg]
+
+
+def open_serde(name: str, options: Mapping[str, Any] | None = None) -> Serde:
+    """The serde ``name`` built with ``options`` (names without the ``serde_`` prefix): a new
+    instance for a backend that configures its serde, the shared one when ``options`` is
+    empty. Raises :class:`~kvplug.errors.ConfigError` for an unknown name or bad options,
+    naming the valid ones; values of secret-looking options never appear in it.
+
+    Example::
+
+        >>> open_serde("naive").name
+        'naive'
+        >>> try:
+        ...     open_serde("naive", {"level": 3})
+        ... except UnknownOption as error:
+        ...     print(str(error).split(".")[0])
+        serde 'naive' takes no options, got serde_level
+    """
+    if not options:
+        return get_serde(name)
+    return _construct(get_serde_class(name), options)
+
+
+def get_serde_class(name: str) -> type[Serde]:
+    """The class registered as ``name`` (errors as :func:`get_serde`), not instantiated."""
     names = available_serdes()
     with _lock:
         if name in _conflicts:
@@ -200,18 +317,19 @@ def get_serde(name: str) -> Serde:
                 f"unknown serde {name!r}.{hint} Available: {', '.join(names)}. "
                 "Install the plugin that provides it, or use 'naive'."
             )
-        if name not in _instances:
-            _instances[name] = serde()
-        return _instances[name]
+        return serde
 
 
 __all__ = [
     "KVPLUG_SOURCE",
+    "SERDE_OPTION_PREFIX",
     "NaiveSerde",
     "Serde",
     "add_plugin_serdes",
     "available_serdes",
     "forget_plugin_serdes",
     "get_serde",
+    "get_serde_class",
+    "open_serde",
     "register_serde",
 ]

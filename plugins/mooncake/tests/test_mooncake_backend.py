@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from mooncake_helpers import SHAPE, MiB, filled, key, mooncake_store, probe_client, run
+from mooncake_helpers import SHAPE, MiB, filled, key, mooncake_store, probe_client, release, run
 from mooncake_helpers import allocator as allocator
 
 import kvplug
@@ -468,3 +468,33 @@ def test_a_node_is_what_keeps_objects_after_their_writer_left(
         writer = _writer(master.url(global_segment_size=0), 4, linger=False)
         assert writer.wait(60) == 0
         assert run(_read_back(master.url(global_segment_size=0), allocator, 4)) == [True] * 4
+
+
+def test_the_sealing_wrapper_keeps_only_ciphertext_in_mooncake(
+    store: MooncakeMaster, allocator: FreeListAllocator, tmp_path: Path
+) -> None:
+    """``aesgcm::mooncakestore://``: encryption at rest composes with Mooncake (kvplug-aesgcm's
+    wrapper: Mooncake stores objects, not frames, so it takes the wrapper, not the serde)."""
+    from kvplug_aesgcm.keyring import new_entry
+
+    keys = tmp_path / "keys"
+    keys.write_text(new_entry(1) + "\n")
+    keys.chmod(0o600)
+    url = f"aesgcm://?key_file={keys}::{store.url(global_segment_size=0)}"
+    obj = filled(allocator, 3)
+
+    async def scenario() -> None:
+        backend = await kvplug.open_backend(url, allocator=allocator)
+        await backend.put(key(500), obj)
+        sealed = await backend.inner.get(key(500))  # type: ignore[attr-defined]
+        assert sealed is not None and sealed.dtype == torch.uint8
+        assert sealed.nbytes > obj.nbytes
+        assert bytes(obj.memoryview()[:256]) not in bytes(sealed.memoryview())
+        got = await backend.get(key(500))
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        release(sealed, got)
+        await backend.close()
+
+    run(scenario())
+    obj.release()
+    assert allocator.stats().used == 0

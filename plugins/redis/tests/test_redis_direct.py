@@ -280,10 +280,10 @@ def reversing_serde() -> Iterator[str]:
     class Reverse(Serde):
         name = "test-direct-reverse"
 
-        def encode(self, obj: MemoryObj) -> bytes:
+        def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> bytes:
             return bytes(obj.memoryview())[::-1]
 
-        def decode(self, payload: memoryview, out: MemoryObj) -> None:
+        def decode(self, payload: memoryview, out: MemoryObj, key: CacheKey | None = None) -> None:
             if payload.nbytes != out.nbytes:
                 raise CorruptObject("size")
             out.memoryview()[:] = bytes(payload)[::-1]

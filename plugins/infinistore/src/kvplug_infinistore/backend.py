@@ -555,15 +555,16 @@ class InfiniStoreBackend(BytesBackend):
     # -- framing: every value ends with its end marker ----------------------------------------
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
-        await self.put_bytes(self.key_string(key), self._value_parts(obj))
+        await self.put_bytes(self.key_string(key), self._value_parts(key, obj))
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         await self.batched_put_bytes(
-            [self.key_string(key) for key in keys], [self._value_parts(obj) for obj in objs]
+            [self.key_string(key) for key in keys],
+            [self._value_parts(key, obj) for key, obj in zip(keys, objs, strict=True)],
         )
 
-    def _value_parts(self, obj: MemoryObj) -> list[Buffer]:
-        header, payload = encode_frame(obj, self.serde)
+    def _value_parts(self, key: CacheKey, obj: MemoryObj) -> list[Buffer]:
+        header, payload = encode_frame(obj, self.serde, key)
         return [header, payload, end_marker(len(header) + memoryview(payload).nbytes)]
 
 
