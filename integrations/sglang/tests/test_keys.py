@@ -1,15 +1,20 @@
-"""SGLang page keys map onto kvplug keys losslessly and without collisions."""
+"""SGLang page keys map onto kvplug keys losslessly and without collisions, each tenant's
+apart; SGLang's own page hashes already differ per request salt, which it never passes to the
+storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
-from kvplug.keys import CacheKey, InvalidKey
+from kvplug.keys import MAX_TENANT_LENGTH, CacheKey, InvalidKey
 from kvplug_sglang.keys import UNNAMED_MODEL, PageNamespace, model_field, page_hash, page_key_of
 
 NS = PageNamespace("test-model", 2, 1, "bfloat16", layout="page_first", segments=2)
@@ -90,3 +95,49 @@ def test_a_model_name_keeps_every_character_but_the_escaped_ones() -> None:
     assert model_field("/models/llama@v2") == "/models/llama%40v2"
     assert model_field("/models/llama%40v2") == "/models/llama%2540v2"
     assert model_field(None) == model_field("") == UNNAMED_MODEL
+
+
+tenants = st.text(min_size=1, max_size=MAX_TENANT_LENGTH).filter(lambda text: "\x00" not in text)
+
+
+@given(any_keys, tenants)
+def test_a_tenants_page_keys_name_the_tenant_last_and_round_trip(page: str, tenant: str) -> None:
+    theirs = dataclasses.replace(NS, tenant=tenant)
+    keys = theirs.segment_keys(page)
+    assert keys == [key.with_tenant(tenant) for key in NS.segment_keys(page)]
+    for key in keys:
+        parsed = CacheKey.parse(str(key))
+        assert parsed == key and parsed.tenant == tenant
+        assert page_key_of(key) == page
+        assert theirs.owns(key) and not NS.owns(key)
+
+
+@given(any_keys, tenants, tenants)
+def test_the_same_page_of_two_tenants_is_two_keys(page: str, a: str, b: str) -> None:
+    ours, theirs = dataclasses.replace(NS, tenant=a), dataclasses.replace(NS, tenant=b)
+    assert (set(ours.segment_keys(page)) & set(theirs.segment_keys(page)) != set()) == (a == b)
+    assert not set(ours.segment_keys(page)) & set(NS.segment_keys(page))
+
+
+@pytest.mark.parametrize("bad", ["x" * (MAX_TENANT_LENGTH + 1), "a\x00b"])
+def test_a_tenant_that_is_no_tenant_name_is_refused(bad: str) -> None:
+    with pytest.raises(InvalidKey):
+        dataclasses.replace(NS, tenant=bad)
+
+
+def test_sglang_folds_a_requests_salt_into_its_page_hashes_but_passes_the_hashes_alone() -> None:
+    """SGLang's own storage hashes (``get_storage_hash_str``, seeded by
+    ``storage_namespace_seed``): the same tokens under two cache salts, an extra key, or none
+    are four chains with no page in common. What a storage call gets besides the hashes is
+    ``HiCacheStorageExtraInfo``, which has no field for either."""
+    tokens = list(range(64))
+    chains = [
+        get_storage_hash_str(tokens, None, page_size=16),
+        get_storage_hash_str(RadixKey(tokens, cache_salt="team-a"), None, page_size=16),
+        get_storage_hash_str(RadixKey(tokens, cache_salt="team-b"), None, page_size=16),
+        get_storage_hash_str(RadixKey(tokens, extra_key="lora-1"), None, page_size=16),
+    ]
+    pages = [page for chain in chains for page in chain]
+    assert len(pages) == 16 and len(set(pages)) == 16
+    fields = {field.name for field in dataclasses.fields(HiCacheStorageExtraInfo)}
+    assert fields == {"prefix_keys", "extra_info"}

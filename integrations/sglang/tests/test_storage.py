@@ -1,16 +1,19 @@
 """KvplugHiCacheStorage against SGLang's own code: built by SGLang's StorageBackendFactory from
 the ``dynamic`` extra config, over real host pools in every layout, for ``cpu://``, ``file://``
-and a real redis-server; and through SGLang's HiCacheController's backup and prefetch threads,
-also while the store is down or paused."""
+and a real redis-server (tenants also for a real kvplug lm-server and a tiers config); and
+through SGLang's HiCacheController's backup and prefetch threads, also while the store is down
+or paused."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,10 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 import kvplug
 from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
+from kvplug.runtime.store import store_url
 from kvplug.stats import summarize
 from kvplug_sglang import KvplugHiCacheStorage
-from kvplug_testing import RedisServer, free_port
+from kvplug_testing import LMServerProcess, RedisServer, free_port
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE = 16
@@ -60,6 +64,32 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
 def redis_target(redis_server: RedisServer) -> Target:
     redis_server.client().flushall()
     return Target("redis", redis_server.url, {"timeout": 5})
+
+
+@pytest.fixture(scope="module")
+def lm_server() -> Iterator[LMServerProcess]:
+    with LMServerProcess(["--max-memory", "256MiB"]) as server:
+        yield server
+
+
+@pytest.fixture(params=["cpu", "file", "redis", "lm", "store"])
+def any_target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    """Each kind of built-in store: host memory, a directory, a real redis-server, a real
+    kvplug lm-server (shared by the module's tests: each test uses keys of its own), and a
+    tiers config (host memory in front of a directory)."""
+    if request.param == "cpu":
+        return Target("cpu", "cpu://?max_size=64MiB", {})
+    if request.param == "file":
+        return Target("file", f"file://{tmp_path}/store", {})
+    if request.param == "redis":
+        redis: Target = request.getfixturevalue("redis_target")
+        return redis
+    if request.param == "lm":
+        lm: LMServerProcess = request.getfixturevalue("lm_server")
+        return Target("lm", lm.url, {})
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text(f"tiers:\n  - cpu://?max_size=64MiB\n  - file://{tmp_path}/tiered\n")
+    return Target("store", store_url(str(tiers)), {})
 
 
 def extra(target: Target, **more: Any) -> dict[str, Any]:
@@ -189,6 +219,51 @@ def test_a_cpu_tier_keeps_its_own_copy_of_the_host_pages(
     assert torch.equal(page_bytes(pool, 5 * PAGE), stored)
 
 
+def stored_objects(storage: KvplugHiCacheStorage, keys: list[str], tenant: str) -> int:
+    """How many objects of ``keys``' pages ``storage``'s store holds for ``tenant`` ("":
+    none), asked of the store directly."""
+    assert storage._namespace is not None
+    namespace = dataclasses.replace(storage._namespace, tenant=tenant)
+    wanted = [key for page in keys for key in namespace.segment_keys(page)]
+    return sum(storage._wait(storage._client.backend.batched_exists(wanted)))
+
+
+def test_the_same_pages_under_two_tenants_never_hit_each_other(
+    any_target: Target,
+    make_host_pool: Callable[..., HostKVCache],
+    open_storage: Callable[..., KvplugHiCacheStorage],
+    page_bytes: PageBytes,
+) -> None:
+    """SGLang hands the storage page hashes alone, so the same hashes (the same tokens under
+    the same salt) of two deployments' tenants: the store holds A's pages under A's tenant
+    only; B (another SGLang instance, another client of the same store) misses them, stores
+    its own beside them, and each reads back its own. A cpu:// store is private to the storage
+    that opened it: there B's keys are asked of A's store."""
+    pool_a, pool_b = (make_host_pool("page_first", page_size=PAGE) for _ in range(2))
+    team_a = open_storage(pool_a, extra(any_target, tenant="team-a"))
+    keys = keys_of(f"tenants-{uuid.uuid4().hex}", 3)
+    assert team_a.batch_set_v1(keys, slots(0, 1, 2)) == [True] * 3
+    per_page = team_a.health().objects_per_page
+    assert stored_objects(team_a, keys, "team-a") == 3 * per_page
+    assert stored_objects(team_a, keys, "team-b") == stored_objects(team_a, keys, "") == 0
+    if any_target.name == "cpu":
+        return
+
+    team_b = open_storage(pool_b, extra(any_target, tenant="team-b"))
+    assert team_b.batch_exists(keys) == 0
+    assert team_b.batch_get_v1(keys, slots(4, 5, 6)) == [False] * 3
+    assert team_b.batch_set_v1(keys, slots(0, 1, 2)) == [True] * 3
+    assert stored_objects(team_b, keys, "team-b") == 3 * per_page
+    assert team_a.batch_get_v1(keys, slots(8, 9, 10)) == [True] * 3
+    assert team_b.batch_get_v1(keys, slots(8, 9, 10)) == [True] * 3
+    for page in range(3):
+        assert torch.equal(page_bytes(pool_a, (8 + page) * PAGE), page_bytes(pool_a, page * PAGE))
+        assert torch.equal(page_bytes(pool_b, (8 + page) * PAGE), page_bytes(pool_b, page * PAGE))
+    assert not torch.equal(page_bytes(pool_a, 8 * PAGE), page_bytes(pool_b, 8 * PAGE))
+    untenanted = open_storage(make_host_pool("page_first", page_size=PAGE), extra(any_target))
+    assert untenanted.batch_exists(keys) == 0
+
+
 @pytest.mark.parametrize("store", ["file", "redis"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_ranks_keep_their_own_pages_and_mla_replicas_share_one_copy(
@@ -279,7 +354,7 @@ async def _halve_every_value(url: str) -> None:
         await backend.close()
 
 
-def test_clear_removes_this_ranks_pages_only(
+def test_clear_removes_this_ranks_and_tenants_pages_only(
     tmp_path: Path,
     make_host_pool: Callable[..., HostKVCache],
     open_storage: Callable[..., KvplugHiCacheStorage],
@@ -292,9 +367,14 @@ def test_clear_removes_this_ranks_pages_only(
     keys = keys_of("clear", 2)
     assert mine.batch_set_v1(keys, slots(0, 1)) == [True, True]
     assert other.batch_set_v1(keys, slots(0, 1)) == [True, True]
+    theirs = open_storage(
+        make_host_pool("page_first", page_size=PAGE), extra(file, tenant="another-tenant")
+    )
+    assert theirs.batch_set_v1(keys, slots(0, 1)) == [True, True]
     mine.clear()
     assert mine.batch_exists(keys) == 0
     assert other.batch_exists(keys) == 2
+    assert theirs.batch_exists(keys) == 2  # another tenant's pages of this rank stay
 
 
 def test_get_stats_reports_pages_and_bandwidth_per_call_when_sglang_asks(
@@ -365,6 +445,10 @@ def test_sglangs_threads_may_call_at_once(
         ({"task_timeout": "soon"}, "task_timeout must be a positive number"),
         ({"check_on_start": "yes"}, "check_on_start must be true or false"),
         ({"options": ["timeout", 1]}, "options must be a mapping"),
+        ({"tenant": 5}, "tenant is refused: a tenant is a non-empty string, got 5"),
+        ({"tenant": ""}, "tenant is refused: a tenant is a non-empty string"),
+        ({"tenant": "t" * 129}, "tenant is refused: .* has 129 characters"),
+        ({"tenant": "a\x00b"}, "tenant is refused: .*NUL"),
     ],
 )
 def test_a_bad_extra_config_names_the_key_and_the_fix(
@@ -508,6 +592,47 @@ def test_the_controllers_backup_and_prefetch_round_trip_through_kvplug(
         for i in range(4):
             assert torch.equal(page_bytes(host, into[i * PAGE]), sent[i])
         assert prefetch(controller, list(range(7000, 7000 + 2 * PAGE)))[0] == 0
+
+
+@pytest.mark.parametrize("server", ["redis", "lm"])
+def test_the_controllers_of_two_tenants_sharing_a_server_never_read_each_others_pages(
+    server: str,
+    request: pytest.FixtureRequest,
+    hicache_controller: Callable[..., contextlib.AbstractContextManager[Any]],
+    backup: Callable[..., int],
+    prefetch: Callable[..., tuple[int, torch.Tensor]],
+    page_bytes: PageBytes,
+) -> None:
+    """SGLang's own backup and prefetch threads of two deployments (two clients of one Redis
+    or lm:// server), tenant A's and B's, with the same tokens: B's prefetch misses A's pages,
+    B backs up its own, and A's next instance prefetches A's bytes, not B's."""
+    shared: Target = (
+        request.getfixturevalue("redis_target")
+        if server == "redis"
+        else Target("lm", request.getfixturevalue("lm_server").url, {})
+    )
+    start = 10_000 + uuid.uuid4().int % 1_000_000  # tokens of this test's own
+    tokens = list(range(start, start + 3 * PAGE))
+
+    def deployment(tenant: str) -> contextlib.AbstractContextManager[Any]:
+        return hicache_controller("page_first", extra_config=extra(shared, tenant=tenant))
+
+    with deployment("team-a") as controller:
+        host = controller.mem_pool_host
+        written = host.alloc(len(tokens))
+        sent = [page_bytes(host, written[i * PAGE]) for i in range(3)]
+        assert backup(controller, written, tokens) == len(tokens)
+    with deployment("team-b") as controller:
+        assert prefetch(controller, tokens)[0] == 0
+        host = controller.mem_pool_host
+        written = host.alloc(len(tokens))
+        assert not torch.equal(page_bytes(host, written[0]), sent[0])
+        assert backup(controller, written, tokens) == len(tokens)
+    with deployment("team-a") as controller:
+        fetched, into = prefetch(controller, tokens)
+        assert fetched == len(tokens)
+        for i in range(3):
+            assert torch.equal(page_bytes(controller.mem_pool_host, into[i * PAGE]), sent[i])
 
 
 def test_a_down_store_never_stops_the_controllers_threads(

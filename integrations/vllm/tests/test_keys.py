@@ -1,17 +1,27 @@
 """vLLM OffloadKeys as kvplug keys: lossless both ways, one key space per layout, weights and
-epoch, and the weights' identity derived from what vLLM loaded."""
+epoch, each tenant's keys apart, a request's tenant read from its ``kv_transfer_params``, and
+the weights' identity derived from what vLLM loaded."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx, make_offload_key
 
-from kvplug.keys import CacheKey, InvalidKey
-from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity, offload_key_of
+from kvplug.errors import ConfigError
+from kvplug.keys import MAX_TENANT_LENGTH, CacheKey, InvalidKey
+from kvplug_vllm.keys import (
+    TENANT_PARAM,
+    ChunkNamespace,
+    key_dtype,
+    model_identity,
+    offload_key_of,
+    request_tenant,
+)
 
 NAMESPACE = ChunkNamespace("org/model", 1, "bfloat16", {"row_bytes": 4096}, identity="w1")
 
@@ -65,6 +75,75 @@ def test_what_is_not_an_offload_key_is_refused() -> None:
             NAMESPACE.key_of(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidKey):
         offload_key_of(CacheKey("org/model", 1, 0, 0x1F))
+
+
+tenants = st.text(min_size=1, max_size=MAX_TENANT_LENGTH).filter(lambda text: "\x00" not in text)
+
+
+@given(block_hashes, groups, tenants)
+def test_a_tenants_key_names_the_tenant_and_survives_its_string_form(
+    block_hash: bytes, group: int, tenant: str
+) -> None:
+    offload_key = make_offload_key(block_hash, group)
+    key = NAMESPACE.key_of(offload_key, tenant)
+    parsed = CacheKey.parse(str(key))
+    assert parsed == key and parsed.tenant == tenant
+    assert offload_key_of(parsed) == offload_key
+    assert NAMESPACE.owns(parsed)
+    assert key == NAMESPACE.key_of(offload_key).with_tenant(tenant)
+
+
+@given(block_hashes, tenants, tenants)
+def test_the_same_chunk_of_two_tenants_is_two_keys(block_hash: bytes, a: str, b: str) -> None:
+    offload_key = make_offload_key(block_hash, 0)
+    assert (NAMESPACE.key_of(offload_key, a) == NAMESPACE.key_of(offload_key, b)) == (a == b)
+    assert NAMESPACE.key_of(offload_key, a) != NAMESPACE.key_of(offload_key)
+
+
+@pytest.mark.parametrize(
+    ("params", "deployment", "tenant"),
+    [
+        ({TENANT_PARAM: "team-a"}, "", "team-a"),
+        ({TENANT_PARAM: "team-a"}, "team-a", "team-a"),
+        ({TENANT_PARAM: None, "do_remote_prefill": True}, "team-a", "team-a"),
+        ({"cache_salt": "team-a"}, "", ""),  # only kvplug_tenant names the tenant
+        ({}, "", ""),
+        (None, "team-b", "team-b"),
+        (["not", "a", "mapping"], "", ""),  # another connector's business
+    ],
+)
+def test_a_requests_tenant_is_what_it_names_else_the_deployments(
+    params: Any, deployment: str, tenant: str
+) -> None:
+    assert request_tenant(params, deployment) == tenant
+
+
+@pytest.mark.parametrize(
+    ("named", "words"),
+    [
+        (7, "got 7"),
+        (["team-a"], "got ['team-a']"),
+        (["team-a"] * 10_000, "got ['team-a', 'team-a', "),  # cut short for the logs
+        ("", "non-empty string"),
+        ("x" * (MAX_TENANT_LENGTH + 1), f"has {MAX_TENANT_LENGTH + 1} characters"),
+        ("a\x00b", "NUL"),
+    ],
+)
+def test_a_request_naming_no_tenant_name_is_refused_saying_why_and_the_fix(
+    named: object, words: str
+) -> None:
+    with pytest.raises(InvalidKey) as raised:
+        request_tenant({TENANT_PARAM: named})
+    message = str(raised.value)
+    assert message.startswith("kv_transfer_params['kvplug_tenant'] is refused: ")
+    assert words in message and "Set it to the tenant's name" in message
+    assert len(message) < 400, message
+    assert isinstance(raised.value, ConfigError)
+
+
+def test_a_request_naming_another_tenant_than_the_deployments_is_refused() -> None:
+    with pytest.raises(InvalidKey, match="serves tenant 'team-a' only"):
+        request_tenant({TENANT_PARAM: "team-b"}, deployment="team-a")
 
 
 @pytest.mark.parametrize(

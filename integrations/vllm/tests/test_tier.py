@@ -1,16 +1,20 @@
 """KvplugTier against vLLM's own scheduler-side code: built by ``SecondaryTierFactory`` from a
 ``secondary_tiers`` entry (``"type": "kvplug"``, registered by kvplug-vllm's entry point), under
 vLLM's ``TieringOffloadingManager`` with its CPU primary tier in shared memory, for ``cpu://``,
-``file://`` and a real redis-server; also while the store is down or paused, through cache
-resets with transfers in flight, and under vLLM's back-pressure detector."""
+``file://`` and a real redis-server (tenants also for a real kvplug lm-server and a tiers
+config); also while the store is down or paused, through cache resets with transfers in flight,
+and under vLLM's back-pressure detector."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import sys
 import time
+import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,16 +22,23 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    _create_req_context,
+)
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.request import Request
 
 import kvplug
 from kvplug import MemoryFormat, MemoryObj
 from kvplug.errors import ConfigError, KvplugError
 from kvplug.stats import summarize
-from kvplug_testing import RedisServer, free_port
+from kvplug_testing import LMServerProcess, RedisServer, free_port
 from kvplug_vllm import KvplugTier
 from kvplug_vllm.plugin import TIER_TYPE, register
 from kvplug_vllm.testing import (
@@ -73,6 +84,34 @@ def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, An
     server: RedisServer = request.getfixturevalue("redis_server")
     server.client().flushall()
     return {"url": server.url, "options": {"timeout": 5}}
+
+
+@pytest.fixture(scope="module")
+def lm_server() -> Iterator[LMServerProcess]:
+    with LMServerProcess(["--max-memory", "256MiB"]) as server:
+        yield server
+
+
+@pytest.fixture(params=["cpu", "file", "redis", "lm", "store"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Tier settings for each kind of built-in store: host memory, a directory, a real
+    redis-server, a real kvplug lm-server (shared by the module's tests: each test's own
+    ``model_identity`` keeps their keys apart), and a tiers config (host memory in front of a
+    directory)."""
+    own = {"model_identity": f"test-{uuid.uuid4().hex}"}
+    if request.param == "cpu":
+        return {"url": "cpu://?max_size=64MiB", **own}
+    if request.param == "file":
+        return {"url": f"file://{tmp_path}/kv", **own}
+    if request.param == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        return {"url": redis.url, "options": {"timeout": 5}, **own}
+    if request.param == "lm":
+        lm: LMServerProcess = request.getfixturevalue("lm_server")
+        return {"url": lm.url, **own}
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text(f"tiers:\n  - cpu://?max_size=64MiB\n  - file://{tmp_path}/tiered\n")
+    return {"config": str(tiers), **own}
 
 
 def stored_then_stopped(
@@ -194,7 +233,7 @@ def test_a_load_that_misses_some_chunks_keeps_the_others_and_recomputes_the_rest
         assert time.monotonic() < deadline, answers
         second.step()
         time.sleep(0.005)
-    victim = second.tier._keys([keys[1]])[0]
+    victim = second.tier._keys([keys[1]], "")[0]
     assert redis_server.client().delete(second.tier._client.backend.key_string(victim)) == 1
     second.settle()  # submits the load; one of its chunks is gone
     second.finish(context)
@@ -282,6 +321,163 @@ def test_a_retrained_local_checkpoint_is_a_new_key_space(start: Start, tmp_path:
     assert start({"url": url}, model=str(model)).fetch(keys) == data
     (model / "model.safetensors").write_bytes(b"weights-v2, retrained")
     assert start({"url": url}, model=str(model)).lookup(keys) == ["MISS"]
+
+
+# -- tenants ------------------------------------------------------------------------------------
+
+TEAM_A = {"kvplug_tenant": "team-a"}
+TEAM_B = {"kvplug_tenant": "team b/2"}  # percent-encoded in the key
+
+
+def stored_tenants(engine: Engine) -> Counter[str]:
+    """How many chunks of ``engine``'s key space its store holds, by tenant ("": none), read
+    from the keys the store lists."""
+    tier = engine.tier
+    backend = tier._client.backend
+
+    async def tenants() -> Counter[str]:
+        return Counter(
+            [key.tenant async for key in backend.list_keys() if tier._namespace.owns(key)]
+        )
+
+    return tier._client.run(tenants()).result(30)
+
+
+def test_the_same_chunks_under_two_tenants_never_hit_each_other(
+    start: Start, any_store: dict[str, Any]
+) -> None:
+    """The same OffloadKeys (what requests of two tenants with the same tokens and no
+    cache_salt share) stored by tenant A: B's and untagged lookups miss, B stores its own bytes
+    beside A's, and each tenant reads back its own."""
+    engine = start(any_store)
+    keys = chunk_keys(3)
+    mine, yours = payloads(3, ROW_BYTES, seed=1), payloads(3, ROW_BYTES, seed=2)
+    engine.offload(keys, mine, params=TEAM_A)
+    engine.settle()
+    engine.reset()  # the primary tier forgets: every lookup below asks kvplug
+    assert engine.lookup(keys, params=TEAM_B) == ["MISS"] * 3
+    assert engine.lookup(keys) == ["MISS"] * 3
+    engine.offload(keys, yours, params=TEAM_B)
+    engine.settle()
+    assert engine.tier.health().chunks_skipped == 0  # B's own chunks, stored beside A's
+    assert stored_tenants(engine) == {"team-a": 3, "team b/2": 3}
+
+    engine.reset()
+    assert engine.fetch(keys, params=TEAM_A) == mine
+    engine.reset()
+    assert engine.fetch(keys, params=TEAM_B) == yours
+    assert engine.tier.health().counters.hits == 6
+
+
+@pytest.mark.parametrize("server", ["redis", "lm"])
+def test_tiers_of_two_tenants_on_one_server_never_read_each_others_chunks(
+    start: Start, request: pytest.FixtureRequest, server: str
+) -> None:
+    """Two clients (two engines, each with its tier's ``tenant``) on one Redis or lm:// server:
+    B misses what A stored and stores its own; another engine of tenant A reads A's."""
+    running: RedisServer | LMServerProcess = request.getfixturevalue(f"{server}_server")
+    store = {"url": running.url, "model_identity": f"test-{uuid.uuid4().hex}"}
+    team_a = start({**store, "tenant": "team-a"})
+    team_b = start({**store, "tenant": "team-b"})
+    keys = chunk_keys(3)
+    mine, yours = payloads(3, ROW_BYTES, seed=3), payloads(3, ROW_BYTES, seed=4)
+    team_a.offload(keys, mine)
+    team_a.settle()
+    assert team_b.lookup(keys) == ["MISS"] * 3
+    team_b.offload(keys, yours)
+    team_b.settle()
+    assert team_b.tier.health().counters.writes == 3
+    assert stored_tenants(team_b) == {"team-a": 3, "team-b": 3}
+
+    assert start({**store, "tenant": "team-a"}).fetch(keys) == mine
+    assert start({**store, "tenant": "team-b"}).fetch(keys) == yours
+    assert start(store).lookup(keys) == ["MISS"] * 3  # an engine of no tenant
+
+
+def test_vllm_salts_block_hashes_and_passes_the_tenant_only_in_kv_transfer_params(
+    start: Start, tmp_path: Path
+) -> None:
+    """What vLLM's own code gives the tier: a Request's ``cache_salt`` is folded into its
+    block hashes (vLLM's request block hasher), and the connector scheduler's ReqContext
+    (``_create_req_context``) carries ``kv_transfer_params``, not the salt. The chunks of a
+    request naming its tenant there are stored under that tenant."""
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(16, sha256_cbor)
+
+    def vllm_request(tenant: str) -> Request:
+        params = SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": {"kvplug_tenant": tenant}}
+        )
+        return Request(
+            f"request-{tenant}",
+            list(range(64)),
+            params,
+            None,
+            cache_salt=tenant,
+            block_hasher=hasher,
+        )
+
+    a, b = vllm_request("team-a"), vllm_request("team-b")
+    assert len(a.block_hashes) == 4 and not set(a.block_hashes) & set(b.block_hashes)
+    context = _create_req_context(a)
+    assert "cache_salt" not in {field.name for field in dataclasses.fields(context)}
+    assert context.kv_transfer_params == TEAM_A
+
+    engine = start({"url": f"file://{tmp_path}/kv"})
+    keys = [make_offload_key(block_hash, 0) for block_hash in a.block_hashes]
+    data = payloads(4, ROW_BYTES)
+    engine.offload(keys, data, params=context.kv_transfer_params)
+    engine.settle()
+    assert stored_tenants(engine) == {"team-a": 4}
+    engine.reset()
+    assert engine.lookup(keys, params=_create_req_context(b).kv_transfer_params) == ["MISS"] * 4
+    assert engine.fetch(keys, params=TEAM_A) == data
+
+
+@pytest.mark.parametrize(
+    ("tier_tenant", "params", "words"),
+    [
+        (None, {"kvplug_tenant": 7}, "got 7"),
+        (None, {"kvplug_tenant": "x" * 129}, "has 129 characters"),
+        (None, {"kvplug_tenant": ""}, "non-empty string"),
+        (None, {"kvplug_tenant": "a\x00b"}, "NUL"),
+        ("team-a", {"kvplug_tenant": "team-b"}, "serves tenant 'team-a' only"),
+    ],
+    ids=["not-a-string", "too-long", "empty", "nul", "another-tenant"],
+)
+def test_a_request_naming_no_valid_tenant_is_served_without_the_tier(
+    start: Start,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    tier_tenant: str | None,
+    params: dict[str, Any],
+    words: str,
+) -> None:
+    """It never falls back to another tenant's keys nor to keys without a tenant: its lookups
+    miss without asking the store and its stores finish failed, while the tier stays healthy
+    and serves every other request."""
+    tier: dict[str, Any] = {"url": f"file://{tmp_path}/kv"}
+    if tier_tenant is not None:
+        tier["tenant"] = tier_tenant
+    engine = start(tier)
+    keys = chunk_keys(2)
+    data = payloads(2, ROW_BYTES)
+    engine.offload(keys, data)  # a request naming no tenant: the tier's own, or none
+    engine.settle()
+    engine.reset()
+    asked = engine.tier.health().counters.lookups
+    with caplog.at_level(logging.WARNING, logger="kvplug.vllm"):
+        assert engine.lookup(keys, params=params) == ["MISS", "MISS"]
+        engine.offload(chunk_keys(2, seed=5), data, params=params)
+        engine.settle()
+    health = engine.tier.health()
+    assert health.refused_requests == 2 and health.healthy, health
+    assert (health.counters.lookups, health.counters.writes) == (asked, 2), health
+    assert health.failed_stores == 0, health
+    assert "served without this tier" in caplog.text and words in caplog.text, caplog.text
+    assert engine.fetch(keys) == data
+    expected = tier_tenant or ""
+    assert stored_tenants(engine) == {expected: 2}
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -483,6 +679,10 @@ def spec_manager(tier: dict[str, Any]) -> Any:
         ({"url": "cpu://", "max_queued_chunks": 0}, ["max_queued_chunks"]),
         ({"url": "cpu://", "locality": "far"}, ["locality must be one of"]),
         ({"url": "cpu://", "model_identity": ""}, ["model_identity"]),
+        ({"url": "cpu://", "tenant": 5}, ["KvplugTier: tenant is refused", "got 5"]),
+        ({"url": "cpu://", "tenant": "t" * 129}, ["tenant is refused", "has 129 characters"]),
+        ({"url": "cpu://", "tenant": ""}, ["tenant is refused", "non-empty string"]),
+        ({"url": "cpu://", "tenant": "a\x00"}, ["tenant is refused", "NUL"]),
     ],
 )
 def test_a_bad_tier_config_names_the_key_and_the_fix(

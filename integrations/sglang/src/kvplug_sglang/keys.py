@@ -14,7 +14,12 @@ that makes two pages with the same tokens hold different bytes:
 * the host pool's layout (``@layout%page_first``...), because every layout orders a page's
   bytes differently: a page written in one layout is a miss in another, never wrong data;
 * which of a page's segments the object holds (``@seg%0/2``: a K and a V region) when the page
-  is stored as several objects.
+  is stored as several objects;
+* the deployment's tenant, last, as kvplug's tenant tag (``@salt%<name>``,
+  :attr:`kvplug.keys.CacheKey.tenant`), when the storage is given one: the same page of two
+  tenants is two objects, and the store can tell whose each is. SGLang folds a request's
+  ``extra_key`` and ``cache_salt`` into its page hashes but does not pass them to the storage,
+  so the tenant is the deployment's, not the request's.
 
 Data-parallel replicas share pages: their attention shards hold identical bytes for the same
 tokens.
@@ -28,14 +33,17 @@ Example::
      'Qwen/Qwen3-8B@2@1@000000000000000000000000000000000000000000000000000000000000001f@bfloat16@layout%page_first@seg%1/2']
     >>> page_key_of(ns.segment_keys(page)[1]) == page
     True
+    >>> theirs = PageNamespace("m", 1, 0, "half", layout="page_first", tenant="team a")
+    >>> str(theirs.segment_keys(page)[0]).split("@")[5:]
+    ['layout%page_first', 'salt%team%20a']
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvplug.keys import CacheKey, InvalidKey
+from kvplug.keys import TENANT_TAG, CacheKey, InvalidKey, tenant_tag_value
 
 _CANONICAL_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _ESCAPED = re.compile(r"[@%\x00-\x1f]")
@@ -100,6 +108,7 @@ class PageNamespace:
         layout: the host pool's layout name.
         segments: objects per page (1, or 2 for a K and a V region).
         shard_tags: ``(name, "rank/size")`` tags for pipeline and context-parallel ranks.
+        tenant: the tenant whose pages these are, ``""`` for none.
     """
 
     model_name: str
@@ -109,10 +118,14 @@ class PageNamespace:
     layout: str
     segments: int = 1
     shard_tags: tuple[tuple[str, str], ...] = ()
+    tenant: str = ""
+    _tenant_tags: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.segments < 1:
             raise InvalidKey(f"a page has at least one segment, got {self.segments}.")
+        tenant_tags = ((TENANT_TAG, tenant_tag_value(self.tenant)),) if self.tenant else ()
+        object.__setattr__(self, "_tenant_tags", tenant_tags)
         CacheKey(self.model_name, self.world_size, self.worker_id, 0, self.dtype, self._tags())
 
     def _tags(self) -> tuple[tuple[str, str], ...]:
@@ -122,12 +135,11 @@ class PageNamespace:
         """The keys of ``page_key``'s segments, in the page's byte order."""
         chunk_hash, text_tags = page_hash(page_key)
         tags = (*self._tags(), *text_tags)
-        if self.segments == 1:
-            return [
-                CacheKey(
-                    self.model_name, self.world_size, self.worker_id, chunk_hash, self.dtype, tags
-                )
-            ]
+        segments: list[tuple[tuple[str, str], ...]] = (
+            [()]
+            if self.segments == 1
+            else [(("seg", f"{index}/{self.segments}"),) for index in range(self.segments)]
+        )
         return [
             CacheKey(
                 self.model_name,
@@ -135,9 +147,9 @@ class PageNamespace:
                 self.worker_id,
                 chunk_hash,
                 self.dtype,
-                (*tags, ("seg", f"{index}/{self.segments}")),
+                (*tags, *segment, *self._tenant_tags),
             )
-            for index in range(self.segments)
+            for segment in segments
         ]
 
     def owns(self, key: CacheKey) -> bool:

@@ -11,8 +11,15 @@ SGLang loads it as a ``dynamic`` storage backend::
 Extra config keys of kvplug's own (SGLang's ``backend_name``, ``module_path``, ``class_name``,
 ``interface_v1`` and its prefetch settings pass through): ``url`` (any kvplug URL) or
 ``config`` (a kvplug tiers YAML), and optionally ``options`` (kvplug backend or Store options),
-``task_timeout`` (seconds one call may take, default 60) and ``check_on_start`` (fail at start
-when the store does not answer, default true).
+``task_timeout`` (seconds one call may take, default 60), ``check_on_start`` (fail at start
+when the store does not answer, default true) and ``tenant`` (the tenant of every page this
+storage stores and reads; default none).
+
+Tenants: SGLang folds each request's ``extra_key`` and ``cache_salt`` into its page hashes
+(``storage_namespace_seed``), so two salts never share a page, but it hands the storage the page
+hashes alone (``HiCacheStorageExtraInfo`` carries the prefix keys only): kvplug cannot tell
+whose page it stores. The ``tenant`` key names the deployment's tenant instead, carried in every
+key (:mod:`kvplug_sglang.keys`), for the store's per-tenant quotas and keys.
 
 With ``interface_v1: 1`` SGLang's controller calls the page API (:meth:`batch_set_v1`,
 :meth:`batch_get_v1`) with host pool pages, one batched kvplug call per SGLang call. Pages of a
@@ -70,7 +77,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvplug.errors import ConfigError, KvplugError
-from kvplug.keys import CacheKey, lmcache_dtype_name
+from kvplug.keys import (
+    MAX_TENANT_LENGTH,
+    CacheKey,
+    InvalidKey,
+    lmcache_dtype_name,
+    tenant_tag_value,
+)
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime.engine import (
     CallHealth,
@@ -104,6 +117,7 @@ KVPLUG_KEYS = {
     "options": "mapping of kvplug backend or Store options",
     "task_timeout": f"seconds one call may take (default {DEFAULT_TASK_TIMEOUT})",
     "check_on_start": "fail at start when the store does not answer (default true)",
+    "tenant": "the tenant of every page this storage stores and reads (default: none)",
 }
 SGLANG_KEYS = frozenset(
     {
@@ -179,7 +193,17 @@ def _settings(extra: Mapping[str, Any]) -> dict[str, Any]:
         engine_keys=SGLANG_KEYS,
     )
     check_target(extra.get("url"), extra.get("config"), extra.get("options"), what=_WHAT)
+    tenant = extra.get("tenant", "")
+    if "tenant" in extra:
+        try:
+            tenant_tag_value(tenant)
+        except InvalidKey as error:
+            raise ConfigError(
+                f"{_WHAT}: tenant is refused: {error} Set it to the tenant's name, a string of 1 "
+                f"to {MAX_TENANT_LENGTH} characters without NUL, or leave it out for none."
+            ) from None
     return {
+        "tenant": tenant,
         "timeout": positive_seconds(
             extra.get("task_timeout", DEFAULT_TASK_TIMEOUT), name="task_timeout", what=_WHAT
         ),
@@ -259,6 +283,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             )
         self.storage_config = storage_config
         self._timeout: float = settings["timeout"]
+        self._tenant: str = settings["tenant"]
         self._writer = storage_config.is_storage_writer
         self._metrics_on = storage_config.enable_storage_metrics
         self._metrics = _Metrics()
@@ -329,6 +354,7 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
             layout=geometry.layout,
             segments=len(geometry.segment_sizes),
             shard_tags=_shard_tags(config),
+            tenant=self._tenant,
         )
         super().register_mem_pool_host(mem_pool_host)
         self._geometry, self._namespace = geometry, namespace
@@ -342,13 +368,14 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
                 namespace.model_name,
             )
         logger.info(
-            "%s on %s: %s pages of %d bytes as %d object(s) each, %s.",
+            "%s on %s: %s pages of %d bytes as %d object(s) each, %s, %s.",
             _WHAT,
             self._target,
             geometry.layout,
             geometry.page_bytes,
             len(self._segment_sizes),
             self._moves(),
+            f"tenant {self._tenant!r}" if self._tenant else "no tenant",
         )
 
     def _moves(self) -> str:
@@ -714,9 +741,9 @@ class KvplugHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang is u
     # -- housekeeping ---------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove this rank's pages from the store, where the backend can list its keys
-        (``cpu://``, ``file://``, Redis and Valkey can); otherwise log that nothing was
-        removed."""
+        """Remove this rank's pages (of this storage's tenant) from the store, where the backend
+        can list its keys (``cpu://``, ``file://``, Redis and Valkey can); otherwise log that
+        nothing was removed."""
         namespace = self._namespace
         backend = self._client.backend
         if namespace is None:

@@ -24,6 +24,14 @@ namespace around it carries them (see :class:`ChunkNamespace`):
 These go into the key as one ``@vllm%<digest>`` tag (a SHA-256 prefix of their canonical JSON):
 a chunk written under any other layout, weights or epoch is a miss, never wrong bytes.
 
+A request's tenant follows, as kvplug's tenant tag (``@salt%<name>``,
+:attr:`kvplug.keys.CacheKey.tenant`), so the store can tell whose chunk it holds (per-tenant
+quotas and keys) and the same chunk of two tenants is two objects. vLLM folds a request's
+``cache_salt`` into its block hashes but does not hand it to a tier (its ``ReqContext`` carries
+``kv_transfer_params``, not the salt): :func:`request_tenant` reads the tenant from
+``kv_transfer_params["kvplug_tenant"]`` (:data:`TENANT_PARAM`), else the tier's ``tenant``
+setting.
+
 Example::
 
     >>> ns = ChunkNamespace("Qwen/Qwen3-8B", world_size=1, dtype="bfloat16",
@@ -33,26 +41,37 @@ Example::
     True
     >>> offload_key_of(key) == bytes(36)
     True
+    >>> ns.key_of(bytes(36), tenant="team-a").tenant
+    'team-a'
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvplug.keys import LMCACHE_DTYPE_NAMES, CacheKey, InvalidKey
+from kvplug.keys import (
+    LMCACHE_DTYPE_NAMES,
+    MAX_TENANT_LENGTH,
+    TENANT_TAG,
+    CacheKey,
+    InvalidKey,
+    tenant_tag_value,
+)
 
 NAMESPACE_TAG = "vllm"
 """Tag whose value is the digest of a :class:`ChunkNamespace`'s layout, weights and epoch."""
 _DIGEST_HEX = 24
 GROUP_INDEX_BYTES = 4
 """vLLM appends the KV cache group index to the block hash as this many big-endian bytes."""
+TENANT_PARAM = "kvplug_tenant"
+"""The ``kv_transfer_params`` key that names a request's tenant."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
 """Files of a local model directory whose name, size and modification time identify it."""
 
@@ -75,6 +94,63 @@ def offload_key_of(key: CacheKey) -> bytes:
     if len(text) % 2 or len(text) <= 2 * GROUP_INDEX_BYTES or text.startswith("-"):
         raise InvalidKey(f"{key} was not made from a vLLM OffloadKey.")
     return bytes.fromhex(text)
+
+
+def checked_tenant(value: Any, where: str) -> str:
+    """``value`` as a tenant name; :class:`~kvplug.keys.InvalidKey` saying ``where`` it came
+    from, what is wrong with it and the fix, when it is no tenant name (a non-empty string of at
+    most :data:`~kvplug.keys.MAX_TENANT_LENGTH` characters, without NUL).
+
+    >>> checked_tenant("team-a", "tenant")
+    'team-a'
+    """
+    try:
+        if not isinstance(value, str):  # a client's value: its repr is cut short for the logs
+            raise InvalidKey(f"a tenant is a non-empty string, got {repr(value)[:40]}.")
+        tenant_tag_value(value)
+    except InvalidKey as error:
+        raise InvalidKey(
+            f"{where} is refused: {error} Set it to the tenant's name, a string of 1 to "
+            f"{MAX_TENANT_LENGTH} characters without NUL."
+        ) from None
+    name: str = value
+    return name
+
+
+def request_tenant(kv_transfer_params: object, deployment: str = "") -> str:
+    """The tenant a request's chunks are looked up, loaded and stored under: what its
+    ``kv_transfer_params["kvplug_tenant"]`` names, else ``deployment`` (the tier's ``tenant``
+    setting; ``""`` for none: keys without a tenant).
+
+    Raises :class:`~kvplug.keys.InvalidKey` (the tier then serves the request without kvplug)
+    for a name that is no tenant name, and for a tenant other than ``deployment`` where one is
+    set: such a request never falls back to another tenant's keys, nor to keys without one.
+
+    Example (a tenant other than the deployment's is refused)::
+
+        >>> request_tenant({"kvplug_tenant": "team-a", "max_load_tokens": 0})
+        'team-a'
+        >>> request_tenant(None, deployment="team-b"), request_tenant({}), request_tenant(None)
+        ('team-b', '', '')
+        >>> request_tenant({"kvplug_tenant": "team-a"}, deployment="team-b")
+        Traceback (most recent call last):
+        ...
+        kvplug.keys.InvalidKey: kv_transfer_params['kvplug_tenant'] names tenant 'team-a', ...
+    """
+    named = (
+        kv_transfer_params.get(TENANT_PARAM) if isinstance(kv_transfer_params, Mapping) else None
+    )
+    if named is None:
+        return deployment
+    tenant = checked_tenant(named, f"kv_transfer_params[{TENANT_PARAM!r}]")
+    if deployment and tenant != deployment:
+        raise InvalidKey(
+            f"kv_transfer_params[{TENANT_PARAM!r}] names tenant {tenant[:32]!r}, but this tier "
+            f"serves tenant {deployment!r} only (its tenant setting). Send other tenants' "
+            "requests to their own deployment, or remove the tier's tenant setting so that each "
+            "request names its own."
+        )
+    return tenant
 
 
 def _local_fingerprint(directory: Path) -> str:
@@ -155,22 +231,35 @@ class ChunkNamespace:
         )
         CacheKey(self.model_name, self.world_size, 0, 0, self.dtype, self._tags())
 
-    def _tags(self) -> tuple[tuple[str, str], ...]:
-        return ((NAMESPACE_TAG, self.digest),)
+    def _tags(self, tenant: str = "") -> tuple[tuple[str, str], ...]:
+        namespace = (NAMESPACE_TAG, self.digest)
+        return (namespace, (TENANT_TAG, tenant_tag_value(tenant))) if tenant else (namespace,)
 
-    def key_of(self, offload_key: bytes) -> CacheKey:
-        """The kvplug key of vLLM's ``offload_key`` in this namespace."""
-        if not isinstance(offload_key, bytes) or len(offload_key) <= GROUP_INDEX_BYTES:
-            raise InvalidKey(
-                f"a vLLM OffloadKey is a block hash followed by {GROUP_INDEX_BYTES} bytes of "
-                f"group index, got {offload_key!r}."
+    def key_of(self, offload_key: bytes, tenant: str = "") -> CacheKey:
+        """The kvplug key of vLLM's ``offload_key`` in this namespace, for ``tenant`` (``""``:
+        none)."""
+        return self.keys_of([offload_key], tenant)[0]
+
+    def keys_of(self, offload_keys: Iterable[bytes], tenant: str = "") -> list[CacheKey]:
+        """The kvplug keys of ``offload_keys`` in this namespace, for ``tenant`` (``""``:
+        none)."""
+        tags = self._tags(tenant)
+        keys = []
+        for offload_key in offload_keys:
+            if not isinstance(offload_key, bytes) or len(offload_key) <= GROUP_INDEX_BYTES:
+                raise InvalidKey(
+                    f"a vLLM OffloadKey is a block hash followed by {GROUP_INDEX_BYTES} bytes "
+                    f"of group index, got {offload_key!r}."
+                )
+            keys.append(
+                CacheKey(self.model_name, self.world_size, 0, offload_key, self.dtype, tags)
             )
-        return CacheKey(self.model_name, self.world_size, 0, offload_key, self.dtype, self._tags())
+        return keys
 
     def owns(self, key: CacheKey) -> bool:
-        """Whether ``key`` was made by this namespace."""
+        """Whether ``key`` was made by this namespace, for any tenant."""
         try:
-            return self.key_of(offload_key_of(key)) == key
+            return self.key_of(offload_key_of(key), key.tenant) == key
         except InvalidKey:
             return False
 
@@ -178,8 +267,11 @@ class ChunkNamespace:
 __all__ = [
     "GROUP_INDEX_BYTES",
     "NAMESPACE_TAG",
+    "TENANT_PARAM",
     "ChunkNamespace",
+    "checked_tenant",
     "key_dtype",
     "model_identity",
     "offload_key_of",
+    "request_tenant",
 ]

@@ -23,6 +23,7 @@ from kvplug.runtime.engine import (
     positive_seconds,
 )
 from kvplug.runtime.store import store_url
+from kvplug_vllm.keys import TENANT_PARAM, checked_tenant
 
 _WHAT = "KvplugTier"
 
@@ -40,6 +41,10 @@ KVPLUG_KEYS = {
     "lookup_timeout": f"seconds one batch of lookups may take (default {DEFAULT_LOOKUP_TIMEOUT})",
     "check_on_start": "fail at start when the store does not answer (default true)",
     "model_identity": "a string that identifies the served weights (default: derived)",
+    "tenant": (
+        f"the tenant of every chunk this tier stores and reads (default: none; each request may "
+        f"then name its own in kv_transfer_params[{TENANT_PARAM!r}])"
+    ),
     "on_reset": "'keep' (default) or 'forget' what was stored before a cache reset",
     "max_queued_chunks": "chunks of store jobs in flight before new ones are refused",
     "locality": "'LOCAL' or 'REMOTE': where the store is relative to this instance",
@@ -65,6 +70,8 @@ class TierSettings:
     lookup_timeout: float
     check_on_start: bool
     model_identity: str | None
+    tenant: str
+    """The deployment's tenant, ``""`` for none (each request may then name its own)."""
     on_reset: str
     max_queued_chunks: int | None
     locality: Locality | None
@@ -90,6 +97,9 @@ class TierSettings:
                 f"{_WHAT}: model_identity must be a non-empty string (a checkpoint digest, a "
                 f"revision), got {identity!r}."
             )
+        tenant = settings.get("tenant")
+        if tenant is not None:
+            tenant = checked_tenant(tenant, f"{_WHAT}: tenant")
         on_reset = settings.get("on_reset", "keep")
         if on_reset not in ON_RESET:
             raise ConfigError(f"{_WHAT}: on_reset must be one of {ON_RESET}, got {on_reset!r}.")
@@ -122,6 +132,7 @@ class TierSettings:
                 settings.get("check_on_start", True), name="check_on_start", what=_WHAT
             ),
             model_identity=identity,
+            tenant=tenant or "",
             on_reset=on_reset,
             max_queued_chunks=queued,
             locality=Locality(locality) if locality is not None else None,

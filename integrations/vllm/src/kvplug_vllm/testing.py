@@ -23,6 +23,11 @@ Example::
     engine.close()
     again = Engine(offloading_config([{"type": "kvplug", "url": "file:///tmp/kv"}]))
     again.fetch(keys)                     # promoted from the tier: the same bytes
+
+Each request may carry ``kv_transfer_params`` (``params``), as vLLM's requests do: a tenant's
+(``{"kvplug_tenant": "team-a"}``) stores and lookups are that tenant's::
+
+    engine.offload(keys, data, params={"kvplug_tenant": "team-a"})
 """
 
 from __future__ import annotations
@@ -182,8 +187,10 @@ class Engine:
                 raise AssertionError(f"transfers still in flight after {timeout} s")
             time.sleep(0.005)
 
-    def request(self) -> ReqContext:
-        context = ReqContext(req_id=f"req-{next(self._requests)}")
+    def request(self, params: dict[str, Any] | None = None) -> ReqContext:
+        """A new request, with ``params`` as its ``kv_transfer_params``, as the connector
+        scheduler starts one (``on_new_request``)."""
+        context = ReqContext(req_id=f"req-{next(self._requests)}", kv_transfer_params=params)
         with self.locked():
             self.manager.on_new_request(context)
         return context
@@ -192,12 +199,17 @@ class Engine:
         with self.locked():
             self.manager.on_request_finished(context)
 
-    def offload(self, keys: Sequence[OffloadKey], data: Sequence[bytes]) -> list[OffloadKey]:
-        """Store ``data`` under ``keys`` as the connector does after a forward pass: the
-        primary tier allocates rows, the (here simulated) GPU worker fills them, and
-        ``complete_store`` cascades them to the secondary tiers. Returns the keys the primary
-        tier took."""
-        context = self.request()
+    def offload(
+        self,
+        keys: Sequence[OffloadKey],
+        data: Sequence[bytes],
+        params: dict[str, Any] | None = None,
+    ) -> list[OffloadKey]:
+        """Store ``data`` under ``keys`` as the connector does after a forward pass of a request
+        with ``kv_transfer_params`` ``params``: the primary tier allocates rows, the (here
+        simulated) GPU worker fills them, and ``complete_store`` cascades them to the secondary
+        tiers. Returns the keys the primary tier took."""
+        context = self.request(params)
         with self.locked():
             output = self.manager.prepare_store(list(keys), context)
         assert output is not None, "the primary tier had no room"
@@ -209,10 +221,16 @@ class Engine:
         self.finish(context)
         return list(output.keys_to_store)
 
-    def lookup(self, keys: Sequence[OffloadKey], timeout: float = SETTLE_SECONDS) -> list[str]:
-        """Ask for ``keys`` as the connector's prefix lookup does, stepping while any answer is
-        RETRY or HIT_PENDING; the final answers, by name."""
-        context = self.request()
+    def lookup(
+        self,
+        keys: Sequence[OffloadKey],
+        timeout: float = SETTLE_SECONDS,
+        params: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """Ask for ``keys`` as the connector's prefix lookup does for a request with
+        ``kv_transfer_params`` ``params``, stepping while any answer is RETRY or HIT_PENDING;
+        the final answers, by name."""
+        context = self.request(params)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -239,9 +257,12 @@ class Engine:
                 self.manager.complete_load(list(keys), context)
             self.finish(context)
 
-    def fetch(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
-        """Look ``keys`` up (promoting from the secondary tier) and read what hit."""
-        answers = self.lookup(keys)
+    def fetch(
+        self, keys: Sequence[OffloadKey], params: dict[str, Any] | None = None
+    ) -> list[bytes | None]:
+        """Look ``keys`` up for a request with ``kv_transfer_params`` ``params`` (promoting from
+        the secondary tier) and read what hit."""
+        answers = self.lookup(keys, params=params)
         hits = [key for key, answer in zip(keys, answers, strict=True) if answer == "HIT"]
         read = dict(zip(hits, self.read(hits), strict=True)) if hits else {}
         return [read.get(key) for key in keys]

@@ -12,6 +12,9 @@ read from stdin, ``{"error": ..., "type": ...}`` for a failed one), with these o
 - ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 16}``: each prompt alone,
   greedy; per prompt ``tokens`` (the output ids), ``cached`` (``num_cached_tokens``) and
   ``seconds`` (wall time of the call; with ``max_tokens`` 1, the time to first token).
+  Optionally ``"cache_salt": "..."`` (vLLM's per-request salt, in each prompt) and
+  ``"kv_transfer_params": {...}`` (each request's, e.g. ``{"kvplug_tenant": "..."}``), as an
+  OpenAI request to ``vllm serve`` gives them.
 - ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)``; with ``"connector":
   false``, vLLM's own prefix cache only (``reset_prefix_cache()``).
 - ``{"op": "tiers"}``: ``{"tiers": [{"type": ..., "health": {...}}, ...]}``, each secondary
@@ -91,15 +94,21 @@ def _health(tier: Any) -> dict[str, Any] | None:
 def _generate(llm: Any, command: Command) -> Answer:
     from vllm import SamplingParams, TokensPrompt
 
+    transfer = command.get("kv_transfer_params")
     params = SamplingParams(
-        temperature=0.0, max_tokens=int(command.get("max_tokens", 16)), ignore_eos=True
+        temperature=0.0,
+        max_tokens=int(command.get("max_tokens", 16)),
+        ignore_eos=True,
+        extra_args=None if transfer is None else {"kv_transfer_params": dict(transfer)},
     )
+    salt = command.get("cache_salt")
     results = []
     for prompt in command["prompts"]:
+        inputs = TokensPrompt(prompt_token_ids=list(prompt))
+        if salt is not None:
+            inputs["cache_salt"] = str(salt)
         started = time.perf_counter()
-        (output,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
-        )
+        (output,) = llm.generate([inputs], params, use_tqdm=False)
         seconds = time.perf_counter() - started
         results.append(
             {
@@ -190,14 +199,24 @@ class EngineProcess(engine_process.EngineProcess):
         super().__init__(argv, log=log, env=env)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int = 16
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int = 16,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """Each prompt alone, greedy: its output ids, cached tokens and seconds."""
-        command = {
+        """Each prompt alone, greedy, with vLLM's ``cache_salt`` and ``kv_transfer_params``
+        when given: its output ids, cached tokens and seconds."""
+        command: dict[str, Any] = {
             "op": "generate",
             "prompts": [list(p) for p in prompts],
             "max_tokens": max_tokens,
         }
+        if cache_salt is not None:
+            command["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            command["kv_transfer_params"] = kv_transfer_params
         return list(self.ask(command)["results"])
 
     def kvplug_health(self) -> dict[str, Any]:

@@ -20,7 +20,16 @@ options), ``task_timeout`` (seconds one store or load job may take, default 60),
 at start when the store does not answer, default true), ``model_identity`` (what identifies the
 weights; see :mod:`kvplug_vllm.keys`), ``on_reset`` (``"keep"``, the default, or ``"forget"``),
 ``max_queued_chunks`` (chunks of store jobs in flight before new ones are refused, default half
-the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``) and ``enable_kv_events``.
+the primary tier), ``locality`` (``"LOCAL"`` or ``"REMOTE"``), ``enable_kv_events`` and
+``tenant``.
+
+Tenants: each request's chunks are looked up, loaded and stored under its tenant
+(:func:`kvplug_vllm.keys.request_tenant`): the one its ``kv_transfer_params["kvplug_tenant"]``
+names, else the tier's ``tenant``, else none. A request that names no valid tenant, or another
+than the tier's ``tenant``, is served without the tier: its lookups miss and its jobs finish
+failed, nothing of it reaching the store (counted in ``refused_requests``, the first logged as a
+warning). vLLM keeps tenants apart in its own caches only by the request's ``cache_salt``, which
+it folds into the block hashes; give each request both, with the same value.
 
 How it moves data: a job's chunks are rows of the primary tier's shared memory (``view[c]``,
 whatever the view's item type: a row is its bytes, as for vLLM's own tiers), one batched kvplug
@@ -90,7 +99,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvplug.errors import KvplugError
-from kvplug.keys import CacheKey
+from kvplug.keys import CacheKey, InvalidKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime.engine import (
     CallHealth,
@@ -104,7 +113,7 @@ from kvplug.runtime.engine import (
 from kvplug.runtime.sync import SyncClient
 from kvplug.secrets import mask_text, mask_url
 from kvplug.stats import CounterSummary, summarize
-from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity
+from kvplug_vllm.keys import ChunkNamespace, key_dtype, model_identity, request_tenant
 from kvplug_vllm.settings import (
     _WHAT,
     DEFAULT_LOOKUP_TIMEOUT,
@@ -143,6 +152,10 @@ class KvplugTierHealth:
     """Store jobs refused because ``max_queued_chunks`` were in flight (back-pressure)."""
     chunks_skipped: int
     """Chunks of store jobs that the store already held (not stored again)."""
+    refused_requests: int
+    """Requests served without the tier because their ``kv_transfer_params`` named no valid
+    tenant, or another than the tier's ``tenant``: nothing of them was looked up, loaded or
+    stored."""
     jobs_in_flight: int
     counters: CounterSummary
     """What the store did for this tier, one chunk a kvplug key, counted by kvplug's backend
@@ -219,6 +232,15 @@ def _namespace(spec: OffloadingSpec, row_bytes: int, identity: str | None) -> Ch
     )
 
 
+@dataclass(frozen=True)
+class _RequestTenant:
+    """A request's tenant, resolved once and kept in its ``ReqContext``: ``name`` (``""`` for
+    none), or why the request is refused."""
+
+    name: str
+    refusal: str | None = None
+
+
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vllm is untyped
     """vLLM's per-step batched lookups, answered by the tier's store. Once shut down, the
     lookup in flight is abandoned and the batches still queued answer MISS at once, so that a
@@ -232,7 +254,7 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # vllm is untyped
         super().__init__(tier_type=tier.tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier._present(keys, self)
+        return self._tier._present(keys, req_context, self)
 
     def asking(self, future: concurrent.futures.Future[list[bool]] | None) -> bool:
         """Note the lookup in flight (None: it is over); False once shut down (then
@@ -328,7 +350,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         self._load_keys: dict[JobId, list[OffloadKey]] = {}
         self._queued_chunks = 0
         self._refusing = False
-        self._counts = dict.fromkeys(("refused_stores", "chunks_skipped"), 0)
+        self._counts = dict.fromkeys(("refused_stores", "chunks_skipped", "refused_requests"), 0)
         self._client: SyncClient = open_client(
             url=parsed.url, config=parsed.config, options=parsed.options, what=_WHAT
         )
@@ -344,11 +366,12 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             raise
         self._lookups = _Lookups(self)
         logger.info(
-            "%s: rows of %d bytes, keys %s@...@vllm%%%s, up to %d chunks of stores in flight.",
+            "%s: rows of %d bytes, keys %s@...@vllm%%%s, %s, up to %d chunks of stores in flight.",
             self._what,
             self._row_bytes,
             self._namespace.model_name,
             self._namespace.digest,
+            f"tenant {parsed.tenant!r}" if parsed.tenant else "each request's tenant",
             self._max_queued,
         )
 
@@ -369,9 +392,41 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
                 "then miss until the store answers)."
             ) from None
 
-    def _keys(self, keys: Iterable[OffloadKey]) -> list[CacheKey]:
-        namespace = self._namespace
-        return [namespace.key_of(bytes(key)) for key in keys]
+    def _keys(self, keys: Iterable[OffloadKey], tenant: str) -> list[CacheKey]:
+        return self._namespace.keys_of((bytes(key) for key in keys), tenant)
+
+    def _tenant(self, req_context: ReqContext) -> _RequestTenant:
+        """The tenant of the request of ``req_context``, resolved on its first call (vLLM's
+        ``on_new_request``) and kept in it; a refusal is counted and logged then."""
+        known: _RequestTenant | None = req_context.get_state(_RequestTenant)
+        if known is not None:
+            return known
+        try:
+            tenant = _RequestTenant(
+                request_tenant(req_context.kv_transfer_params, self._settings.tenant)
+            )
+        except InvalidKey as error:
+            tenant = _RequestTenant("", refusal=str(error))
+            with self._state:
+                self._counts["refused_requests"] += 1
+                first = self._counts["refused_requests"] == 1
+            (logger.warning if first else logger.debug)(
+                "%s: request %s is served without this tier: %s (further refusals are logged "
+                "at DEBUG; health().refused_requests counts them)",
+                self._what,
+                req_context.req_id,
+                error,
+            )
+        req_context.set_state(tenant)
+        return tenant
+
+    def _refuse(self, job: TransferJob) -> None:
+        """Finish ``job``, of a refused request, failed at once: nothing of it reaches the
+        store, and a load's chunks answer MISS from then on."""
+        if job.is_promotion:
+            with self._state:
+                self._load_keys[job.job_id] = list(job.keys)
+        self._finished.put((JobResult(job_id=job.job_id, success=False), None))
 
     def _views(self, chunk_ids: Sequence[int]) -> list[MemoryObj]:
         """The primary rows of ``chunk_ids`` (on the IO thread), each made once and kept: every
@@ -438,20 +493,24 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             f"a lookup on {self._target}",
         )
 
-    def _present(self, keys: Sequence[OffloadKey], lookups: _Lookups) -> list[bool]:
-        """Whether each key is stored (runs on the lookup thread of ``lookups``; MISS on any
-        failure, and at once after ``lookups`` is shut down)."""
-        if not keys:
-            return []
+    def _present(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext, lookups: _Lookups
+    ) -> list[bool]:
+        """Whether each key is stored for the request's tenant (runs on the lookup thread of
+        ``lookups``; MISS on any failure, for a refused request, and at once after ``lookups``
+        is shut down)."""
+        tenant = self._tenant(req_context)
+        if not keys or tenant.refusal is not None:
+            return [False] * len(keys)
         self._quick.hold()
         try:
-            return self._ask(keys, lookups)
+            return self._ask(keys, tenant.name, lookups)
         finally:
             self._quick.release()
 
-    def _ask(self, keys: Sequence[OffloadKey], lookups: _Lookups) -> list[bool]:
+    def _ask(self, keys: Sequence[OffloadKey], tenant: str, lookups: _Lookups) -> list[bool]:
         try:
-            asking = self._client.run(self._lookup(self._keys(keys)))
+            asking = self._client.run(self._lookup(self._keys(keys, tenant)))
         except Exception as error:
             self._calls.failed("failed_lookups", error)
             return [False] * len(keys)
@@ -478,6 +537,8 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         return LookupResult.HIT if present else LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Resolve the request's tenant (see the module documentation)."""
+        self._tenant(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -494,6 +555,10 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         kvplug put. Refused at once, as a failed job, while ``max_queued_chunks`` chunks of
         earlier stores are in flight: vLLM's back-pressure detector sees the failures."""
         job = job_metadata
+        tenant = self._tenant(job.req_context)
+        if tenant.refusal is not None:
+            self._refuse(job)
+            return
         chunks = len(job.keys)
         with self._state:
             refuse = self._queued_chunks + chunks > self._max_queued and self._queued_chunks > 0
@@ -506,7 +571,7 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         if self._refusing:
             self._refusing = False
             logger.info("%s: stores are accepted again.", self._what)
-        self._submit(job, self._store(job), chunks)
+        self._submit(job, self._store(job, tenant.name), chunks)
 
     def _refused(self, chunks: int) -> None:
         """Count a refused store job; the first of a stretch is logged as a warning."""
@@ -522,11 +587,11 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             chunks,
         )
 
-    async def _store(self, job: TransferJob) -> JobResult:
+    async def _store(self, job: TransferJob, tenant: str) -> JobResult:
         started = time.perf_counter()
         try:
             stored = await within_deadline(
-                self._store_missing(list(job.keys), list(job.chunk_ids)),
+                self._store_missing(list(job.keys), list(job.chunk_ids), tenant),
                 self._settings.task_timeout,
                 f"a store on {self._target}",
             )
@@ -543,9 +608,12 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
             transfer_bytes=stored * self._row_bytes,
         )
 
-    async def _store_missing(self, keys: list[OffloadKey], chunk_ids: list[int]) -> int:
-        """Store the rows of ``keys`` that the store does not hold yet; how many it stored."""
-        cache_keys = self._keys(keys)
+    async def _store_missing(
+        self, keys: list[OffloadKey], chunk_ids: list[int], tenant: str
+    ) -> int:
+        """Store the rows of ``keys`` that the store does not hold yet for ``tenant``; how many
+        it stored."""
+        cache_keys = self._keys(keys, tenant)
         present = await self._client.backend.batched_exists(cache_keys)
         wanted = [index for index, hit in enumerate(present) if not hit]
         views = self._views([chunk_ids[index] for index in wanted])
@@ -556,17 +624,21 @@ class KvplugTier(SecondaryTierManager):  # type: ignore[misc]  # vllm is untyped
         """Read the job's keys into its primary rows, one batched kvplug read; the result names
         the chunks read whole."""
         job = job_metadata
+        tenant = self._tenant(job.req_context)
+        if tenant.refusal is not None:
+            self._refuse(job)
+            return
         keys = list(job.keys)
         with self._state:
             self._load_keys[job.job_id] = keys
         self._quick.hold()  # released in _finish
-        self._submit(job, self._load(job, keys), len(keys))
+        self._submit(job, self._load(job, keys, tenant.name), len(keys))
 
-    async def _load(self, job: TransferJob, keys: list[OffloadKey]) -> JobResult:
+    async def _load(self, job: TransferJob, keys: list[OffloadKey], tenant: str) -> JobResult:
         started = time.perf_counter()
         views = self._views(job.chunk_ids)
         try:
-            found = await self._io.load(self._keys(keys), views)
+            found = await self._io.load(self._keys(keys, tenant), views)
         except Exception as error:
             self._calls.failed("failed_loads", error)
             return JobResult(job_id=job.job_id, success=False)
