@@ -48,6 +48,7 @@ from kvplug import (
 from kvplug.backend import BackendOptions, Buffer, BytesBackendOptions
 from kvplug.errors import BackendClosed, CorruptObject
 from kvplug.frame import decode_frame, decode_header, encode_header
+from kvplug.keys import TENANT_TAG
 from kvplug.serde import get_serde
 from kvplug.units import parse_size
 
@@ -571,6 +572,15 @@ class IgnoresWorkerId(RefBackend):
         return super().key_string(replace(key, world_size=1, worker_id=0))
 
 
+class DropsTheTenant(RefBackend):
+    """Clause 16: the store key leaves out the tenant, so tenants share each other's chunks
+    (every other tag is kept: clause 12's tests pass)."""
+
+    def key_string(self, key: CacheKey) -> str:
+        tags = tuple(tag for tag in key.tags if tag[0] != TENANT_TAG)
+        return super().key_string(replace(key, tags=tags))
+
+
 class DeclaresPinButCannot(RefBackend):
     """Clause 13: declares pin, but pin and unpin raise NotSupported."""
 
@@ -1000,6 +1010,7 @@ BROKEN: dict[str, tuple[int, type[RefBackend]]] = {
     "second-close-raises": (11, SecondCloseRaises),
     "ignores-model-name": (12, IgnoresModelName),
     "ignores-worker-id": (12, IgnoresWorkerId),
+    "drops-the-tenant": (16, DropsTheTenant),
     "declares-pin-but-cannot": (13, DeclaresPinButCannot),
     "lets-go-late": (13, LetsGoLate),
     "undeclared-remove-works": (13, UndeclaredRemoveWorks),

@@ -37,7 +37,7 @@ SUITE_MODULES = (kvplug_contracts.suite, kvplug_contracts.test_conformance)
 MODULE = "kvplug_selftest_backends"
 BACKENDS_SOURCE = (Path(__file__).parent / "contract_backends.py").read_text()
 URL_ENV = "KVPLUG_CONTRACT_URL"
-ALL_CLAUSES = frozenset(range(1, 16))
+ALL_CLAUSES = frozenset(range(1, 17))
 
 CONFTEST = f'''
 import pytest
@@ -241,6 +241,7 @@ BROKEN = [
     Broken("second-close-raises", 11, "a second close of a closed backend raised BackendClosed"),
     Broken("ignores-model-name", 12, "a key escaped its namespace"),
     Broken("ignores-worker-id", 12, "@2@0@7@half' was never written", True),
+    Broken("drops-the-tenant", 16, "salt%bob' was never written", True),
     Broken("declares-pin-but-cannot", 13, "declares 'pin' but pin of a stored key raised"),
     Broken("undeclared-remove-works", 13, "'remove' is not declared, so remove", True),
     Broken("lets-go-late", 13, "still held 1 reference(s) to the caller's memory"),
@@ -435,24 +436,26 @@ def test_kvplug_contract_command_passes_cpu_and_fails_blackhole_by_clause(
         for name, process in processes.items()
     }
 
-    not_run = "with clauses 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14, 15 not run (clauses 6, 10 waived)"
+    not_run = (
+        "with clauses 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14, 15, 16 not run (clauses 6, 10 waived)"
+    )
     output, code = done["cpu"]
     assert code == 0, output
-    assert f"kvplug contract cpu://: PASS {not_run}; of 15 clauses 1 kept" in output
-    assert "2 waived, 12 not run (the reasons are listed above)" in output
+    assert f"kvplug contract cpu://: PASS {not_run}; of 16 clauses 1 kept" in output
+    assert "2 waived, 13 not run (the reasons are listed above)" in output
     assert "deselected (by -k, -m or another selection)" in output
     assert "backend 'cpu' from kvplug-cpu" in output and "capabilities pin, zero_copy" in output
 
     output, code = done["blackhole"]
     assert code == 1, output
     assert "kvplug contract blackhole://: FAIL (clause 2) with clauses 3, 4, " in output
-    assert "; of 15 clauses 1 kept" in output
+    assert "; of 16 clauses 1 kept" in output
     assert "clause 2 (get after put is bit-identical) violated" in output
 
     output, code = done["known"]
     assert code == 0, output
     assert "kvplug contract blackhole://: PASS with clauses 3, 4, " in output
-    assert "; of 15 clauses 1 kept, 1 with declared known failures" in output
+    assert "; of 16 clauses 1 kept, 1 with declared known failures" in output
 
     output, code = done["allowing"]
     assert code == 0, output

@@ -39,6 +39,7 @@ CLAUSES: dict[int, str] = {
     13: "capabilities are honest",
     14: "persistent backends keep data across close and reopen",
     15: "safe under concurrency",
+    16: "tenants never see each other's chunks",
 }
 
 DEFAULT_TIMEOUT = 10.0

@@ -24,6 +24,7 @@ from kvplug_contracts.suite.storage import (
     PersistenceContract,
     PinContract,
 )
+from kvplug_contracts.suite.tenancy import TenancyContract
 
 
 class BackendContract(
@@ -39,6 +40,7 @@ class BackendContract(
     DeadlineContract,
     CloseContract,
     IsolationContract,
+    TenancyContract,
     CapabilityContract,
     CancellationContract,
     PersistenceContract,
@@ -68,4 +70,5 @@ __all__ = [
     "RemoveContract",
     "RoundTripContract",
     "ServerControl",
+    "TenancyContract",
 ]

@@ -112,13 +112,13 @@ def _whose(got: MemoryObj, stored: dict[CacheKey, MemoryObj]) -> str:
     return "an object that matches nothing put in this test"
 
 
-def _call(run: Run, what: str, coroutine: Any) -> Any:
+def _call(run: Run, what: str, coroutine: Any, number: int = 12) -> Any:
     try:
         return run(coroutine)
     except ContractTimeout:
         raise
     except Exception as error:
-        violated(12, f"{what} raised {type(error).__name__}: {error}")
+        violated(number, f"{what} raised {type(error).__name__}: {error}")
 
 
 def _expect_absent(
@@ -127,54 +127,63 @@ def _expect_absent(
     keys: Sequence[CacheKey],
     stored: dict[CacheKey, MemoryObj],
     when: str,
+    number: int = 12,
 ) -> None:
     """Each of ``keys`` (never written) misses and is not contained."""
     for key in keys:
-        got = _call(run, f"get of {_show(key)}", backend.get(key))
+        got = _call(run, f"get of {_show(key)}", backend.get(key), number)
         if got is not None:
             source = _whose(got, stored)
             got.release()
             violated(
-                12,
+                number,
                 f"{_show(key)} was never written, but {when} get returned {source}: a key "
                 "escaped its namespace",
             )
-        if _call(run, f"contains of {_show(key)}", backend.contains(key)):
+        if _call(run, f"contains of {_show(key)}", backend.contains(key), number):
             violated(
-                12,
+                number,
                 f"{_show(key)} was never written, but {when} contains is True: a key escaped "
                 "its namespace",
             )
 
 
-def _expect_own(run: Run, backend: Backend, stored: dict[CacheKey, MemoryObj], when: str) -> None:
+def _expect_own(
+    run: Run,
+    backend: Backend,
+    stored: dict[CacheKey, MemoryObj],
+    when: str,
+    number: int = 12,
+) -> None:
     """Each stored key reads back its own object, not another key's."""
     for key, obj in stored.items():
-        got = _call(run, f"get of {_show(key)}", backend.get(key))
+        got = _call(run, f"get of {_show(key)}", backend.get(key), number)
         try:
             if got is None:
-                violated(12, f"{when}, get of {_show(key)} missed; expected its own object")
+                violated(number, f"{when}, get of {_show(key)} missed; expected its own object")
             if difference(obj, got) is not None:
                 violated(
-                    12,
+                    number,
                     f"{when}, get of {_show(key)} returned {_whose(got, stored)}, not its own",
                 )
         finally:
             release_all([got])
-        if not _call(run, f"contains of {_show(key)}", backend.contains(key)):
-            violated(12, f"{when}, contains of {_show(key)} is False after its put")
+        if not _call(run, f"contains of {_show(key)}", backend.contains(key), number):
+            violated(number, f"{when}, contains of {_show(key)} is False after its put")
 
 
-def _put_all(run: Run, backend: Backend, stored: dict[CacheKey, MemoryObj]) -> None:
+def _put_all(
+    run: Run, backend: Backend, stored: dict[CacheKey, MemoryObj], number: int = 12
+) -> None:
     for key, obj in stored.items():
-        _call(run, f"put of {_show(key)}", backend.put(key, obj))
+        _call(run, f"put of {_show(key)}", backend.put(key, obj), number)
 
 
 async def _listed(backend: Backend) -> list[CacheKey]:
     return [key async for key in backend.list_keys()]
 
 
-def _check_listing(run: Run, backend: Backend, expected: set[CacheKey]) -> None:
+def _check_listing(run: Run, backend: Backend, expected: set[CacheKey], number: int = 12) -> None:
     """list_keys, filtered to the models and chunk hashes of ``expected``, is exactly it."""
     if not backend.capabilities.list_keys:
         return
@@ -182,20 +191,20 @@ def _check_listing(run: Run, backend: Backend, expected: set[CacheKey]) -> None:
     hashes = {key.chunk_hash_hex for key in expected}
     listed = [
         key
-        for key in _call(run, "list_keys", _listed(backend))
+        for key in _call(run, "list_keys", _listed(backend), number)
         if key.model_name in models and key.chunk_hash_hex in hashes
     ]
     unexpected = sorted(_show(k) for k in set(listed) - expected)
     missing = sorted(_show(k) for k in expected - set(listed))
     if unexpected or missing:
         violated(
-            12,
+            number,
             f"list_keys of the {len(expected)} keys stored here: {len(missing)} missing "
             f"({', '.join(missing[:3])}), {len(unexpected)} unexpected "
             f"({', '.join(unexpected[:3])})",
         )
     if len(listed) != len(set(listed)):
-        violated(12, f"list_keys returned {len(listed)} keys, {len(set(listed))} distinct")
+        violated(number, f"list_keys returned {len(listed)} keys, {len(set(listed))} distinct")
 
 
 def _require_retention(
