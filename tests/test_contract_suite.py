@@ -241,7 +241,7 @@ BROKEN = [
     Broken("second-close-raises", 11, "a second close of a closed backend raised BackendClosed"),
     Broken("ignores-model-name", 12, "a key escaped its namespace"),
     Broken("ignores-worker-id", 12, "@2@0@7@half' was never written", True),
-    Broken("drops-the-tenant", 16, "salt%bob' was never written", True),
+    Broken("drops-the-tenant", 16, "salt%bob' was never written"),
     Broken("declares-pin-but-cannot", 13, "declares 'pin' but pin of a stored key raised"),
     Broken("undeclared-remove-works", 13, "'remove' is not declared, so remove", True),
     Broken("lets-go-late", 13, "still held 1 reference(s) to the caller's memory"),

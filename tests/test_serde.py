@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvplug.registry
 import kvplug.serde as serde_module
 from kvplug import hookimpl
 from kvplug.errors import ConfigError, CorruptObject, PluginConflict
@@ -244,3 +245,16 @@ def test_a_plugin_returning_a_non_serde_warns_and_serves_nothing() -> None:
     with pytest.warns(PluginWarning, match=r"plugin 'int-plugin'.*not a Serde subclass"):
         names = available_serdes()
     assert "naive" in names and "test-rot" not in names
+
+
+def test_plugin_serdes_are_found_again_after_the_registry_is_swapped_and_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A test that swaps in a registry of its own and resets it on the way out must not leave
+    the plugins' serdes forgotten under the registry that comes back."""
+    assert "aesgcm" in available_serdes()  # kvplug-aesgcm, installed by the set-up
+    with monkeypatch.context() as patch:
+        patch.setattr(kvplug.registry, "_registry", kvplug.registry.Registry())
+        assert "aesgcm" in available_serdes()
+        kvplug.registry.reset_registry()
+    assert "aesgcm" in available_serdes()

@@ -13,6 +13,9 @@ the choice of victims.
   the same count, the one that reached that count first.
 * ``fifo``: oldest put first; reads change nothing.
 
+:class:`kvplug.quotas.TenantQuotas` adds byte quotas per tenant on top of a policy: it says
+what each tenant may hold, and so which entries are guaranteed.
+
 Every operation is O(1) (LFU's :meth:`~EvictionPolicy.candidates` also sorts the distinct use
 counts, of which there are few). Policies are not thread-safe: the tier's lock guards them.
 

@@ -19,6 +19,11 @@ file could not be deleted, the key is busy) and the index goes on with the next 
 raises nothing when no room can be made: it answers False or None, and the owner raises its
 own :class:`~kvplug.errors.CapacityExceeded` with what it knows.
 
+With per-tenant quotas (:class:`~kvplug.quotas.TenantQuotas`), :func:`kvplug.quotas.make_index`
+gives a :class:`~kvplug.quotas.TenantQuotaIndex`: each tenant's bytes count against its quota, a
+tenant over it evicts its own entries first, and one at or below it is never evicted for
+another tenant; counters per tenant come from :meth:`~EvictableIndex.tenant_stats`.
+
 Not thread-safe by itself, like the policies: the owner's lock guards every call, the
 ``evict`` callbacks included.
 
@@ -75,13 +80,16 @@ class Reservation:
     :meth:`EvictableIndex.commit` stores the value or :meth:`EvictableIndex.cancel` gives the
     bytes back."""
 
-    __slots__ = ("nbytes", "settled")
+    __slots__ = ("nbytes", "owner", "settled")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         """The bytes reserved (and the size the committed value is stored with)."""
         self.settled = False
         """Whether it was committed or cancelled (its bytes no longer count as reserved)."""
+        self.owner: object = None
+        """Whose quota the bytes count against meanwhile
+        (:class:`~kvplug.quotas.TenantQuotaIndex`)."""
 
     def __repr__(self) -> str:
         state = "settled" if self.settled else "open"
@@ -121,7 +129,7 @@ class EvictableIndex(Generic[K, V]):
         temporary files, say); the owner adds and subtracts them."""
         self._values: dict[K, V] = {}
         self._sizes: dict[K, int] = {}
-        self._policy: EvictionPolicy[K] = make_policy(self.policy_name)
+        self._policy: EvictionPolicy[K] = self._fresh_policy()
         self._pins: PinTable[K] = PinTable()
         self._hold_offs: dict[K, float] = {}
         self._bytes_held = 0
@@ -234,7 +242,7 @@ class EvictableIndex(Generic[K, V]):
         self._sizes.clear()
         self._pins.clear()
         self._hold_offs.clear()
-        self._policy = make_policy(self.policy_name)
+        self._policy = self._fresh_policy()
         self._bytes_held = 0
         self.external_bytes = 0
         return values
@@ -281,8 +289,9 @@ class EvictableIndex(Generic[K, V]):
         """Evict in policy order until ``nbytes`` more bytes fit under :attr:`max_size`;
         False when the candidates run out first (what was evicted stays evicted).
 
-        ``replacing``: the key the new bytes will replace; it is never evicted and its
-        current bytes count as free."""
+        ``replacing``: the key the new bytes are for (stored already or not); it is never
+        evicted, its current bytes count as free, and with quotas
+        (:class:`~kvplug.quotas.TenantQuotaIndex`) its tenant's quota applies."""
         # free_bytes, inline: two property calls cost a tenth of a cpu put.
         free = self.max_size - self._bytes_held - self._reserved - self.external_bytes
         if nbytes <= free:
@@ -361,11 +370,21 @@ class EvictableIndex(Generic[K, V]):
         evictable: Callable[[V], bool] | None,
     ) -> int | None:
         """Evict one victim; its size, or None when no candidate could go."""
+        return self._evict_first(self._policy.candidates(), evict, exclude, evictable)
+
+    def _evict_first(
+        self,
+        candidates: Iterator[K],
+        evict: Callable[[K, V], bool],
+        exclude: K | None,
+        evictable: Callable[[V], bool] | None,
+    ) -> int | None:
+        """Evict the first of ``candidates`` that may go; its size, or None when none did."""
         now = time.monotonic()
         pins = self._pins
         hold_offs = self._hold_offs
         victim = None
-        for key in self._policy.candidates():
+        for key in candidates:
             if key == exclude or pins.is_pinned(key, now):
                 continue
             if hold_offs:
@@ -382,9 +401,41 @@ class EvictableIndex(Generic[K, V]):
                 break
         if victim is None:
             return None
-        size = self._sizes[victim]
-        self.remove(victim)
+        return self._drop_victim(victim)
+
+    def _drop_victim(self, key: K) -> int:
+        """Remove the evicted ``key``; its size."""
+        size = self._sizes[key]
+        self.remove(key)
         return size
+
+    def _fresh_policy(self) -> EvictionPolicy[K]:
+        return make_policy(self.policy_name)
+
+    # -- tenants (counted by kvplug.quotas.TenantQuotaIndex; nothing to count here) ---------
+
+    tracks_tenants: bool = False
+    """Whether the index counts per tenant (:class:`~kvplug.quotas.TenantQuotaIndex`): owners
+    skip the calls below (and the lock they would take) when it does not."""
+
+    def missed(self, key: K) -> None:
+        """A read of ``key`` found nothing (counted per tenant with quotas; :meth:`hit`
+        counts its own misses)."""
+
+    def tenant_stats(self) -> dict[str, dict[str, int | None]]:
+        """Each reported tenant's :class:`~kvplug.stats.TenantStats`, by name; empty without
+        quotas."""
+        return {}
+
+    def quota_refusal(self, key: K, nbytes: int) -> str | None:
+        """Why ``nbytes`` for ``key`` do not fit its tenant's quota, with the fix, when that is
+        why no room could be made; None otherwise (and always without quotas)."""
+        return None
+
+    def guarantee_note(self, key: K) -> str:
+        """A clause for a "tier full" message: the bytes guaranteed to tenants other than
+        ``key``'s, which were not evicted for it; ``""`` when there are none."""
+        return ""
 
 
 class PinsInIndex:
@@ -408,4 +459,8 @@ class PinsInIndex:
             return self._index.is_pinned(key)
 
 
-__all__ = ["EvictableIndex", "PinsInIndex", "Reservation"]
+__all__ = [
+    "EvictableIndex",
+    "PinsInIndex",
+    "Reservation",
+]

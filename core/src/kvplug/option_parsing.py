@@ -84,7 +84,7 @@ def describe_validation_error(error: ValidationError) -> str:
     """Each problem pydantic found, as ``option=value: why``; secret values masked."""
     return "; ".join(
         f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
-        + mask_text(e["msg"])
+        + mask_text(e["msg"]).rstrip(".")
         for e in error.errors()
     )
 

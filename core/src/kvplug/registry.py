@@ -52,7 +52,7 @@ from kvplug.errors import PluginConflict, PluginLoadError, UnknownScheme
 from kvplug.hookspecs import HOOK_NAMES, PROJECT, BackendSpec, InvalidBackendSpec
 from kvplug.memory import Allocator
 from kvplug.secrets import install_log_filter
-from kvplug.serde import Serde, add_plugin_serdes, forget_plugin_serdes
+from kvplug.serde import Serde, add_plugin_serdes, forget_plugin_serdes, plugin_serdes_added_by
 from kvplug.url import BackendURL, split_chain
 
 logger = logging.getLogger("kvplug.registry")
@@ -395,11 +395,11 @@ class Registry:
     def load_serdes(self) -> None:
         """Register the plugins' serdes with :mod:`kvplug.serde`, once per discovery."""
         with self._lock:
-            if self.serdes_loaded:
+            if self.serdes_loaded and plugin_serdes_added_by(self):
                 return
             self.serdes_loaded = True
             forget_plugin_serdes()
-            add_plugin_serdes(self.serdes())
+            add_plugin_serdes(self.serdes(), owner=self)
 
     def serdes(self) -> list[tuple[type[Serde], str]]:
         """Every serde class that plugins provide, with the plugin each comes from.

@@ -127,6 +127,7 @@ _sources: dict[str, str] = {NaiveSerde.name: KVPLUG_SOURCE}
 _from_plugins: set[str] = set()
 _conflicts: dict[str, list[str]] = {}
 _instances: dict[str, Serde] = {}
+_plugins_added_by: object = None
 _lock = threading.Lock()
 
 
@@ -191,15 +192,17 @@ def _check_serde_class(serde: object) -> None:
         )
 
 
-def add_plugin_serdes(found: Iterable[tuple[type[Serde], str]]) -> None:
-    """Register the serdes that plugins provide, each with the plugin it comes from (for
-    :mod:`kvplug.registry`).
+def add_plugin_serdes(found: Iterable[tuple[type[Serde], str]], owner: object = None) -> None:
+    """Register the serdes that plugins provide, each with the plugin it comes from, as found
+    by ``owner`` (for :mod:`kvplug.registry`: the registry that discovered them).
 
     Unlike :func:`register_serde` nothing raises here: a name served twice is remembered as a
     conflict and raised by :func:`get_serde` when that serde is used, so that one conflict
     does not break the serdes that are fine.
     """
+    global _plugins_added_by
     with _lock:
+        _plugins_added_by = owner
         for serde, source in found:
             name = serde.name
             existing = _serdes.get(name)
@@ -213,9 +216,17 @@ def add_plugin_serdes(found: Iterable[tuple[type[Serde], str]]) -> None:
                 _instances.pop(name, None)
 
 
+def plugin_serdes_added_by(owner: object) -> bool:
+    """Whether the plugins' serdes registered now are the ones ``owner`` found (a registry
+    that was swapped out and back, as tests do, finds them again)."""
+    return owner is not None and _plugins_added_by is owner
+
+
 def forget_plugin_serdes() -> None:
     """Drop what :func:`add_plugin_serdes` registered, before plugins are discovered again."""
+    global _plugins_added_by
     with _lock:
+        _plugins_added_by = None
         for name in _from_plugins:
             _serdes.pop(name, None)
             _sources.pop(name, None)
@@ -331,5 +342,6 @@ __all__ = [
     "get_serde",
     "get_serde_class",
     "open_serde",
+    "plugin_serdes_added_by",
     "register_serde",
 ]

@@ -7,6 +7,10 @@ the Store's per-tier series (``Store.stats()`` and its Prometheus metrics), ``kv
 and the engine integrations' status reports all read these counters, through
 :func:`summarize`, so they never disagree.
 
+A tier with per-tenant quotas (:class:`~kvplug.quotas.TenantQuotas`) also counts, per
+tenant, what it holds and what happened to it: :class:`TenantStats`, from its
+``tenant_stats()`` (:class:`ReportsTenants`).
+
 Example::
 
     >>> stats = {"batched_get": OperationStats(calls=1, keys=4, hits=3, misses=1, bytes=300),
@@ -23,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 """Upper bounds in seconds of the latency histogram's buckets (a last one, +Inf, follows)."""
@@ -173,6 +178,49 @@ def summarize(stats: Mapping[str, OperationStats]) -> CounterSummary:
     )
 
 
+@dataclass
+class TenantStats:
+    """One tenant's share of a size-capped tier with quotas, and what happened to it (or the
+    sum over the tenants reported together: :data:`~kvplug.eviction.OTHER_TENANTS`,
+    :data:`~kvplug.eviction.UNTENANTED`).
+
+    Example::
+
+        >>> TenantStats(quota=4096, bytes_held=1024, objects=1).as_dict()["quota"]
+        4096
+    """
+
+    quota: int | None = None
+    """The tenant's quota in bytes; None: it has none."""
+    bytes_held: int = 0
+    """Bytes of its stored entries, as the tier counts them against ``max_size``."""
+    objects: int = 0
+    """Its stored entries."""
+    hits: int = 0
+    """Reads of its keys that found them."""
+    misses: int = 0
+    """Reads of its keys that did not."""
+    evictions: int = 0
+    """Its entries evicted, to make room for itself or (over its quota) for others."""
+    refused: int = 0
+    """Its puts no room could be made for: over its quota with nothing of its own left to
+    evict, or the tier full of entries that may not go."""
+
+    def as_dict(self) -> dict[str, int | None]:
+        """The counters by name (a copy)."""
+        return asdict(self)
+
+
+@runtime_checkable
+class ReportsTenants(Protocol):
+    """A tier that counts per tenant (``cpu://``, ``file://`` with quotas configured)."""
+
+    def tenant_stats(self) -> dict[str, dict[str, int | None]]:
+        """:meth:`TenantStats.as_dict` of each reported tenant, by name; empty without
+        quotas."""
+        ...
+
+
 __all__ = [
     "LATENCY_BUCKETS",
     "LOOKUP_OPERATIONS",
@@ -181,5 +229,7 @@ __all__ = [
     "CounterSummary",
     "OperationCounters",
     "OperationStats",
+    "ReportsTenants",
+    "TenantStats",
     "summarize",
 ]

@@ -25,8 +25,7 @@ from kvplug.backend import Backend
 from kvplug.keys import MAX_TENANT_LENGTH, CacheKey
 from kvplug_contracts import BackendContract
 from kvplug_contracts.faultproxy import FaultProxy
-from kvplug_contracts.suite import CapacityContract
-from kvplug_contracts.suite.tenancy import TENANT_NAMES
+from kvplug_contracts.suite import CapacityContract, TenancyContract
 from kvplug_contracts.support import clause, not_applicable
 from kvplug_lm.backend import LMBackend
 from kvplug_lm.server import LMServer, ServerOptions, run_in_thread
@@ -148,7 +147,9 @@ class TestLMPlainConformance(_OnTheServerProcess):
     """mode=plain: LMCache's protocol (no hello, EXIST after PUT) against kvplug's server,
     the way LMCache's own client talks to it."""
 
-    tenant_names = tuple(name for name in TENANT_NAMES if len(name) < MAX_TENANT_LENGTH - 1)
+    tenant_names = tuple(
+        name for name in TenancyContract.tenant_names if len(name) < MAX_TENANT_LENGTH - 1
+    )
     """LMCache's plain protocol carries keys of at most 150 bytes: the two longest tenant names
     (128 characters) do not fit beside a model name (the extended mode's classes try them)."""
 

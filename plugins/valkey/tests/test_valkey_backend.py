@@ -165,6 +165,39 @@ def test_the_test_servers_are_real_valkey(standalone: ValkeyServer) -> None:
     assert problem is None or "built without TLS" in problem
 
 
+def test_values_sealed_by_the_aesgcm_serde_round_trip_on_valkey(
+    standalone: ValkeyServer, tmp_path: Path
+) -> None:
+    """Encryption at rest composes with Valkey (kvplug-aesgcm's serde on valkey://): the
+    server holds aesgcm frames, kvplug reads them back bit-exact."""
+    import torch
+
+    from kvplug.frame import decode_header
+    from kvplug_aesgcm.keyring import new_entry
+
+    keys = tmp_path / "keys"
+    keys.write_text(new_entry(1) + "\n")
+    keys.chmod(0o600)
+    key = kvplug.CacheKey("sealed-on-valkey", 1, 0, 3, "half").with_tenant("team-a")
+    obj = kvplug.MemoryObj.from_tensor(torch.full((4096,), 0x5A, dtype=torch.uint8))
+    url = f"{standalone.url}?serde=aesgcm&serde_key_file={keys}&serde_per_tenant=true"
+
+    async def scenario() -> bool:
+        async with await kvplug.open_backend(url) as backend:
+            await backend.put(key, obj)
+            got = await backend.get(key)
+            same = got is not None and torch.equal(got.raw, obj.raw)
+            if got is not None:
+                got.release()
+            return same
+
+    assert asyncio.run(scenario())
+    with standalone.client() as client:
+        [name] = list(client.scan_iter(match="*sealed-on-valkey*"))
+        value = client.get(name)
+    assert decode_header(value).serde == "aesgcm" and b"\x5a" * 64 not in value
+
+
 # -- a real valkey-server --------------------------------------------------------------------------
 
 

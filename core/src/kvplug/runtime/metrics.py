@@ -7,7 +7,10 @@ tier and operation: ``kvplug_tier_<counter>_total{tier, op}`` and the histogram
 ``kvplug_tier_op_seconds{tier, op}``) is not counted here: it is read, when asked, from each
 tier's own :meth:`~kvplug.backend.Backend.operation_stats` (:mod:`kvplug.stats`), the one set of
 counters every report of kvplug reads. The Store counts only what is its own: puts offered and
-dropped per tier, misses by reason, the write-behind and the memory budget.
+dropped per tier, misses by reason, the write-behind and the memory budget. A tier with
+per-tenant quotas adds its tenants' series, read the same way from its ``tenant_stats()``
+(:meth:`StoreMetrics.watch_tenants`): ``kvplug_tier_tenant_<counter>{tier, tenant}``, for the
+tenants its quotas name, ``(other)`` and ``(none)`` (so their number stays bounded).
 
 With prometheus-client installed (``pip install 'kvplug[metrics]'``) they are Prometheus
 metrics and :meth:`StoreMetrics.exposition` renders them in the text exposition format. Without
@@ -38,6 +41,8 @@ from kvplug.stats import LATENCY_BUCKETS, OperationStats
 
 TierStats = Callable[[], Mapping[str, Mapping[str, OperationStats]]]
 """Each tier's :meth:`~kvplug.backend.Backend.operation_stats`, by tier name."""
+TenantsByTier = Callable[[], Mapping[str, Mapping[str, Mapping[str, int | None]]]]
+"""Each tier's per-tenant counters (``tenant_stats()``), by tier name, then tenant."""
 
 TIER_COUNTERS = {
     "calls": "finished calls of the tier's operation",
@@ -50,6 +55,19 @@ TIER_COUNTERS = {
 """The counters of :class:`~kvplug.stats.OperationStats` exported per tier and operation, as
 ``kvplug_tier_<name>_total{tier, op}``."""
 LATENCY_METRIC = "kvplug_tier_op_seconds"
+TENANT_GAUGES = {
+    "quota": ("kvplug_tier_tenant_quota_bytes", "the tenant's byte quota in the tier"),
+    "bytes_held": ("kvplug_tier_tenant_bytes", "bytes the tier holds for the tenant"),
+    "objects": ("kvplug_tier_tenant_objects", "objects the tier holds for the tenant"),
+}
+"""The per-tenant gauges: :class:`~kvplug.stats.TenantStats` field -> (metric, help)."""
+TENANT_COUNTERS = {
+    "hits": ("kvplug_tier_tenant_hits", "reads of the tenant's keys that found them"),
+    "misses": ("kvplug_tier_tenant_misses", "reads of the tenant's keys that did not"),
+    "evictions": ("kvplug_tier_tenant_evictions", "the tenant's entries evicted"),
+    "refused": ("kvplug_tier_tenant_refused_puts", "the tenant's puts no room was made for"),
+}
+"""The per-tenant counters (``<metric>_total``): field -> (metric, help)."""
 
 
 @functools.cache
@@ -123,6 +141,7 @@ class StoreMetrics:
     def __init__(self, tier_stats: TierStats) -> None:
         self.prometheus = prometheus()
         self.tier_stats = tier_stats
+        self.tenants_by_tier: TenantsByTier = lambda: {}
         if self.prometheus is not None:
             self.registry: Any = self.prometheus.CollectorRegistry()
             self.registry.register(_TierOperations(tier_stats))
@@ -177,15 +196,30 @@ class StoreMetrics:
     def _gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Any:
         return self._make("Gauge", name, documentation, labels)
 
+    def watch_tenants(self, tenants_by_tier: TenantsByTier) -> None:
+        """Export the tiers' per-tenant counters, read from ``tenants_by_tier`` at each
+        scrape (once per Store, when it opens)."""
+        self.tenants_by_tier = tenants_by_tier
+        if self.prometheus is not None:
+            self.registry.register(_TenantSeries(tenants_by_tier))
+
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample (``name`` as Prometheus names samples, e.g.
         ``kvplug_tier_hits_total``); 0.0 before the first count."""
-        if name.startswith("kvplug_tier_") and "op" in labels:
-            for sample, sample_labels, value in _tier_samples(self.tier_stats):
+        if name.startswith("kvplug_tier_") and ("op" in labels or "tenant" in labels):
+            samples = _tier_samples(self.tier_stats) if "op" in labels else self._tenant_samples()
+            for sample, sample_labels, value in samples:
                 if sample == name and sample_labels == labels:
                     return value
             return 0.0
         return self.registry.get_sample_value(name, labels) or 0.0
+
+    def _tenant_samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        for tier, tenant, field, value in _tenant_values(self.tenants_by_tier()):
+            if field in TENANT_GAUGES:
+                yield TENANT_GAUGES[field][0], {"tier": tier, "tenant": tenant}, value
+            else:
+                yield f"{TENANT_COUNTERS[field][0]}_total", {"tier": tier, "tenant": tenant}, value
 
     def exposition(self) -> str:
         """Every metric in Prometheus' text exposition format."""
@@ -207,6 +241,50 @@ def _tier_samples(tier_stats: TierStats) -> Iterator[tuple[str, dict[str, str], 
                 yield f"kvplug_tier_{counter}_total", labels, float(getattr(stats, counter))
             yield f"{LATENCY_METRIC}_count", labels, float(stats.calls)
             yield f"{LATENCY_METRIC}_sum", labels, stats.seconds
+
+
+def _tenant_values(
+    by_tier: Mapping[str, Mapping[str, Mapping[str, int | None]]],
+) -> Iterator[tuple[str, str, str, float]]:
+    """``(tier, tenant, field, value)`` of each exported per-tenant counter (a tenant without
+    a quota has no quota sample)."""
+    for tier, tenants in by_tier.items():
+        for tenant, counters in sorted(tenants.items()):
+            for field in (*TENANT_GAUGES, *TENANT_COUNTERS):
+                value = counters.get(field)
+                if value is not None:
+                    yield tier, tenant, field, float(value)
+
+
+class _TenantSeries:
+    """A Prometheus collector of the tiers' per-tenant series, read at each scrape."""
+
+    def __init__(self, tenants_by_tier: TenantsByTier) -> None:
+        self.tenants_by_tier = tenants_by_tier
+
+    def describe(self) -> list[Any]:
+        return list(self._families().values())
+
+    def collect(self) -> list[Any]:
+        families = self._families()
+        for tier, tenant, field, value in _tenant_values(self.tenants_by_tier()):
+            families[field].add_metric([tier, tenant], value)
+        return list(families.values())
+
+    @staticmethod
+    def _families() -> dict[str, Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["tier", "tenant"]
+        families: dict[str, Any] = {
+            field: GaugeMetricFamily(name, text, labels=labels)
+            for field, (name, text) in TENANT_GAUGES.items()
+        }
+        families.update(
+            (field, CounterMetricFamily(name, text, labels=labels))
+            for field, (name, text) in TENANT_COUNTERS.items()
+        )
+        return families
 
 
 class _TierOperations:
@@ -250,4 +328,11 @@ class _TierOperations:
         return [*counters.values(), latency]
 
 
-__all__ = ["LATENCY_METRIC", "TIER_COUNTERS", "StoreMetrics", "prometheus"]
+__all__ = [
+    "LATENCY_METRIC",
+    "TENANT_COUNTERS",
+    "TENANT_GAUGES",
+    "TIER_COUNTERS",
+    "StoreMetrics",
+    "prometheus",
+]

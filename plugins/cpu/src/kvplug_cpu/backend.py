@@ -3,11 +3,15 @@
 URL and options (query parameters or keyword options, keywords win)::
 
     cpu://?max_size=8GiB&eviction=lfu&pin_ttl=60
+    cpu://?max_size=8GiB&tenant_quotas=team-a:2GiB,team-b:1GiB
 
 * ``max_size``: bytes this tier may hold; an int or a size string (``512MiB``, ``5GiB``).
   Default 5 GiB.
 * ``eviction``: ``lru`` (default), ``lfu`` or ``fifo`` (see :mod:`kvplug.eviction`).
 * ``pin_ttl``: seconds a pin lasts before it expires by itself. Default 300.
+* ``tenant_quotas``, ``default_tenant_quota``: bytes each tenant may hold and keeps (see
+  :class:`~kvplug.options.EvictionOptions` and :class:`~kvplug.quotas.TenantQuotaIndex`).
+  Default: no quotas.
 
 Example::
 
@@ -51,6 +55,7 @@ from kvplug.memory import (
     nbytes_of,
 )
 from kvplug.options import EvictionOptions
+from kvplug.quotas import make_index
 from kvplug.units import GiB, format_size, host_memory, parse_size
 from kvplug.url import BackendURL
 
@@ -62,7 +67,9 @@ class CpuOptions(EvictionOptions):
     """Options of ``cpu://``."""
 
     max_size: int = Field(
-        DEFAULT_MAX_SIZE, description="bytes this tier may hold: an int or '512MiB', '5GiB'"
+        DEFAULT_MAX_SIZE,
+        description="bytes this tier may hold: an int or '512MiB', '5GiB'",
+        validate_default=True,  # the default too must hold every tenant quota
     )
 
     @field_validator("max_size", mode="before")
@@ -108,12 +115,20 @@ class CpuBackend(PinsInIndex, Backend):
     store whose remaining keys are all pinned, makes ``put`` raise
     :class:`~kvplug.errors.CapacityExceeded`; reads keep working.
 
+    **Tenant quotas** (``tenant_quotas``, ``default_tenant_quota``): a tenant's put that would
+    take it over its quota evicts its own entries first, and raises ``CapacityExceeded``
+    naming the tenant and its quota when that cannot make room; a tenant at or below its
+    quota is never evicted for another tenant (:class:`~kvplug.quotas.TenantQuotaIndex`). A
+    put that copies its object in makes that room before it allocates the copy, so the
+    allocation does not take another tenant's memory. Counters per tenant:
+    :meth:`tenant_stats`.
+
     **Concurrency.** The index is guarded by a thread lock that is never held across an
     ``await``, so one backend serves tasks of several event loops and threads at once.
 
     Counters: hits, misses, bytes and latency per operation in
     :meth:`~kvplug.backend.Backend.operation_stats` (as for every backend); what is the tier's
-    own in :attr:`evictions`, :attr:`bytes_held` and :meth:`stats`.
+    own in :attr:`evictions`, :attr:`bytes_held`, :meth:`stats` and :meth:`tenant_stats`.
     """
 
     # releases_on_cancel: no hook awaits, so an operation is cancelled before it starts or not
@@ -149,8 +164,11 @@ class CpuBackend(PinsInIndex, Backend):
             self.max_size -= self.max_size % DEFAULT_ALIGNMENT
         self._allocator_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._index: EvictableIndex[CacheKey, MemoryObj] = EvictableIndex(
-            self.max_size, self.options.eviction, pin_ttl=self.options.pin_ttl
+        self._index: EvictableIndex[CacheKey, MemoryObj] = make_index(
+            self.max_size,
+            self.options.eviction,
+            pin_ttl=self.options.pin_ttl,
+            quotas=self.options.quotas,
         )
         self.evictions = 0
 
@@ -197,6 +215,15 @@ class CpuBackend(PinsInIndex, Backend):
                 "max_size": self.max_size,
             }
 
+    def tenant_stats(self) -> dict[str, dict[str, int | None]]:
+        """Each reported tenant's counters (:class:`~kvplug.stats.TenantStats`), by name:
+        the tenants named in ``tenant_quotas``, ``(other)`` for the rest summed and
+        ``(none)`` for keys without a tenant; empty without quotas."""
+        if not self._index.tracks_tenants:
+            return {}
+        with self._lock:
+            return self._index.tenant_stats()
+
     def __len__(self) -> int:
         return len(self._index)
 
@@ -214,12 +241,16 @@ class CpuBackend(PinsInIndex, Backend):
             f"tier's max_size of {self.max_size} bytes. Raise max_size or store smaller chunks."
         )
 
-    def _full(self, nbytes: int) -> CapacityExceeded:
+    def _full(self, nbytes: int, key: CacheKey | None = None) -> CapacityExceeded:
+        quota = None if key is None else self._index.quota_refusal(key, nbytes)
+        if quota is not None:
+            return CapacityExceeded(f"cannot store {key} in {self.url}: {quota}")
+        note = "" if key is None else self._index.guarantee_note(key)
         return CapacityExceeded(
             f"cannot make room for {nbytes} bytes in {self.url} ({self._index.bytes_held} of "
-            f"{self.max_size} bytes held in {len(self._index)} objects): every remaining key is "
-            "pinned, or the memory is still referenced by readers. Unpin keys, release objects "
-            "returned by get, or raise max_size."
+            f"{self.max_size} bytes held in {len(self._index)} objects{'; ' if note else ''}"
+            f"{note}): every remaining key is pinned, or the memory is still referenced by "
+            "readers. Unpin keys, release objects returned by get, or raise max_size."
         )
 
     def _insert(self, key: CacheKey, stored: MemoryObj) -> None:
@@ -238,7 +269,7 @@ class CpuBackend(PinsInIndex, Backend):
                     old.release()
                 return
             else:
-                error = self._full(size)
+                error = self._full(size, key)
         stored.release()
         raise error
 
@@ -293,10 +324,12 @@ class CpuBackend(PinsInIndex, Backend):
         if obj.allocator is self.allocator:
             stored = obj.retain()
         else:
+            if self._index.tracks_tenants:
+                self._room_for_copy(key, obj.nbytes)
             copy = self.allocate(obj.shape, obj.dtype, obj.fmt)
             if copy is None:
                 with self._lock:
-                    raise self._full(obj.nbytes)
+                    raise self._full(obj.nbytes, key)
             try:
                 copy.raw.copy_(obj.raw)
             except BaseException:
@@ -304,6 +337,14 @@ class CpuBackend(PinsInIndex, Backend):
                 raise
             stored = copy
         self._insert(key, stored)
+
+    def _room_for_copy(self, key: CacheKey, nbytes: int) -> None:
+        """Make room for the copy of ``nbytes`` for ``key`` as its tenant may (its own entries
+        first), so that allocating the copy, whose reclaim knows no tenant, finds it free."""
+        size = -(-nbytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
+        with self._lock:
+            if not self._index.make_room(size, self._evicted, replacing=key):
+                raise self._full(size, key)
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """``_put`` of each pair in turn (none waits, so nothing is gained by tasks, and

@@ -12,6 +12,8 @@ URL and options (query parameters or keyword options, keywords win)::
   string, ``512MiB``, ``100GiB``); default 10 GiB. Past it, keys are evicted by ``eviction``.
 * ``eviction``: ``lru`` (default), ``lfu`` or ``fifo`` (see :mod:`kvplug.eviction`).
 * ``pin_ttl``: seconds a pin lasts before it expires by itself. Default 300.
+* ``tenant_quotas``, ``default_tenant_quota``: bytes of object files each tenant may hold and
+  keeps (see :class:`~kvplug.options.EvictionOptions`); default: no quotas.
 * ``o_direct``: use O_DIRECT where the filesystem supports it (default true; probed per
   directory at open, with one warning per directory that refuses it or whose probe could not
   run, such as on a full disk: puts there probe again until one succeeds); false: never.
@@ -171,6 +173,14 @@ class DiskBackend(PinsInIndex, Backend):
     begin on room for some of them. A ``batched_put`` that stores some of its objects says
     which, in ``stored`` and in its message.
 
+    **Tenant quotas** (``tenant_quotas``, ``default_tenant_quota``): a tenant's files (and its
+    writes in flight) count against its quota; a put that would take it over evicts its own
+    files first and raises ``CapacityExceeded`` naming the tenant and its quota when that
+    cannot make room; a tenant at or below its quota is never evicted for another tenant
+    (:class:`~kvplug.quotas.TenantQuotaIndex`). Objects found at open count for their tenants
+    as they are; a tenant found over a lowered quota gives up its files first, on its next
+    put or when another tenant needs room. Counters per tenant: :meth:`tenant_stats`.
+
     **Cancellation** (``releases_on_cancel``). ``put`` and ``get_into`` lend the caller's
     object to the file I/O threads in a :class:`~kvplug.lease.Lease`: every system call, copy
     and hash touching it runs inside the lease, and a cancelled operation takes it back before
@@ -203,7 +213,8 @@ class DiskBackend(PinsInIndex, Backend):
     Counters: hits, misses, bytes and latency per operation in
     :meth:`~kvplug.backend.Backend.operation_stats` (as for every backend); what is the tier's
     own in :attr:`evictions`, :attr:`corrupt_objects`, :attr:`foreign_files`,
-    :attr:`eviction_failures`, :attr:`bytes_held`, :attr:`rebuild_stats` and :meth:`stats`.
+    :attr:`eviction_failures`, :attr:`bytes_held`, :attr:`rebuild_stats`, :meth:`stats` and
+    :meth:`tenant_stats`.
     """
 
     capabilities = Capabilities(
@@ -314,6 +325,13 @@ class DiskBackend(PinsInIndex, Backend):
         """A consistent snapshot of the counters. ``temp_bytes`` and ``temp_files``: other
         live writers' temporary files, which count against ``max_size``."""
         return self._catalog.stats()
+
+    def tenant_stats(self) -> dict[str, dict[str, int | None]]:
+        """Each reported tenant's counters (:class:`~kvplug.stats.TenantStats`), by name:
+        the tenants named in ``tenant_quotas``, ``(other)`` for the rest summed and
+        ``(none)`` for keys without a tenant; empty without quotas. Hits and misses count the
+        reads of this instance."""
+        return self._catalog.tenant_stats()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -447,18 +465,20 @@ class DiskBackend(PinsInIndex, Backend):
         """The whole get, on a worker thread: a new object, or None (counted as a miss)."""
         self.ensure_open()
         entry = self._discovery.known(key)
-        if entry is None:
-            return None
-        return self._reads.read(key, entry)
+        found = None if entry is None else self._reads.read(key, entry)
+        if found is None:
+            self._catalog.missed(key)
+        return found
 
     def _read_key_into(self, key: CacheKey, dest: Lease) -> bool:
         """The whole get_into of the object ``dest`` lends, on a worker thread; ends the
         lease."""
         try:
             entry = self._discovery.known(key)
-            if entry is None:
-                return False
-            return self._reads.read(key, entry, dest) is not None
+            found = entry is not None and self._reads.read(key, entry, dest) is not None
+            if not found:
+                self._catalog.missed(key)
+            return found
         finally:
             dest.end()
 

@@ -20,6 +20,7 @@ from kvplug.damage import DamagedValues
 from kvplug.errors import CapacityExceeded
 from kvplug.index import EvictableIndex, Reservation
 from kvplug.keys import CacheKey
+from kvplug.quotas import make_index
 from kvplug.url import BackendURL
 from kvplug_disk.directories import Directory
 from kvplug_disk.fileops import Deleted, LiveWriters, NotAnObject, delete_object_file, reason
@@ -54,8 +55,8 @@ class Catalog:
         self.max_size = options.max_size
         self.temp_grace = temp_grace
         self.lock = threading.Lock()
-        self.index: EvictableIndex[CacheKey, IndexEntry] = EvictableIndex(
-            self.max_size, options.eviction, pin_ttl=options.pin_ttl
+        self.index: EvictableIndex[CacheKey, IndexEntry] = make_index(
+            self.max_size, options.eviction, pin_ttl=options.pin_ttl, quotas=options.quotas
         )
         self.kept_temps: dict[str, KeptTemp] = {}
         self.temps_checked_at = 0.0
@@ -87,6 +88,19 @@ class Catalog:
                 "pinned_keys": self.index.pinned_keys,
                 "max_size": self.max_size,
             }
+
+    def tenant_stats(self) -> dict[str, dict[str, int | None]]:
+        """Each reported tenant's counters (see :meth:`DiskBackend.tenant_stats`)."""
+        if not self.index.tracks_tenants:
+            return {}
+        with self.lock:
+            return self.index.tenant_stats()
+
+    def missed(self, key: CacheKey) -> None:
+        """A read of ``key`` found nothing: counted for its tenant (with quotas)."""
+        if self.index.tracks_tenants:
+            with self.lock:
+                self.index.missed(key)
 
     # -- entries and locks ----------------------------------------------------------------
 
@@ -222,11 +236,15 @@ class Catalog:
             check_open()
             reservation = self.index.reserve(length, self.evicted, replacing=key)
             if reservation is None:
-                raise CapacityExceeded(self._full_message(length))
+                raise CapacityExceeded(self._full_message(key, length))
             return reservation
 
-    def _full_message(self, length: int) -> str:
-        """Why an object file of ``length`` bytes does not fit (:attr:`lock` is held)."""
+    def _full_message(self, key: CacheKey, length: int) -> str:
+        """Why an object file of ``length`` bytes for ``key`` does not fit (:attr:`lock` is
+        held)."""
+        quota = self.index.quota_refusal(key, length)
+        if quota is not None:
+            return f"cannot store {key} in {self.url}: {quota}"
         stuck = self.index.held_off()
         parts = [
             f"{self.index.bytes_held} of {self.max_size} bytes are held in {len(self.index)} "
@@ -242,6 +260,9 @@ class Catalog:
                 f"{sum(self.index.nbytes(k) for k in stuck)} bytes are in {len(stuck)} files "
                 "that could not be deleted (see the warning logged)"
             )
+        guaranteed = self.index.guarantee_note(key)
+        if guaranteed:
+            parts.append(guaranteed)
         return (
             f"cannot make room for an object file of {length} bytes in {self.url}: "
             f"{'; '.join(parts)}; every object that could go is pinned, being written or "

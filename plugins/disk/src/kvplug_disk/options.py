@@ -24,7 +24,9 @@ class DiskOptions(EvictionOptions):
         (), description="more directories besides the URL path: a list or 'a,b'"
     )
     max_size: int = Field(
-        DEFAULT_MAX_SIZE, description="bytes of object files the tier holds: '100GiB'"
+        DEFAULT_MAX_SIZE,
+        description="bytes of object files the tier holds: '100GiB'",
+        validate_default=True,  # the default too must hold every tenant quota
     )
     o_direct: bool = Field(True, description="use O_DIRECT where the filesystem supports it")
     fsync: bool = Field(False, description="fsync files and directories before put returns")
