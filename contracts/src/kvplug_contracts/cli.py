@@ -172,7 +172,7 @@ def contract_command(
 
 def verdict_of(rows: list[dict[str, Any]], code: int) -> tuple[str, int]:
     """The one-line verdict from the suite's per-clause summary rows and pytest's exit code,
-    for example ``INCOMPLETE: clauses 8, 9 not run; of 15 clauses 11 kept, ...``, and the exit
+    for example ``INCOMPLETE: clauses 8, 9 not run; of 16 clauses 12 kept, ...``, and the exit
     status: pytest's, or :data:`INCOMPLETE` when a clause was left not run, unwaived, for
     another reason than ``-k`` deselecting its tests."""
     from kvplug_contracts.plugin import clause_verdict
