@@ -45,7 +45,6 @@ KEY_BYTES = 32
 """AES-256 keys: 32 bytes."""
 MAX_KEY_ID = 2**32 - 1
 _HKDF_INFO = b"kvplug-aesgcm data key v1\x00"
-_DERIVED_CACHE_LIMIT = 4096
 
 
 class KeyringError(ConfigError):
@@ -74,7 +73,6 @@ class Keyring:
                 f"{', '.join(map(str, sorted(keys)))}. Add that key, or choose one of these ids."
             )
         self._keys = dict(keys)
-        self._derived: dict[tuple[int, str | None], bytes] = {}
         self.sealing_id = chosen
         """The id of the key that seals new values."""
         self.source = source
@@ -93,21 +91,14 @@ class Keyring:
 
     def data_key(self, key_id: int, tenant: str | None) -> bytes:
         """The data key of ``tenant`` (None: no tenant) under master key ``key_id``; raises
-        KeyError for an id not held."""
-        cached = self._derived.get((key_id, tenant))
-        if cached is not None:
-            return cached
+        KeyError for an id not held. Derived anew each call: the serde keeps the ciphers."""
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
         info = _HKDF_INFO + (b"" if tenant is None else b"tenant\x00" + tenant.encode())
-        derived = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(
             self._keys[key_id]
         )
-        if len(self._derived) >= _DERIVED_CACHE_LIMIT:
-            self._derived.clear()
-        self._derived[(key_id, tenant)] = derived
-        return derived
 
     @classmethod
     def parse(cls, text: str, *, source: str, sealing_id: int | None = None) -> Keyring:

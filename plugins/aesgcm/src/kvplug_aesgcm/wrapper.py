@@ -157,11 +157,11 @@ class SealingWrapper(Wrapper):
             sealed.release()
 
     async def _batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        sealed: list[MemoryObj | None] = []
+        sealed: list[MemoryObj] = []
         try:
             for key, obj in zip(keys, objs, strict=True):
                 sealed.append(self._sealed_copy(key, obj))
-            await self.inner.batched_put(keys, [obj for obj in sealed if obj is not None])
+            await self.inner.batched_put(keys, sealed)
         finally:
             release_objects(sealed)
 
