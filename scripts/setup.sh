@@ -76,8 +76,10 @@ fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 # kvplug with its tools (the kvplug command, Prometheus metrics), then every other distribution.
 editable=(-e "core[cli,metrics]")
+# With their extras where a distribution's features need them (every serde of kvplug-serdes).
+declare -A extras=([plugins/serdes/]="[all]")
 for dist in contracts plugins/*/ testing examples/*/; do
-  [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist")
+  [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist${extras[$dist]:-}")
 done
 # What the venv is built from: a venv whose stamp matches is reused, so a re-run takes seconds
 # (the distributions are editable: a change to their code needs no reinstall).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,7 +16,14 @@ from kvplug.errors import ConfigError, CorruptObject, PluginConflict
 from kvplug.keys import CacheKey
 from kvplug.memory import DTYPE_CODES, FreeListAllocator, MemoryFormat, MemoryObj
 from kvplug.registry import PluginWarning, register_plugin, reset_registry
-from kvplug.serde import NaiveSerde, Serde, available_serdes, get_serde, register_serde
+from kvplug.serde import (
+    NaiveSerde,
+    Serde,
+    available_serdes,
+    get_serde,
+    register_serde,
+    serde_source,
+)
 
 
 @pytest.fixture
@@ -258,3 +266,48 @@ def test_plugin_serdes_are_found_again_after_the_registry_is_swapped_and_back(
         assert "aesgcm" in available_serdes()
         kvplug.registry.reset_registry()
     assert "aesgcm" in available_serdes()
+
+
+def test_a_first_party_serde_not_installed_gets_its_pip_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVPLUG_DISABLE_PLUGINS", "kvplug-serdes,kvplug-aesgcm")
+    reset_registry()
+    try:
+        for name, line in (
+            ("zstd", "pip install 'kvplug-serdes[zstd]'"),
+            ("fp8", "pip install kvplug-serdes"),
+            ("aesgcm", "pip install kvplug-aesgcm"),
+        ):
+            with pytest.raises(ConfigError, match=re.escape(line)) as caught:
+                get_serde(name)
+            assert "not installed" in str(caught.value) and "\n" not in str(caught.value)
+    finally:
+        monkeypatch.delenv("KVPLUG_DISABLE_PLUGINS")
+        reset_registry()
+    assert isinstance(get_serde("zstd"), Serde)
+
+
+class _NeedsAPackage(NaiveSerde):
+    name = "test-needs-a-package"
+    description = "stands for a serde whose library is missing"
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return "it needs the nosuchlib package. Install it with: pip install nosuchlib"
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_serde_that_cannot_run_here_fails_at_open_and_shows_why_in_plugins() -> None:
+    from click.testing import CliRunner
+
+    from kvplug.runtime.cli import main
+
+    register_serde(_NeedsAPackage, source="test")
+    with pytest.raises(ConfigError, match="cannot run here: it needs the nosuchlib package"):
+        get_serde("test-needs-a-package")
+    assert serde_source("test-needs-a-package") == "test"
+    result = CliRunner().invoke(main, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "240"})
+    assert "test-needs-a-package" in result.output and "pip install nosuchlib" in result.output

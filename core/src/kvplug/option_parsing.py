@@ -80,11 +80,12 @@ def parse_backend_options(
         ) from None
 
 
-def describe_validation_error(error: ValidationError) -> str:
-    """Each problem pydantic found, as ``option=value: why``; secret values masked."""
+def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """Each problem pydantic found, as ``option=value: why`` (each option's name after
+    ``prefix``, as the user wrote it); secret values masked."""
     return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'])}={_shown_input(e['loc'], e.get('input'))}: "
-        + mask_text(e["msg"]).rstrip(".")
+        f"{prefix}{'.'.join(str(p) for p in e['loc'])}="
+        f"{_shown_input(e['loc'], e.get('input'))}: " + mask_text(e["msg"]).rstrip(".")
         for e in error.errors()
     )
 

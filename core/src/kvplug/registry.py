@@ -113,6 +113,9 @@ class PluginInfo:
     version: str
     specs: list[BackendSpec] = field(default_factory=list)
     error: str | None = None
+    serdes: list[str] = field(default_factory=list)
+    """The names of the serdes it provides (known once serdes are loaded:
+    :func:`load_plugin_serdes`)."""
 
 
 @dataclass(frozen=True)
@@ -434,6 +437,8 @@ class Registry:
                 )
                 continue
             found.extend((serde, source) for serde in serdes)
+            if info is not None:
+                info.serdes = sorted(serde.name for serde in serdes)
         return found
 
 

@@ -84,12 +84,24 @@ class Serde(abc.ABC):
     """
 
     name: ClassVar[str]
+    description: ClassVar[str] = ""
+    """One line for ``kvplug plugins``: what the serde does to the bytes."""
+    lossy: ClassVar[bool] = False
+    """Whether ``decode`` gives back an approximation of what was encoded (a quantizing serde)
+    rather than the same bytes. A lossy serde documents its error bound."""
     Options: ClassVar[type[BaseModel] | None] = None
     """The serde's options model, or None when it takes none."""
     authenticated: ClassVar[bool] = False
     """Whether the serde proves where its payloads come from (an authenticated cipher). A
     backend configured with such a serde reads no frame of another serde: a plain frame found
     in its store was not written by it and is damage, never data."""
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this serde cannot run here (a package it needs is missing: say which, and the
+        command that installs it), or None when it can. Checked when a backend opens it and
+        shown by ``kvplug plugins``; the default needs nothing."""
+        return None
 
     @abc.abstractmethod
     def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> memoryview | bytes | bytearray:
@@ -106,6 +118,7 @@ class NaiveSerde(Serde):
     """The object's bytes, unchanged."""
 
     name = "naive"
+    description = "the object's bytes, unchanged"
 
     def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> memoryview:
         return obj.memoryview()
@@ -118,6 +131,15 @@ class NaiveSerde(Serde):
             )
         out.memoryview()[:] = payload
 
+
+FIRST_PARTY_SERDES: dict[str, str] = {
+    "zstd": "'kvplug-serdes[zstd]'",
+    "lz4": "'kvplug-serdes[lz4]'",
+    "fp8": "kvplug-serdes",
+    "k16v8": "kvplug-serdes",
+    "aesgcm": "kvplug-aesgcm",
+}
+"""The serdes of kvplug's own plugins, with what ``pip install`` takes to get each."""
 
 KVPLUG_SOURCE = "kvplug"
 """The source named for the serdes kvplug itself provides (``naive``)."""
@@ -262,6 +284,9 @@ def get_serde(name: str) -> Serde:
 
 
 def _construct(serde: type[Serde], options: Mapping[str, Any]) -> Serde:
+    missing = serde.unavailable()
+    if missing:
+        raise ConfigError(f"serde {serde.name!r} cannot run here: {missing}")
     model = serde.Options
     if model is None:
         if options:
@@ -286,7 +311,8 @@ def _construct(serde: type[Serde], options: Mapping[str, Any]) -> Serde:
         settings = model.model_validate(dict(options))
     except ValidationError as error:
         raise ConfigError(
-            f"serde {serde.name!r} is not configured: {describe_validation_error(error)}. "
+            f"serde {serde.name!r} is not configured: "
+            f"{describe_validation_error(error, SERDE_OPTION_PREFIX)}. "
             f"Give its options with the {SERDE_OPTION_PREFIX!r} prefix "
             f"(?serde={serde.name}&{SERDE_OPTION_PREFIX}<option>=...)."
         ) from None
@@ -314,6 +340,14 @@ def open_serde(name: str, options: Mapping[str, Any] | None = None) -> Serde:
     return _construct(get_serde_class(name), options)
 
 
+def serde_source(name: str) -> str:
+    """Who provides the serde ``name`` (``kvplug`` for its own, else the plugin's distribution
+    and version), as :func:`get_serde_class` finds it."""
+    get_serde_class(name)
+    with _lock:
+        return _sources[name]
+
+
 def get_serde_class(name: str) -> type[Serde]:
     """The class registered as ``name`` (errors as :func:`get_serde`), not instantiated."""
     names = available_serdes()
@@ -322,6 +356,11 @@ def get_serde_class(name: str) -> type[Serde]:
             raise _conflict_error(name, _conflicts[name])
         serde = _serdes.get(name)
         if serde is None:
+            if name in FIRST_PARTY_SERDES:
+                raise ConfigError(
+                    f"serde {name!r} is not installed. It is provided by: pip install "
+                    f"{FIRST_PARTY_SERDES[name]} (installed serdes: {', '.join(names)})."
+                )
             close = difflib.get_close_matches(name, names, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
@@ -332,6 +371,7 @@ def get_serde_class(name: str) -> type[Serde]:
 
 
 __all__ = [
+    "FIRST_PARTY_SERDES",
     "KVPLUG_SOURCE",
     "SERDE_OPTION_PREFIX",
     "NaiveSerde",
@@ -344,4 +384,5 @@ __all__ = [
     "open_serde",
     "plugin_serdes_added_by",
     "register_serde",
+    "serde_source",
 ]

@@ -22,7 +22,7 @@ import kvplug
 from kvplug.errors import KvplugError, NotSupported
 from kvplug.keys import CacheKey
 from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, nbytes_of
-from kvplug.registry import create_backend, plugins
+from kvplug.registry import create_backend, load_plugin_serdes, plugins
 from kvplug.runtime.bench import (
     DEFAULT_COUNT,
     DEFAULT_SHAPE,
@@ -37,6 +37,7 @@ from kvplug.runtime.bench import (
 from kvplug.runtime.config import Config, load_config
 from kvplug.runtime.store import open_store
 from kvplug.secrets import mask_data, mask_text, mask_url
+from kvplug.serde import available_serdes, get_serde_class, serde_source
 from kvplug.stats import OperationStats
 from kvplug.units import format_size
 
@@ -55,8 +56,10 @@ def main() -> None:
 @main.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins_command(as_json: bool) -> None:
-    """List every installed plugin: distribution, version, schemes and load errors."""
+    """List every installed plugin: distribution, version, schemes, serdes and load errors."""
     infos = plugins()
+    load_plugin_serdes()
+    serdes = _serde_rows()
     if as_json:
         rows = [
             {
@@ -72,6 +75,7 @@ def plugins_command(as_json: bool) -> None:
                     }
                     for spec in info.specs
                 ],
+                "serdes": [row for row in serdes if row["name"] in info.serdes],
                 "error": info.error,
             }
             for info in infos
@@ -95,12 +99,52 @@ def plugins_command(as_json: bool) -> None:
         plugin = escape(f"{info.name}\n{info.distribution}\n{info.version}")
         if info.error:
             table.add_row("-", plugin, "-", f"[red]{escape(info.error)}[/red]")
+        elif not info.specs and info.serdes:
+            listed = ", ".join(info.serdes)
+            table.add_row("-", plugin, "serdes", escape(f"{listed} (below)"), end_section=True)
         for spec in info.specs:
             schemes = "\n".join(f"{s}://" for s in spec.schemes)
             table.add_row(schemes, plugin, spec.kind, escape(spec.description), end_section=True)
     console.print(table)
     if not infos:
         console.print("No kvplug plugins are installed: pip install kvplug-cpu")
+    serde_table = Table(title="kvplug serdes (?serde=<name> on a byte store)")
+    serde_table.add_column("serde", no_wrap=True)
+    serde_table.add_column("from", no_wrap=True)
+    serde_table.add_column("lossy", no_wrap=True)
+    serde_table.add_column("description", ratio=1, overflow="fold")
+    for row in serdes:
+        status = f"\n[red]{escape(str(row['error']))}[/red]" if row["error"] else ""
+        serde_table.add_row(
+            str(row["name"]),
+            escape(str(row["source"])),
+            "yes" if row["lossy"] else "no",
+            escape(str(row["description"])) + status,
+        )
+    console.print(serde_table)
+
+
+def _serde_rows() -> list[dict[str, object]]:
+    """Every serde with who provides it and whether it can run here (for ``kvplug plugins``)."""
+    rows: list[dict[str, object]] = []
+    for name in available_serdes():
+        try:
+            serde = get_serde_class(name)
+        except KvplugError as error:
+            rows.append(
+                {"name": name, "source": "", "lossy": False, "description": "", "error": str(error)}
+            )
+            continue
+        rows.append(
+            {
+                "name": name,
+                "source": serde_source(name),
+                "lossy": serde.lossy,
+                "description": serde.description,
+                "error": serde.unavailable(),
+            }
+        )
+    return rows
 
 
 @main.command("config")

@@ -102,6 +102,9 @@ class AESGCMSerde(Serde):
     """AES-256-GCM over each payload; see the module's description for layout and options."""
 
     name = "aesgcm"
+    description = (
+        "encryption at rest: AES-256-GCM bound to the key (key_file/key_env, key_id, per_tenant)"
+    )
     Options: ClassVar[type[BaseModel] | None] = AESGCMOptions
     authenticated = True
 
