@@ -42,8 +42,9 @@ PYTHON=${PYTHON:-python3.11}
 # Every distribution of this repository, as scripts/setup.sh installs them into .venv (the
 # checksum of the list and of their pyproject.toml is each venv's .kvplug-dists).
 editable=(-e "core[cli,metrics]")
+declare -A extras=([plugins/serdes/]="[all]")
 for dist in contracts plugins/*/ testing examples/*/; do
-  [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist")
+  [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist${extras[$dist]:-}")
 done
 
 check_cpu_torch() {

@@ -203,3 +203,25 @@ def test_each_thread_compresses_with_its_own_codec() -> None:
         out = MemoryObj.from_tensor(torch.zeros_like(tensor))
         serde.decode(memoryview(payload), out)
         assert torch.equal(out.tensor.view(torch.int16), tensor.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_gpu_objects_shuffle_on_the_gpu_and_decode_into_gpu_memory(name: str) -> None:
+    tensor = kv_like(1 << 16, torch.bfloat16)
+    on_cpu = bytes(open_serde(name).encode(MemoryObj.from_tensor(tensor), KEY))
+    on_gpu = bytes(open_serde(name).encode(MemoryObj.from_tensor(tensor.cuda()), KEY))
+    assert on_gpu == on_cpu
+    out = MemoryObj.from_tensor(torch.zeros_like(tensor).cuda())
+    open_serde(name).decode(memoryview(on_gpu), out, KEY)
+    assert torch.equal(out.tensor.cpu().view(torch.int16), tensor.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_a_large_noise_plane_is_kept_after_a_sample_and_the_rest_compressed(name: str) -> None:
+    tensor = kv_like(1 << 21, torch.bfloat16)  # planes of 2 MiB: sampled first
+    payload, out = round_trip(open_serde(name), tensor, MemoryFormat.KV_2LTD)
+    assert torch.equal(out.raw, tensor.view(torch.uint8))
+    stored = payload[2]
+    assert stored == 0b01  # the low bytes (mantissa noise) kept, the high bytes compressed
+    assert len(payload) < 0.9 * tensor.numel() * 2

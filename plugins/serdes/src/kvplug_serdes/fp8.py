@@ -169,12 +169,13 @@ class FP8Serde(Serde):
         )
         payload = bytearray(len(header) + 4 * scales.numel() + kept_len + codes.numel())
         payload[: len(header)] = header
+        # Each part lands in the payload straight from where it was computed (a GPU object's
+        # codes cross to the host once, into their place).
+        into = torch.frombuffer(payload, dtype=torch.uint8)
         offset = len(header)
         for part in (scales.view(torch.uint8), kept_bytes, codes):
             if part is not None and part.numel():
-                payload[offset : offset + part.numel()] = MemoryObj.from_tensor(
-                    part.cpu()
-                ).memoryview()
+                into[offset : offset + part.numel()].copy_(part)
                 offset += part.numel()
         return payload
 
@@ -183,7 +184,7 @@ class FP8Serde(Serde):
         payload = bytearray(len(header) + obj.nbytes)
         payload[: len(header)] = header
         if obj.nbytes:
-            memoryview(payload)[len(header) :] = MemoryObj.from_tensor(obj.raw.cpu()).memoryview()
+            torch.frombuffer(payload, dtype=torch.uint8)[len(header) :].copy_(obj.raw)
         return payload
 
     def _warn_once(self, dtype: torch.dtype) -> None:
