@@ -11,7 +11,7 @@ import pytest
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
-from kvplug_testing import OverTLS
+from kvplug_testing import OverTLS, OverTLSWithoutServerControl
 from kvplug_testing.conformance import ControlledServer, FullServer, ServedBy
 
 pytestmark = pytest.mark.redis
@@ -47,7 +47,7 @@ class TestSentinelConformance(ServedBy, BackendContract):
     server_fixture = "sentinel_group"
 
 
-class TestTLSSentinelConformance(ServedBy, OverTLS, BackendContract):
+class TestTLSSentinelConformance(ServedBy, OverTLSWithoutServerControl, BackendContract):
     """rediss+sentinel://: TLS to the sentinels and to the master they name, with a client
     certificate (every process asks for one). Clause 10 is n/a, as for plain Sentinel."""
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvplug_contracts import BackendContract
 from kvplug_contracts.suite import CapacityContract
-from kvplug_testing import OverTLS
+from kvplug_testing import OverTLS, OverTLSWithoutServerControl
 from kvplug_testing.conformance import ControlledServer, FullServer, ServedBy
 from kvplug_testing.server_family import VALKEY
 
@@ -33,7 +33,7 @@ if TLS_PROBLEM is None:
     class TestValkeysConformance(ControlledServer, OverTLS, BackendContract):
         server_fixture = "tls_server"
 
-    class TestValkeysSentinelConformance(ServedBy, OverTLS, BackendContract):
+    class TestValkeysSentinelConformance(ServedBy, OverTLSWithoutServerControl, BackendContract):
         """valkeys+sentinel://: TLS to the sentinels and to the master they name, with a
         client certificate. Clause 10 is n/a, as for plain Sentinel."""
 

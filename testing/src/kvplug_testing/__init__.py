@@ -62,6 +62,7 @@ from kvplug_testing.sentinel import (
 )
 from kvplug_testing.tls import (
     OverTLS,
+    OverTLSWithoutServerControl,
     TLSFiles,
     make_tls_files,
     tls_client_settings,
@@ -89,6 +90,7 @@ __all__ = [
     "SLOTS",
     "LMServerProcess",
     "OverTLS",
+    "OverTLSWithoutServerControl",
     "RedisCluster",
     "RedisServer",
     "SentinelGroup",

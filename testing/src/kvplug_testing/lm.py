@@ -80,7 +80,7 @@ class LMServerProcess(ControlledProcess):
         python: str | None = None,
         argv: Sequence[str] | None = None,
         port: int | None = None,
-        startup_timeout: float = 60.0,
+        startup_timeout: float = 180.0,
         tls: TLSFiles | None = None,
         client_certificates: bool = False,
     ) -> None:
