@@ -8,12 +8,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import torch
+from lm_client_helpers import SHAPES, key, opened, random_obj, run, same
 
-import kvplug
 from kvplug.errors import (
     BackendTimeout,
     BackendUnavailable,
@@ -23,7 +23,7 @@ from kvplug.errors import (
     NotSupported,
     UnknownOption,
 )
-from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryFormat, MemoryObj
+from kvplug.memory import KV_DTYPES, FreeListAllocator, MemoryObj
 from kvplug_contracts.faultproxy import FaultProxy
 from kvplug_lm import wire
 from kvplug_lm.backend import (
@@ -45,57 +45,7 @@ needs_lmcache = pytest.mark.skipif(
     reason=LMCACHE_ABSENT,
 )
 
-# A shape per memory format, each at most 4 dims (what LMCache's plain protocol carries).
-SHAPES: dict[MemoryFormat, tuple[int, ...]] = {
-    MemoryFormat.UNDEFINED: (3, 40),
-    MemoryFormat.KV_2LTD: (2, 3, 16, 8),
-    MemoryFormat.KV_T2D: (16, 2, 24),
-    MemoryFormat.KV_2TD: (2, 16, 24),
-    MemoryFormat.BINARY: (500,),
-    MemoryFormat.BINARY_BUFFER: (777,),
-    MemoryFormat.KV_MLA_FMT: (1, 3, 16, 8),
-}
 RECOVERY_LIMIT = 30.0
-
-
-def run(coroutine: Awaitable[T], timeout: float = 60.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coroutine, timeout)
-
-    return asyncio.run(bounded())
-
-
-def key(n: int, model: str = "llama") -> kvplug.CacheKey:
-    return kvplug.CacheKey(model, 1, 0, n)
-
-
-def random_obj(
-    shape: tuple[int, ...],
-    dtype: torch.dtype = torch.float16,
-    fmt: MemoryFormat = MemoryFormat.KV_2LTD,
-    seed: int = 0,
-) -> MemoryObj:
-    """An object of random bytes (every bit pattern, NaNs included: compared as bytes)."""
-    generator = torch.Generator().manual_seed(seed)
-    nbytes = int(torch.tensor(shape).prod()) * dtype.itemsize
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-    return MemoryObj(raw, shape, dtype, fmt)
-
-
-def same(expected: MemoryObj, got: MemoryObj | None) -> bool:
-    return (
-        got is not None
-        and got.shape == expected.shape
-        and got.dtype == expected.dtype
-        and got.fmt == expected.fmt
-        and torch.equal(got.raw, expected.raw)
-    )
-
-
-async def opened(url: str, **options: Any) -> LMBackend:
-    backend = await kvplug.open_backend(url, **options)
-    assert isinstance(backend, LMBackend)
-    return backend
 
 
 async def eventually(operation: Callable[[], Awaitable[T]]) -> T:
@@ -153,18 +103,21 @@ def test_unknown_and_invalid_options_are_rejected_with_the_valid_names() -> None
         LMBackend("lm://127.0.0.1:7000?mode=fast")
 
 
-def test_an_lmcache_config_with_remote_url_lm_opens_and_a_transforming_serde_is_refused(
+def test_an_lmcache_config_with_remote_url_lm_opens_with_its_serde_and_an_unknown_one_fails(
     tmp_path: Path,
 ) -> None:
     from kvplug.runtime.config import load_config
 
     config = tmp_path / "lmcache.yaml"
-    config.write_text("chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: naive\n")
-    tier = load_config(config, env={}).tiers[-1]
-    assert isinstance(LMBackend(tier.url, **tier.options), LMBackend)
+    for serde in ("naive", "zstd"):
+        config.write_text(
+            f"chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: {serde}\n"
+        )
+        tier = load_config(config, env={}).tiers[-1]
+        assert LMBackend(tier.url, **tier.options).serde.name == serde
     config.write_text("chunk_size: 256\nremote_url: lm://127.0.0.1:7000\nremote_serde: cachegen\n")
     tier = load_config(config, env={}).tiers[-1]
-    with pytest.raises(UnknownOption, match=r"no 'serde' option.*remote_serde: naive"):
+    with pytest.raises(ConfigError, match=r"unknown serde 'cachegen'.*use 'naive'"):
         LMBackend(tier.url, **tier.options)
 
 

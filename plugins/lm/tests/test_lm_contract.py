@@ -11,6 +11,11 @@ kvplug server (it verifies every payload's checksum), so the subprocess classes 
 TestLMDamageAtRestConformance runs the suite against a server in this process and damages its
 stored bytes in place, and the client must read a counted miss and delete the key. The client's
 check of a reply damaged on its way is tested in test_lm_client.py through a proxy.
+
+With a serde other than ``naive`` every value is a checksummed kvplug frame: TestLMZstdConformance
+runs the suite with ``serde=zstd`` against the server in this process with the extended mode's
+own checksums off, so the frame alone catches the damage at rest; TestLMLz4PlainConformance
+runs it with ``serde=lz4`` in the plain mode.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ EXTENDED_NO_DAMAGE = (
     "refuses one that does not match, so no request can store damaged data for the suite to "
     "read back; the client's check of the checksum on read (a counted miss, then a DELETE) is "
     "tested in test_lm_client.py through a proxy that damages a reply"
+)
+PLAIN_FRAMES_NOT_DELETED = (
+    "a frame is checksummed, so the client in the plain mode detects and counts a damaged one "
+    "(test_lm_serdes.py), but LMCache's plain protocol cannot delete it; use the extended mode "
+    "for clause 6"
 )
 PLAIN_NO_DAMAGE = (
     "LMCache's plain protocol carries no checksum and cannot delete, so a client in the plain "
@@ -267,3 +277,24 @@ class TestLMDamageAtRestConformance(BackendContract):
     @pytest.fixture
     def damage_stored(self, in_process_server: LMServer) -> Callable[..., Any]:
         return damage_in_memory(in_process_server)
+
+
+class TestLMLz4PlainConformance(TestLMPlainConformance):
+    """mode=plain with ``serde=lz4``: every object travels as a frame, LMCache's opaque bytes."""
+
+    @pytest.fixture
+    def kvplug_options(self) -> dict[str, object]:
+        return {"mode": "plain", "serde": "lz4"}
+
+    @pytest.fixture
+    def damage_stored(self) -> Callable[..., Any]:
+        return _not_applicable(PLAIN_FRAMES_NOT_DELETED)
+
+
+class TestLMZstdConformance(TestLMDamageAtRestConformance):
+    """The extended mode with ``serde=zstd`` and the mode's payload checksums off: the frame's
+    own checksum is all that catches clause 6's damage at rest, a counted miss, deleted."""
+
+    @pytest.fixture
+    def kvplug_options(self) -> dict[str, object]:
+        return {"mode": "extended", "serde": "zstd", "checksums": False}

@@ -25,9 +25,20 @@ ordinary HEALTH, and the connection uses the *plain* mode, LMCache's own protoco
 * Keys longer than 150 bytes, shapes of more than four dims and dtypes without an LMCache
   code (int8 to int64) raise :class:`~kvplug.errors.NotSupported`; a kvplug server (the
   extended mode) stores them.
-* Nothing is checksummed: damaged data cannot be detected (clause 6 does not apply).
+* Nothing is checksummed but what a serde other than ``naive`` framed (below): the damage of
+  other values cannot be detected, and none can be deleted.
 * A reply's dtype code 0 (LMCache's byte buffers) reads as uint8; shapes come back without
   their zero padding.
+
+**Serdes.** With ``serde=naive`` (the default) objects travel as their own bytes, as above.
+Any other serde (``?serde=zstd``) puts each object as a kvplug frame, the serde's payload
+behind a header that names the serde and checksums it, described to the server as LMCache's
+opaque bytes (format ``BINARY``, uint8, ``[frame_len]``; :mod:`kvplug_lm.framing`). Every
+reader decodes such a value with the serde its frame names, whatever its own configuration: a
+frame that does not verify is a counted miss, and deleted where the mode can delete; one of a
+serde not installed here is a counted miss that stays stored. A reader with an authenticated
+serde (``aesgcm``) serves only frames it sealed. LMCache's own engines cannot read frames: keep
+``naive`` on a server they share.
 
 **Keys.** The key on the wire is ``key_prefix`` and LMCache's key string, as it is. In the
 extended mode a key the server's rules refuse (whitespace, control or invisible characters)
@@ -44,7 +55,8 @@ kvplug does not know (7 and 8, from newer LMCache) are misses too, with a warnin
 
 Its modules, one job each: this one (the backend: modes, requests, hooks),
 :mod:`kvplug_lm.client_options`, :mod:`kvplug_lm.keys` (keys on the wire),
-:mod:`kvplug_lm.replies` (the extended mode's replies and refusals),
+:mod:`kvplug_lm.replies` (the extended mode's replies and refusals), :mod:`kvplug_lm.framing`
+(values a serde transformed),
 :mod:`kvplug_lm.pipelining` (pipelined batches) and :mod:`kvplug_lm.connection` (the pool).
 """
 
@@ -63,6 +75,7 @@ from kvplug.errors import (
     BackendUnavailable,
     CapacityExceeded,
     ConfigError,
+    CorruptObject,
     InvalidBackendURL,
     KvplugError,
     LayoutMismatch,
@@ -82,6 +95,8 @@ from kvplug_lm.server_options import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from kvplug.memory import Allocator, MemoryObj
+    from kvplug.serde import Serde
+    from kvplug_lm.framing import Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +105,8 @@ HEALTH_KEY = "kvplug-health@1@0@0@half"
 
 
 CHECKSUM_FAILED = "its payload does not match the checksum it was stored with"
+Damage = str | CorruptObject
+"""Why a value read is damaged: :data:`CHECKSUM_FAILED`, or what its frame failed."""
 
 # releases_on_cancel in both modes: every byte moves on the event loop (sock_sendall,
 # sock_recv_into), whose socket futures stop at once when cancelled, and a request cut short
@@ -125,12 +142,16 @@ class LMBackend(Backend):
         self, url: BackendURL | str, *, allocator: Allocator | None = None, **options: Any
     ) -> None:
         super().__init__(url, allocator=allocator, **options)
+        from kvplug.serde import open_serde
+        from kvplug_lm.framing import writes_frames
+
+        self.serde: Serde = open_serde(self.options.serde, self.options.serde_options)
+        """What a put turns objects into (``naive``: their own bytes; else a frame)."""
+        self._writes_frames = writes_frames(self.serde)
         host = self.url.host or "127.0.0.1"
         port = self.url.port or DEFAULT_PORT
-        self.damaged_values = DamagedValues[bytes](
-            self.url, remove=lambda key: self._pool.run(self._deleter(key))
-        )
-        """Payloads read whose checksum did not match: misses, counted, logged, deleted."""
+        self.damaged_values = self._damage_ledger(self.options.mode)
+        """Damaged values read (checksum or frame): misses, counted, logged, deleted."""
         self.mode: Literal["plain", "extended"] | None = (
             None if self.options.mode == "auto" else self.options.mode
         )
@@ -146,6 +167,11 @@ class LMBackend(Backend):
             handshake=self._handshake,
             tls=self._tls_context(),
         )
+
+    def _damage_ledger(self, mode: str) -> DamagedValues[bytes]:
+        if mode == "plain":  # LMCache's protocol cannot delete: damage is counted only
+            return DamagedValues[bytes](self.url)
+        return DamagedValues[bytes](self.url, remove=lambda key: self._pool.run(self._deleter(key)))
 
     def _tls_context(self) -> ssl.SSLContext | None:
         """``lms://``: the context of the ``ssl_*`` options; ``lm://``: None, and an ``ssl_*``
@@ -237,6 +263,7 @@ class LMBackend(Backend):
             self.capabilities = (
                 _EXTENDED_CAPABILITIES if found == "extended" else _PLAIN_CAPABILITIES
             )
+            self.damaged_values = self._damage_ledger(found)
         elif self.mode != found:
             raise BackendUnavailable(
                 f"the server at {self._pool.address} changed kind: it was opened in the "
@@ -287,28 +314,34 @@ class LMBackend(Backend):
             )
         return raw
 
-    def _plain_meta(self, obj: MemoryObj) -> tuple[int, tuple[int, int, int, int]]:
+    def _outgoing(self, key: CacheKey, obj: MemoryObj) -> Outgoing:
+        """What a put of ``obj`` sends: its bytes, or its frame with a serde other than naive."""
+        from kvplug_lm.framing import outgoing
+
+        return outgoing(obj, self.serde, key)
+
+    def _plain_meta(self, value: Outgoing) -> tuple[int, tuple[int, int, int, int]]:
         from kvplug.memory import DTYPE_CODES
 
-        code = DTYPE_CODES.get(obj.dtype)
+        code = DTYPE_CODES.get(value.dtype)
         if code is None or code not in range(2, 9):
             raise NotSupported(
-                f"dtype {obj.dtype} has no LMCache wire code, so LMCache's plain protocol "
+                f"dtype {value.dtype} has no LMCache wire code, so LMCache's plain protocol "
                 "cannot carry it. Use a kvplug lm-server (the extended mode stores it) or "
                 "convert the tensor to float16, bfloat16, float32, float64, uint8 or float8."
             )
-        if len(obj.shape) > 4:
+        if len(value.shape) > 4:
             raise NotSupported(
-                f"shape {obj.shape} has {len(obj.shape)} dims; LMCache's plain protocol "
+                f"shape {value.shape} has {len(value.shape)} dims; LMCache's plain protocol "
                 "carries at most 4. Use a kvplug lm-server (the extended mode stores any rank) "
                 "or reshape the object."
             )
-        if obj.nbytes > wire.INT32_MAX:
+        if value.nbytes > wire.INT32_MAX:
             raise NotSupported(
-                f"an object of {obj.nbytes} bytes does not fit LMCache's plain header (at most "
+                f"a value of {value.nbytes} bytes does not fit LMCache's plain header (at most "
                 f"{wire.INT32_MAX} bytes). Use a kvplug lm-server or smaller chunks."
             )
-        return code, wire.pad_shape(obj.shape)
+        return code, wire.pad_shape(value.shape)
 
     def _allocate(
         self, shape: Sequence[int], dtype_code: int, fmt: int, length: int
@@ -334,39 +367,52 @@ class LMBackend(Backend):
 
     # -- plain mode -------------------------------------------------------------------------
 
-    async def _plain_put(self, connection: Connection, key: bytes, obj: MemoryObj) -> None:
-        code, shape = self._plain_meta(obj)
+    async def _plain_put(self, connection: Connection, key: bytes, value: Outgoing) -> None:
+        code, shape = self._plain_meta(value)
         header = wire.pack_plain_request(
-            wire.Command.PUT, key, length=obj.nbytes, fmt=int(obj.fmt), dtype=code, shape=shape
+            wire.Command.PUT, key, length=value.nbytes, fmt=int(value.fmt), dtype=code, shape=shape
         )
         check = wire.pack_plain_request(wire.Command.EXIST, key)
-        await connection.send(header, obj.memoryview(), check)
+        await connection.send(header, *value.parts, check)
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             raise CapacityExceeded(
                 f"{self._pool.address} did not keep {key.decode()}: EXIST right after its PUT "
-                f"answered {reply.code}, so the server dropped the object of {obj.nbytes} "
+                f"answered {reply.code}, so the server dropped the value of {value.nbytes} "
                 "bytes (a kvplug lm-server does so when it is full or the object exceeds its "
                 "limit). Raise the server's --max-memory, or check its log."
             )
 
     async def _plain_get(
-        self, connection: Connection, key: bytes, dest: MemoryObj | None
-    ) -> MemoryObj | None:
+        self, connection: Connection, key: bytes, cache_key: CacheKey, dest: MemoryObj | None
+    ) -> tuple[MemoryObj | None, Damage | None]:
+        """The object of a GET (or ``dest`` filled), or None and why the value is damaged."""
         await connection.send(wire.pack_plain_request(wire.Command.GET, key))
         reply = wire.unpack_plain_reply(await connection.recv_exact(wire.PLAIN_REPLY.size))
         if reply.code != wire.Code.SUCCESS:
             await connection.drain(max(reply.length, 0))
-            return None
+            return None, None
         shape = wire.strip_shape(reply.shape)
-        return await self._receive(
-            connection, key, reply.length, shape, reply.dtype, reply.fmt, dest
-        )
+        try:
+            got = await self._receive(
+                connection, key, cache_key, reply.length, shape, reply.dtype, reply.fmt, dest
+            )
+        except CorruptObject as damage:
+            return None, damage
+        return got, None
+
+    async def _plain_read(self, key: CacheKey, dest: MemoryObj | None) -> MemoryObj | None:
+        name = self.wire_key(key)
+        got, damage = await self._pool.run(lambda c: self._plain_get(c, name, key, dest))
+        if damage is not None:
+            await self.damaged_values.drop({name: damage})
+        return got
 
     async def _receive(
         self,
         connection: Connection,
         key: bytes,
+        cache_key: CacheKey,
         length: int,
         shape: Sequence[int],
         dtype_code: int,
@@ -377,10 +423,27 @@ class LMBackend(Backend):
         """Read a payload of ``length`` bytes into ``dest`` or a new object, feeding
         ``hasher`` as it arrives; drain it and return None when no new object can take it.
         A ``dest`` of another size drains it and raises
-        :class:`~kvplug.errors.LayoutMismatch`."""
+        :class:`~kvplug.errors.LayoutMismatch`. A ``BINARY`` payload that is a kvplug frame
+        is decoded (:mod:`kvplug_lm.framing`), and so is every payload for an authenticated
+        serde, which serves only what it sealed; one that does not verify raises
+        :class:`~kvplug.errors.CorruptObject`, the stream in step."""
+        from kvplug_lm.framing import FRAMED_FORMAT, receive_rest
+
+        prefix = bytearray()
+        if fmt == FRAMED_FORMAT or self.serde.authenticated:
+            from kvplug.frame import FrameReceiver
+            from kvplug_lm.framing import finish_frame, receive_frame
+
+            receiver = FrameReceiver(self.allocator, dest, serde=self.serde, key=cache_key)
+            read = await receive_frame(
+                connection, length, receiver, hasher, frames_only=self._writes_frames
+            )
+            if read is None:
+                return finish_frame(receiver, dest, key.decode(errors="replace"))
+            prefix = read
         if dest is not None:
             if dest.nbytes != length:
-                await connection.drain(length)
+                await connection.drain(length - len(prefix))
                 import torch
 
                 from kvplug.memory import DTYPES_BY_CODE
@@ -391,15 +454,15 @@ class LMBackend(Backend):
                     (tuple(shape), stored, length),
                     (dest.shape, dest.dtype, dest.nbytes),
                 )
-            await connection.recv_into(dest.memoryview(), hasher)
+            await receive_rest(connection, dest.memoryview(), prefix, hasher)
             return dest
         target = self._allocate(shape, dtype_code, fmt, length)
         if isinstance(target, str):
             logger.warning("get of %s from %s is a miss: %s", key.decode(), self.url, target)
-            await connection.drain(length)
+            await connection.drain(length - len(prefix))
             return None
         try:
-            await connection.recv_into(target.memoryview(), hasher)
+            await receive_rest(connection, target.memoryview(), prefix, hasher)
         except BaseException:
             target.release()
             raise
@@ -412,34 +475,33 @@ class LMBackend(Backend):
 
     # -- extended mode ----------------------------------------------------------------------
 
-    async def _send_put(self, connection: Connection, key: bytes, obj: MemoryObj) -> int:
+    async def _send_put(self, connection: Connection, key: bytes, value: Outgoing) -> int:
         from kvplug.memory import DTYPE_CODES
 
-        code = DTYPE_CODES.get(obj.dtype)
-        if code is None or len(obj.shape) > wire.MAX_RANK:
+        code = DTYPE_CODES.get(value.dtype)
+        if code is None or len(value.shape) > wire.MAX_RANK:
             raise NotSupported(
-                f"an object of {obj.dtype} and shape {obj.shape} cannot travel: the extended "
+                f"an object of {value.dtype} and shape {value.shape} cannot travel: the extended "
                 f"mode carries kvplug's dtypes ({', '.join(map(str, DTYPE_CODES))}) and at "
                 f"most {wire.MAX_RANK} dims. Convert or reshape the object."
             )
-        if self.hello is not None and obj.nbytes > self.hello.max_object_bytes:
+        if self.hello is not None and value.nbytes > self.hello.max_object_bytes:
             raise CapacityExceeded(
-                f"an object of {obj.nbytes} bytes exceeds the largest the server at "
+                f"a value of {value.nbytes} bytes exceeds the largest the server at "
                 f"{self._pool.address} accepts ({self.hello.max_object_bytes} bytes). Raise its "
                 "--max-object-bytes or --max-memory, or store smaller chunks."
             )
-        payload = obj.memoryview()
-        meta = wire.pack_meta(wire.Meta(int(obj.fmt), code, obj.shape))
+        meta = wire.pack_meta(wire.Meta(int(value.fmt), code, value.shape))
         request_id = connection.next_request_id()
         header = wire.pack_ext_request(
             wire.Op.PUT,
             request_id=request_id,
             key=key,
             meta=meta,
-            payload_len=obj.nbytes,
-            checksum=wire.checksum(payload) if self.options.checksums else None,
+            payload_len=value.nbytes,
+            checksum=value.checksum() if self.options.checksums else None,
         )
-        await connection.send(header, payload)
+        await connection.send(header, *value.parts)
         return request_id
 
     async def _read_put(self, connection: Connection, request_id: int, key: bytes) -> None:
@@ -449,13 +511,18 @@ class LMBackend(Backend):
         await connection.drain(header.payload_len)
 
     async def _read_get(
-        self, connection: Connection, request_id: int, key: bytes, dest: MemoryObj | None
-    ) -> tuple[MemoryObj | None, bool]:
-        """The object of a GET reply (or ``dest`` filled) and whether its checksum failed."""
+        self,
+        connection: Connection,
+        request_id: int,
+        key: bytes,
+        cache_key: CacheKey,
+        dest: MemoryObj | None,
+    ) -> tuple[MemoryObj | None, Damage | None]:
+        """The object of a GET reply (or ``dest`` filled), or None and why it is damaged."""
         header, raw_meta = await read_reply(connection, request_id, self._pool.address)
         if header.status == wire.Status.NOT_FOUND:
             await connection.drain(header.payload_len)
-            return None, False
+            return None, None
         if header.status != wire.Status.OK:
             raise await refusal(connection, header, f"get of {key.decode()}", self._pool.address)
         try:
@@ -463,19 +530,28 @@ class LMBackend(Backend):
         except wire.WireError as error:
             logger.warning("get of %s from %s is a miss: %s", key.decode(), self.url, error)
             await connection.drain(header.payload_len)
-            return None, False
+            return None, None
         verify = self.options.checksums and header.flags & wire.FLAG_CHECKSUM
         hasher = xxhash.xxh3_64() if verify else None
-        got = await self._receive(
-            connection, key, header.payload_len, meta.shape, meta.dtype, meta.fmt, dest, hasher
-        )
-        if got is None or hasher is None:
-            return got, False
-        if hasher.intdigest() == header.checksum:
-            return got, False
+        try:
+            got = await self._receive(
+                connection,
+                key,
+                cache_key,
+                header.payload_len,
+                meta.shape,
+                meta.dtype,
+                meta.fmt,
+                dest,
+                hasher,
+            )
+        except CorruptObject as damage:
+            return None, damage
+        if got is None or hasher is None or hasher.intdigest() == header.checksum:
+            return got, None
         if got is not dest:
             got.release()
-        return None, True
+        return None, CHECKSUM_FAILED
 
     @property
     def corrupt_objects(self) -> int:
@@ -490,14 +566,16 @@ class LMBackend(Backend):
 
         return delete
 
-    async def _ext_get(self, key: bytes, dest: MemoryObj | None) -> MemoryObj | None:
-        async def request(connection: Connection) -> tuple[MemoryObj | None, bool]:
-            request_id = await send_simple(connection, wire.Op.GET, key)
-            return await self._read_get(connection, request_id, key, dest)
+    async def _ext_get(self, key: CacheKey, dest: MemoryObj | None) -> MemoryObj | None:
+        name = self.wire_key(key)
 
-        got, damaged = await self._pool.run(request)
-        if damaged:
-            await self.damaged_values.drop({key: CHECKSUM_FAILED})
+        async def request(connection: Connection) -> tuple[MemoryObj | None, Damage | None]:
+            request_id = await send_simple(connection, wire.Op.GET, name)
+            return await self._read_get(connection, request_id, name, key, dest)
+
+        got, damage = await self._pool.run(request)
+        if damage is not None:
+            await self.damaged_values.drop({name: damage})
         return got
 
     # -- hooks ------------------------------------------------------------------------------
@@ -506,29 +584,26 @@ class LMBackend(Backend):
         return self.mode == "plain"
 
     async def _get(self, key: CacheKey) -> MemoryObj | None:
-        name = self.wire_key(key)
         if self._is_plain():
-            return await self._pool.run(lambda c: self._plain_get(c, name, None))
-        return await self._ext_get(name, None)
+            return await self._plain_read(key, None)
+        return await self._ext_get(key, None)
 
     async def _get_into(self, key: CacheKey, dest: MemoryObj) -> bool:
         if dest.device.type != "cpu":
             return fill_into([await self._get(key)], [dest], [key])[0]
-        name = self.wire_key(key)
         if self._is_plain():
-            got = await self._pool.run(lambda c: self._plain_get(c, name, dest))
-        else:
-            got = await self._ext_get(name, dest)
-        return got is not None
+            return await self._plain_read(key, dest) is not None
+        return await self._ext_get(key, dest) is not None
 
     async def _put(self, key: CacheKey, obj: MemoryObj) -> None:
         name = self.wire_key(key)
+        value = self._outgoing(key, obj)
         if self._is_plain():
-            await self._pool.run(lambda c: self._plain_put(c, name, obj))
+            await self._pool.run(lambda c: self._plain_put(c, name, value))
             return
 
         async def request(connection: Connection) -> None:
-            await self._read_put(connection, await self._send_put(connection, name, obj), name)
+            await self._read_put(connection, await self._send_put(connection, name, value), name)
 
         await self._pool.run(request)
 
@@ -581,19 +656,21 @@ class LMBackend(Backend):
         self, keys: Sequence[CacheKey], dests: Sequence[MemoryObj | None]
     ) -> list[MemoryObj | None]:
         names = [self.wire_key(key) for key in keys]
-        damaged: list[bytes] = []
+        damaged: dict[bytes, Damage] = {}
 
         async def send(connection: Connection, index: int) -> int:
             return await send_simple(connection, wire.Op.GET, names[index])
 
         async def read(connection: Connection, request_id: int, index: int) -> MemoryObj | None:
-            got, bad = await self._read_get(connection, request_id, names[index], dests[index])
-            if bad:
-                damaged.append(names[index])
+            got, damage = await self._read_get(
+                connection, request_id, names[index], keys[index], dests[index]
+            )
+            if damage is not None:
+                damaged[names[index]] = damage
             return got
 
         results = await pipelined(self._pool, names, send, read, dests)
-        await self.damaged_values.drop(dict.fromkeys(damaged, CHECKSUM_FAILED))
+        await self.damaged_values.drop(damaged)
         return results
 
     async def _batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
@@ -616,7 +693,8 @@ class LMBackend(Backend):
         names = [self.wire_key(key) for key in keys]
 
         async def send(connection: Connection, index: int) -> int:
-            return await self._send_put(connection, names[index], objs[index])
+            value = self._outgoing(keys[index], objs[index])
+            return await self._send_put(connection, names[index], value)
 
         async def read(connection: Connection, request_id: int, index: int) -> None:
             await self._read_put(connection, request_id, names[index])

@@ -1,5 +1,5 @@
 """The options of the ``lm://host:port`` client: its deadlines, connection pool, mode,
-secret, checksums, back-off and key prefix."""
+secret, checksums, back-off, key prefix and serde."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvplug.options import BackendOptions
+from kvplug.options import BytesBackendOptions
 from kvplug.tls import TLSOptions
 
 Mode = Literal["auto", "plain", "extended"]
 
 
-class LMOptions(BackendOptions, TLSOptions):
+class LMOptions(BytesBackendOptions, TLSOptions):
     """Options of ``lm://host:port?name=value&...`` (and ``lms://``, the same over TLS).
 
     * ``timeout`` (seconds, default 10): the deadline of one operation; past it,
@@ -37,6 +37,11 @@ class LMOptions(BackendOptions, TLSOptions):
     * ``key_prefix`` (default empty): prepended to every key string on the wire, so several
       users of one server keep apart. In the plain mode it must keep the key LMCache's form
       (no ``@``, no whitespace), or LMCache's server drops the connection.
+    * ``serde`` (default ``naive``) and its options, each with the ``serde_`` prefix
+      (``?serde=zstd&serde_level=3``; gathered into ``serde_options``), as on every byte
+      store: ``naive`` sends each object's own bytes, which LMCache's clients read; any other
+      serde sends a kvplug frame, stored as LMCache's opaque bytes (format ``BINARY``) that
+      only kvplug reads. Every reader decodes a frame with the serde it names.
     * ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (default
       ``required``), ``ssl_check_hostname`` (default true): ``lms://`` only, as on
       ``rediss://`` (:class:`kvplug.tls.TLSOptions`): the CA bundle the server's certificate
