@@ -47,20 +47,6 @@ for dist in contracts plugins/*/ testing examples/*/; do
   [ -f "$dist/pyproject.toml" ] && editable+=(-e "$dist${extras[$dist]:-}")
 done
 
-# patient_pip COMMAND...: run a pip command, and once more if it has not ended after
-# PIP_STALL_LIMIT seconds (default 1200): one install stalled for 45 minutes after writing every
-# package, and a stalled step must fail with a reason, not eat the CI run's time.
-patient_pip() {
-  local limit=${PIP_STALL_LIMIT:-1200} attempt status
-  for attempt in 1 2; do
-    status=0
-    timeout --kill-after=30 "$limit" "$@" || status=$?
-    [ "$status" -ne 124 ] && [ "$status" -ne 137 ] && return "$status"
-    echo "setup-engines: pip did not end within $limit s (attempt $attempt of 2): $*" >&2
-  done
-  return 1
-}
-
 check_cpu_torch() {
   "$1/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' || {
     echo "setup-engines: $1 has torch" \
@@ -86,8 +72,8 @@ build_engine_venv() {
   } | cksum)"
   # --no-compile: byte-compiling every module of the engine, torch and their dependencies is over
   # half of pip's time; Python compiles what the tests import, once, on first use.
-  ENGINE_PIP=(patient_pip "$engine_venv/bin/python" -m pip install --quiet
-    --disable-pip-version-check --no-compile -c scripts/constraints.txt)
+  ENGINE_PIP=("$engine_venv/bin/python" -m pip install --quiet --disable-pip-version-check
+    --no-compile -c scripts/constraints.txt)
   VENV_STEP="$label $engine_venv:"
   if [ "$(cat "$engine_venv/.kvplug-stamp" 2>/dev/null)" = "$stamp" ]; then
     # The engine is in place; when the list of this repository's distributions, one of their

@@ -298,10 +298,16 @@ class _NeedsAPackage(NaiveSerde):
 
 
 @pytest.mark.usefixtures("clean_registry")
-def test_a_serde_that_cannot_run_here_fails_at_open_and_shows_why_in_plugins() -> None:
+def test_a_serde_that_cannot_run_here_fails_at_open_and_shows_why_in_plugins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from click.testing import CliRunner
+    from rich.console import Console
 
+    from kvplug.runtime import cli
     from kvplug.runtime.cli import main
+
+    monkeypatch.setattr(cli, "console", Console(width=240))
 
     register_serde(_NeedsAPackage, source="test")
     with pytest.raises(ConfigError, match="cannot run here: it needs the nosuchlib package"):
@@ -309,5 +315,5 @@ def test_a_serde_that_cannot_run_here_fails_at_open_and_shows_why_in_plugins() -
     assert serde_source("test-needs-a-package") == "test"
     result = CliRunner().invoke(main, ["plugins", "--json"])
     assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "240"})
+    result = CliRunner().invoke(main, ["plugins"])
     assert "test-needs-a-package" in result.output and "pip install nosuchlib" in result.output
