@@ -12,6 +12,7 @@ from rich.console import Console
 from kvplug.registry import available_schemes, plugins
 from kvplug.runtime import cli
 from kvplug.runtime.cli import main
+from kvplug.serde import available_serdes
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -222,4 +223,6 @@ def test_plugins_table_never_cuts_a_scheme_or_a_distribution_name(
         assert f"{scheme}://" in cells, f"{scheme}:// is cut short at {width} columns"
     for info in plugins():
         assert info.distribution in cells
+    for serde in available_serdes():
+        assert serde in cells, f"serde {serde} is cut short at {width} columns"
     assert "…" not in output

@@ -109,8 +109,10 @@ def plugins_command(as_json: bool) -> None:
     if not infos:
         console.print("No kvplug plugins are installed: pip install kvplug-cpu")
     serde_table = Table(title="kvplug serdes (?serde=<name> on a byte store)")
-    serde_table.add_column("serde", no_wrap=True)
-    serde_table.add_column("from", no_wrap=True)
+    longest_serde = max((len(str(row["name"])) for row in serdes), default=5)
+    longest_source = max((len(str(row["source"])) for row in serdes), default=4)
+    serde_table.add_column("serde", no_wrap=True, min_width=longest_serde, overflow="fold")
+    serde_table.add_column("from", no_wrap=True, min_width=longest_source, overflow="fold")
     serde_table.add_column("lossy", no_wrap=True)
     serde_table.add_column("description", ratio=1, overflow="fold")
     for row in serdes:
