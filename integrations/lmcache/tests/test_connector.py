@@ -314,6 +314,12 @@ def test_engine_store_clear_lookup_retrieve(
         assert connector.stats()["bytes_written"] == source.numel() * 2
         if stored() != -1:
             wait_until(lambda: stored() == 4, "4 chunks in the store")  # tiers write behind
+        # LMCache's own CPU tier also takes the chunks behind the store call: a clear that ran
+        # before they were all in left some there (seen under a CPU hog).
+        wait_until(
+            lambda: engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 200,
+            "200 tokens in LMCache's CPU tier",
+        )
 
         engine.clear(locations=["LocalCPUBackend"])
         assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 0
