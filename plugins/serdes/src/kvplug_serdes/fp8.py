@@ -141,16 +141,15 @@ class FP8Serde(Serde):
         tensor = obj.tensor
         if not self.keeps_keys:
             return None, tensor.reshape(-1)
-        if obj.fmt in HALVES and tensor.dim() >= 1 and tensor.shape[0] == 2:
-            return tensor[0].reshape(-1), tensor[1].reshape(-1)
-        if obj.fmt == MemoryFormat.KV_T2D and tensor.dim() >= 2 and tensor.shape[1] == 2:
-            return tensor[:, 0].reshape(-1), tensor[:, 1].reshape(-1)
-        raise NotSupported(
-            f"serde {self.name!r} keeps the keys at full precision, so it must know which part "
-            f"of an object is K; an object of format {obj.fmt.name} with shape "
-            f"{tuple(obj.shape)} does not say. Use serde=fp8 (every element at 8 bits) or a "
-            "lossless serde for this tier, or hand kvplug KV_2LTD, KV_2TD or KV_T2D objects."
-        )
+        halves = kv_halves(tensor, obj.fmt)
+        if halves is None:
+            raise NotSupported(
+                f"serde {self.name!r} keeps the keys at full precision, so it must know which "
+                f"part of an object is K; an object of format {obj.fmt.name} with shape "
+                f"{tuple(obj.shape)} does not say. Use serde=fp8 (every element at 8 bits) or a "
+                "lossless serde for this tier, or hand kvplug KV_2LTD, KV_2TD or KV_T2D objects."
+            )
+        return halves[0].reshape(-1), halves[1].reshape(-1)
 
     def encode(self, obj: MemoryObj, key: CacheKey | None = None) -> bytearray:
         if obj.dtype not in QUANTIZABLE or obj.nbytes == 0:
@@ -247,18 +246,25 @@ class FP8Serde(Serde):
         if mode == QUANTIZED:
             tensor.view(-1).copy_(values)
             return
-        keys = kept.to(device).view(out.dtype)
-        if out.fmt in HALVES and tensor.shape[0] == 2:
-            tensor[0].copy_(keys.view(tensor[0].shape))
-            tensor[1].copy_(values.view(tensor[1].shape))
-        elif out.fmt == MemoryFormat.KV_T2D and tensor.dim() >= 2 and tensor.shape[1] == 2:
-            tensor[:, 0].copy_(keys.view(tensor[:, 0].shape))
-            tensor[:, 1].copy_(values.view(tensor[:, 1].shape))
-        else:
+        halves = kv_halves(tensor, out.fmt)
+        if halves is None:
             raise CorruptObject(
                 f"{where}: keeps K apart, but the frame's format {out.fmt.name} with shape "
                 f"{tuple(out.shape)} has no K and V halves."
             )
+        keys_out, values_out = halves
+        keys_out.copy_(kept.to(device).view(out.dtype).view(keys_out.shape))
+        values_out.copy_(values.view(values_out.shape))
+
+
+def kv_halves(tensor: torch.Tensor, fmt: MemoryFormat) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Views of the K and the V of ``tensor`` laid out as ``fmt``, or None when the format does
+    not say which part is K (the encoder and the decoder split alike)."""
+    if fmt in HALVES and tensor.dim() >= 1 and tensor.shape[0] == 2:
+        return tensor[0], tensor[1]
+    if fmt == MemoryFormat.KV_T2D and tensor.dim() >= 2 and tensor.shape[1] == 2:
+        return tensor[:, 0], tensor[:, 1]
+    return None
 
 
 def _host_bytes(part: memoryview) -> torch.Tensor:

@@ -93,9 +93,8 @@ class ShufflingCompressor(Serde, abc.ABC):
     :attr:`module` and implements the two calls."""
 
     module: ClassVar[str]
-    """The module the compressor imports (what :meth:`unavailable` looks for)."""
-    package: ClassVar[str]
-    """The distribution that provides it on the package index."""
+    """The module the compressor imports (what :meth:`unavailable` looks for); its
+    distribution on the package index has the same name."""
 
     def __init__(self, options: ShuffleOptions | None = None) -> None:
         self.options = options or ShuffleOptions()
@@ -106,8 +105,8 @@ class ShufflingCompressor(Serde, abc.ABC):
         if importlib.util.find_spec(cls.module) is not None:
             return None
         return (
-            f"it needs the {cls.package} package, which is not installed. Install it with: "
-            f"pip install {FIRST_PARTY_SERDES.get(cls.name, cls.package)}"
+            f"it needs the {cls.module} package, which is not installed. Install it with: "
+            f"pip install {FIRST_PARTY_SERDES.get(cls.name, cls.module)}"
         )
 
     def codec(self) -> Any:
@@ -280,19 +279,17 @@ class ZstdSerde(ShufflingCompressor):
     )
     Options: ClassVar[type[BaseModel] | None] = ZstdOptions
     module = "zstandard"
-    package = "zstandard"
+
+    options: ZstdOptions
 
     def __init__(self, options: ZstdOptions | None = None) -> None:
         super().__init__(options or ZstdOptions())
-        self.zstd_options: ZstdOptions = self.options  # type: ignore[assignment]
 
     def new_codec(self) -> Any:
         import zstandard
 
         return (
-            zstandard.ZstdCompressor(
-                level=self.zstd_options.level, threads=self.zstd_options.threads
-            ),
+            zstandard.ZstdCompressor(level=self.options.level, threads=self.options.threads),
             zstandard.ZstdDecompressor(),
         )
 
@@ -328,11 +325,11 @@ class LZ4Serde(ShufflingCompressor):
     description = "lossless: byte-shuffled planes compressed with lz4 (acceleration, element_bytes)"
     Options: ClassVar[type[BaseModel] | None] = LZ4Options
     module = "lz4"
-    package = "lz4"
+
+    options: LZ4Options
 
     def __init__(self, options: LZ4Options | None = None) -> None:
         super().__init__(options or LZ4Options())
-        self.lz4_options: LZ4Options = self.options  # type: ignore[assignment]
 
     def compress(self, plane: memoryview) -> bytes | None:
         import lz4.block
@@ -340,7 +337,7 @@ class LZ4Serde(ShufflingCompressor):
         if plane.nbytes > LZ4_MAX_INPUT:
             return None
         compressed: bytes = lz4.block.compress(
-            plane, mode="fast", acceleration=self.lz4_options.acceleration, store_size=False
+            plane, mode="fast", acceleration=self.options.acceleration, store_size=False
         )
         return compressed
 
